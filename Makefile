@@ -1,0 +1,19 @@
+PY := .venv/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: .venv/.ready
+
+.venv/.ready: requirements.txt pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) -m tessel train recipes/demo.toml
+
+clean:
+	rm -rf .venv runs

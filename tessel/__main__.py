@@ -1,0 +1,3 @@
+from tessel.cli import main
+
+main()

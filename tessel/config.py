@@ -1,0 +1,293 @@
+"""Typed, validated configuration.
+
+A recipe is a TOML file with the sections below. Every rule that can be
+checked without a process group is checked here, before anything is spawned,
+so a bad recipe fails in a second with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+AXES = ("pp", "dp", "ep", "tp")  # default rank order: pp outermost, tp innermost
+
+
+class ConfigError(ValueError):
+    """A recipe broke a rule. `field` is the dotted path of the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)  # TOML has real types: "2" is not 2
+
+
+class ModelConfig(Strict):
+    vocab_size: int = Field(256, ge=2)
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_kv_head: int | None = Field(None, ge=1, description="grouped-query attention; default n_head")
+    d_model: int = Field(64, ge=1)
+    d_ff: int | None = Field(None, ge=1, description="SwiGLU hidden size; default ~8/3 d_model")
+    max_seq_len: int = Field(128, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+    # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
+    n_experts: int = Field(0, ge=0)
+    moe_every: int = Field(1, ge=1)
+    moe_top_k: int = Field(1, ge=1, le=2)
+    capacity_factor: float = Field(1.25, gt=0)
+    aux_loss_coef: float = Field(0.01, ge=0)
+    z_loss_coef: float = Field(0.0, ge=0)
+    router_jitter: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelConfig":
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("model.d_model / model.n_head must be even (rotary embeddings pair dimensions)")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
+        if self.n_experts and self.moe_top_k > self.n_experts:
+            raise ValueError("model.moe_top_k must not exceed model.n_experts")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        return 16 * math.ceil(8 * self.d_model / 3 / 16)  # SwiGLU keeps ~the params of a 4x MLP
+
+
+class ParallelConfig(Strict):
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    zero_stage: int = Field(0, ge=0, le=3)
+    micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
+    sequence_parallel: bool = False
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1)
+    pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
+    recompute: bool = False
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for data parallelism")
+    dp_algorithm: Literal["native", "ring", "hierarchical"] = "native"
+    rank_order: list[Literal["pp", "dp", "ep", "tp"]] = Field(default_factory=lambda: list(AXES))
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.ep * self.tp
+
+    @property
+    def batch_shards(self) -> int:
+        """Ranks that see different data: dp and ep both split the batch."""
+        return self.dp * self.ep
+
+
+class TrainConfig(Strict):
+    steps: int = Field(100, ge=1)
+    global_batch: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(64, ge=2)
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 1234
+    eval_every: int = Field(50, ge=0, description="0 disables periodic validation")
+    eval_batches: int = Field(4, ge=1)
+    sample_tokens: int = Field(200, ge=0)
+    sample_prompt: str = "def "
+    deterministic: bool = False
+
+
+class DataConfig(Strict):
+    source: Literal["stdlib", "bin", "synthetic"] = "stdlib"
+    path: str | None = Field(None, description="train .bin for source=bin (val: sibling val.bin)")
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    max_bytes: int = Field(32_000_000, ge=1_000, description="cap on the stdlib corpus")
+
+
+class LoggingConfig(Strict):
+    out_dir: str = "runs/tessel"
+    log_every: int = Field(1, ge=1)
+    tensorboard: bool = True
+    progress: bool = True
+    peak_flops: float | None = Field(None, gt=0, description="per device; default measured")
+
+
+class RuntimeConfig(Strict):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_rank: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int | None = Field(None, ge=1)
+    timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+
+
+class Config(Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field, message)
+
+
+def check_layout(cfg: Config, world_size: int | None = None) -> None:
+    """The rules that tie sections together. Raises ConfigError naming the field."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if world_size is not None:
+        _require(p.world_size == world_size, "parallel",
+                 f"pp*dp*ep*tp = {p.world_size} but the world size is {world_size}")
+    _require(sorted(p.rank_order) == sorted(AXES), "parallel.rank_order",
+             f"must be a permutation of {list(AXES)}")
+    _require(m.n_head % p.tp == 0, "parallel.tp", f"model.n_head ({m.n_head}) is not divisible by tp ({p.tp})")
+    _require(m.kv_heads % p.tp == 0, "parallel.tp",
+             f"model.n_kv_head ({m.kv_heads}) is not divisible by tp ({p.tp})")
+    _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
+    stages = p.pp * p.virtual_stages
+    _require(m.n_layer >= stages, "parallel.pp",
+             f"model.n_layer ({m.n_layer}) is fewer than the pipeline stages (pp*virtual_stages = {stages})")
+    if p.pp_layout is not None:
+        _require(len(p.pp_layout) == stages, "parallel.pp_layout", f"needs {stages} entries (one per stage)")
+        _require(sum(p.pp_layout) == m.n_layer and min(p.pp_layout) >= 1, "parallel.pp_layout",
+                 f"entries must be >= 1 and sum to model.n_layer ({m.n_layer})")
+    _require(p.virtual_stages == 1 or p.schedule == "interleaved", "parallel.virtual_stages",
+             "virtual_stages > 1 needs parallel.schedule = 'interleaved'")
+    if p.schedule == "interleaved" and p.pp > 1:
+        _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
+                 f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
+    _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
+    if m.n_experts:
+        _require(m.n_experts % p.ep == 0, "parallel.ep",
+                 f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
+    _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs tp > 1")
+    if p.sequence_parallel:
+        _require(t.seq_len % p.tp == 0, "train.seq_len", f"({t.seq_len}) must be divisible by tp ({p.tp}) "
+                 "under sequence parallelism")
+    split = p.batch_shards * t.grad_accum * p.micro_batches
+    _require(t.global_batch % split == 0, "train.global_batch",
+             f"({t.global_batch}) must be divisible by dp*ep*grad_accum*micro_batches = {split}")
+    _require(t.seq_len <= m.max_seq_len, "train.seq_len",
+             f"({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
+    _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
+    if cfg.data.source == "bin":
+        _require(cfg.data.path is not None, "data.path", "is required when data.source = 'bin'")
+        _require(Path(cfg.data.path).is_file(), "data.path", f"no such file: {cfg.data.path}")
+    if cfg.data.source in ("stdlib", "bin"):
+        _require(m.vocab_size >= 256 or cfg.data.source == "bin", "model.vocab_size",
+                 "byte-level data needs vocab_size >= 256")
+    r = cfg.runtime
+    _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
+    if r.nproc_per_node is not None:
+        _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
+                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp = {p.world_size}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'parallel.dp=2' -> (['parallel', 'dp'], 2); values are parsed as TOML."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like section.field=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string: --set data.source=synthetic
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(".".join(path), f"'{part}' is not a section")
+        node[path[-1]] = value
+    return raw
+
+
+def _first_error(err: ValidationError) -> ConfigError:
+    e = err.errors()[0]
+    field = ".".join(str(x) for x in e["loc"]) or "config"
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    if e["type"] == "value_error" and msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        head = msg.split(" ", 1)[0]
+        if "." in head:
+            field = head  # the validator named a deeper field itself
+    return ConfigError(field, msg)
+
+
+def build_config(raw: dict, overrides: list[str] = ()) -> Config:
+    raw = apply_overrides(dict(raw), list(overrides))
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise _first_error(err) from None
+    check_layout(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("recipe", f"no such file: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError("recipe", f"{path} is not valid TOML: {err}") from None
+    return build_config(raw, overrides)
+
+
+def to_toml(cfg: Config) -> str:
+    """Write a config back as a recipe (used by `tessel plan --out`)."""
+    lines = []
+    for section, body in cfg.model_dump(exclude_none=True).items():
+        lines.append(f"[{section}]")
+        for key, value in body.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)

@@ -1,0 +1,84 @@
+"""Per-step metrics: JSONL file, TensorBoard events, peak memory, and the FLOP/s probe for MFU."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak per device from vendor spec sheets (no sparsity), FLOP/s.
+KNOWN_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
+                         seconds: float = 0.3) -> float:
+    """Sustained matmul FLOP/s of this rank's share of the device.
+
+    On CPU this is measured with the rank's own thread count, while the other
+    ranks probe at the same moment, so oversubscribed cores are priced as they
+    are. On a known GPU the spec-sheet peak is used (MFU is defined against it).
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in KNOWN_PEAKS.items():
+            if key in name:
+                return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+    n = n or (256 if device.type == "cpu" else 8192)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: first call pays for thread-pool start and kernel choice
+    iters, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed > seconds and iters >= 3:
+            return 2 * n**3 * iters / elapsed
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA) or peak resident set size (CPU), in MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+class MetricsLog:
+    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.file = self.path.open("w")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def log(self, step: int, values: dict) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    return v

@@ -1,0 +1,86 @@
+"""The global gradient norm in any layout.
+
+A parameter may be sharded over some mesh axes (tensor-parallel weights over
+tp, experts over ep, ZeRO-2/3 gradients over dp) and replicated over the rest.
+Its squared norm is summed over the axes that shard it and counted once over
+the axes that replicate it. Pipeline stages hold disjoint parameters, so every
+sum also runs over pp. Each parameter declares its sharding in the attribute
+`tessel_shard_axes` (a tuple of axis names; absent means replicated).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.mesh import Mesh
+
+SHARD_ATTR = "tessel_shard_axes"
+
+
+def mark_sharded(p: torch.Tensor, *axes: str) -> None:
+    current = getattr(p, SHARD_ATTR, ())
+    setattr(p, SHARD_ATTR, tuple(dict.fromkeys((*current, *axes))))
+
+
+def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
+    return getattr(p, SHARD_ATTR, ())
+
+
+def _reduce_axes(axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
+    from tessel.mesh import AXES
+    wanted = set(axes) | {"pp"}
+    return tuple(a for a in AXES if a in wanted and mesh.size(a) > 1)
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], mesh: Mesh) -> torch.Tensor:
+    """L2 norm of all gradients of the whole model, identical on every rank."""
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    for p in dict.fromkeys(params):
+        if p.grad is None:
+            continue
+        key = _reduce_axes(shard_axes(p), mesh)
+        sq = p.grad.detach().float().pow(2).sum()
+        sums[key] = sums[key] + sq if key in sums else sq
+    total = torch.zeros((), device=mesh.device)
+    # iterate in a fixed order: all ranks of a group must issue the same collectives
+    for key in sorted(_all_keys(sums, mesh)):
+        part = sums.get(key, torch.zeros((), device=mesh.device)).to(mesh.device)
+        if key:
+            mesh_group = _group_for(mesh, key)
+            dist.all_reduce(part, group=mesh_group)
+        total = total + part
+    return total.sqrt()
+
+
+def _all_keys(sums: dict, mesh: Mesh) -> set[tuple[str, ...]]:
+    # every rank must take part in every reduction, even with no such parameter
+    # locally (a pipeline stage without experts, say): agree on the set of keys
+    keys = set(sums)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(keys))
+        keys = {tuple(k) for ks in gathered for k in ks}
+    return keys
+
+
+def _group_for(mesh: Mesh, axes: tuple[str, ...]):
+    try:
+        return mesh.group(*axes)
+    except KeyError:
+        mesh.build_groups([axes])  # collective: every rank reaches here with the same keys
+        return mesh.group(*axes)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, mesh: Mesh) -> torch.Tensor:
+    params = [p for p in dict.fromkeys(params) if p.grad is not None]
+    norm = global_grad_norm(params, mesh)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale.to(p.grad.device))
+    return norm

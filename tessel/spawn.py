@@ -1,0 +1,102 @@
+"""Run a function on N local ranks in fresh processes: the helper for tests and benchmarks.
+
+Free port, gloo (or NCCL when asked), one thread per rank, a deadline, and a
+teardown that kills every rank when one fails or the deadline passes, so a
+crashed rank never leaves the others hanging. Results travel back through
+files (torch.save of plain data), not pipes, so a rank may leave with os._exit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class SpawnError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, outdir, args, threads, backend, timeout_s, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    code = 0
+    try:
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        result = fn(*args)
+        torch.save(result, Path(outdir) / f"result{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        (Path(outdir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    # see tessel.runtime.shutdown_and_exit for why finalizers are skipped
+    os._exit(code)
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0, threads: int = 1,
+          backend: str = "gloo", env: dict[str, str] | None = None) -> list[Any]:
+    """Run fn(*args) on `world_size` ranks; returns each rank's return value, by rank."""
+    ctx = mp.get_context("spawn")
+    env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="tessel-spawn-") as outdir:
+        port = free_port()
+        procs = [ctx.Process(target=_rank_main, daemon=False,
+                             args=(fn, r, world_size, port, outdir, args, threads, backend, timeout, env))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed = _wait_all(procs, deadline)
+        if failed is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(5)
+            raise SpawnError(_failure_report(outdir, procs, failed, timeout))
+        return [torch.load(Path(outdir) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _wait_all(procs, deadline) -> str | None:
+    while True:
+        codes = [p.exitcode for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            return "a rank failed"
+        if all(c == 0 for c in codes):
+            return None
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.02)
+
+
+def _failure_report(outdir, procs, why, timeout) -> str:
+    lines = [f"distributed run failed ({why}; timeout {timeout:.0f}s)"]
+    for r, p in enumerate(procs):
+        err = Path(outdir) / f"error{r}.txt"
+        state = f"exit code {p.exitcode}" if p.exitcode is not None else "still running (killed)"
+        lines.append(f"--- rank {r}: {state}")
+        if err.exists():
+            lines.append(err.read_text())
+    return "\n".join(lines)

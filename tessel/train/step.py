@@ -1,0 +1,86 @@
+"""What one optimizer step does with its local batch, for layouts without a pipeline.
+
+A runner hides the layout from the trainer: it splits the rank's batch into
+accumulation chunks, runs forward and backward (skipping the gradient
+reduction on all but the last chunk), evaluates, and samples text. The
+pipeline issue provides a runner with the same methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1), top-k sampling at a temperature."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+class LocalRunner:
+    """Forward/backward for a model that is whole on this rank (plain, DP, TP, EP)."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
+                 precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 vocab_size: int | None = None, max_seq_len: int | None = None):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.chunks = chunks
+        self.device = device
+        self.precision = precision
+        self.full_logits = full_logits or model
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(dict.fromkeys(self.model.parameters()))
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients of mean loss over the local batch; returns that loss (detached)."""
+        total = torch.zeros((), device=self.device)
+        pairs = list(zip(x.chunk(self.chunks), y.chunk(self.chunks)))
+        for i, (xc, yc) in enumerate(pairs):
+            last = i == len(pairs) - 1
+            no_sync = getattr(self.model, "no_sync", None)
+            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            with ctx:
+                with autocast_for(self.device, self.precision):
+                    loss = self.loss_fn(self.model(xc.to(self.device)), yc.to(self.device)) / len(pairs)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast_for(self.device, self.precision):
+            return self.loss_fn(self.model(x.to(self.device)), y.to(self.device)).detach().float()
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int, seed: int, temperature: float = 0.8,
+                 top_k: int | None = 40) -> torch.Tensor:
+        """Every rank runs this with the same seed, so collective forwards (TP) stay in step."""
+        gen = torch.Generator().manual_seed(seed)
+        idx = prompt.to(self.device)
+        for _ in range(new_tokens):
+            window = idx[:, -self.max_seq_len:] if self.max_seq_len else idx
+            with autocast_for(self.device, self.precision):
+                logits = self.full_logits(window)[:, -1, : self.vocab_size]
+            idx = torch.cat([idx, sample_next(logits.cpu(), temperature, top_k, gen).to(self.device)], dim=1)
+        return idx

@@ -1,0 +1,149 @@
+"""The training loop that every rank runs: data -> runner -> optimizer -> metrics."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.config import Config, TrainConfig
+from tessel.mesh import Mesh
+from tessel.models.gpt import GPT, count_params, flops_per_token
+from tessel.observe.metrics import MetricsLog, measure_matmul_flops, peak_memory_mb
+from tessel.observe.progress import Progress
+from tessel.parallel.norms import clip_grad_norm_
+from tessel.train.data import BatchSampler, load_tokens
+
+
+def build_optimizer(params: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; norms and other vectors get no weight decay (nanoGPT, GPT-3)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay from lr to min_lr at the last step."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, t) / t.lr)
+
+
+@dataclass
+class Summary:
+    steps: int
+    losses: list[float]
+    val_loss: float | None
+    tokens_per_s: float
+    mfu: float
+    peak_mem_mb: float
+    params: int
+    sample: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def mean_over(value: torch.Tensor, mesh: Mesh, *axes: str) -> torch.Tensor:
+    group = mesh.group(*axes)
+    if group is not None:
+        dist.all_reduce(value, group=group)
+        value = value / mesh.size(*axes)
+    return value
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0):
+        self.cfg, self.mesh, self.runner, self.rank = cfg, mesh, runner, rank
+        t = cfg.train
+        self.params = runner.parameters()
+        self.optimizer = build_optimizer(self.params, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
+        shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
+        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
+        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
+        self.n_params = count_params(model)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.peak_flops = self._device_peak_flops()
+        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if rank == 0 else None
+        self.history: list[dict] = []
+
+    def _device_peak_flops(self) -> float:
+        """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
+        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        per_rank = self.cfg.logging.peak_flops or measure_matmul_flops(self.mesh.device, dtype)
+        total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return float(total.item())
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        x, y = self.sampler.next()
+        loss = self.runner.forward_backward(x, y)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        # set_to_none=False keeps gradients as views of the data-parallel buckets
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
+        elapsed = time.perf_counter() - t0
+        tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
+        row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
+               "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
+               "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+        return row
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        losses = [self.runner.evaluate(*self.val_sampler.batch_at(i)) for i in range(self.cfg.train.eval_batches)]
+        return mean_over(torch.stack(losses).mean(), self.mesh, "dp", "ep").item()
+
+    def sample(self) -> str:
+        t = self.cfg.train
+        if t.sample_tokens == 0:
+            return ""
+        prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % self.cfg.model.vocab_size
+        out = self.runner.generate(prompt, t.sample_tokens, seed=t.seed)
+        return bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
+
+    def fit(self) -> Summary:
+        t = self.cfg.train
+        progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
+        val_loss = None
+        with progress:
+            for step in range(t.steps):
+                row = self.train_step(step)
+                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                    val_loss = row["val_loss"] = self.evaluate()
+                self.history.append(row)
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
+                    self.log.log(step, row)
+                progress.update(step, row)
+        return self._summary(val_loss)
+
+    def _summary(self, val_loss: float | None) -> Summary:
+        # the first steps pay for warm-up (allocations, thread pools): leave them out
+        steady = self.history[min(2, len(self.history) - 1):]
+        tps = statistics.median(r["tokens_per_s"] for r in steady)
+        files = {}
+        if self.log is not None:
+            self.log.close()
+            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+        return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
+                       tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
+                       peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
+                       sample=self.sample(), files=files)

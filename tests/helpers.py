@@ -1,0 +1,37 @@
+"""Shared pieces of the multi-process tests: tiny configs and a training run that reports back."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessel.config import Config, build_config
+from tessel.mesh import make_mesh
+from tessel.models.gpt import GPT
+from tessel.parallelize import parallelize
+from tessel.train.trainer import Trainer
+
+TINY = {
+    "model": {"vocab_size": 256, "n_layer": 2, "n_head": 4, "d_model": 32, "max_seq_len": 32},
+    "train": {"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2,
+              "eval_every": 0, "sample_tokens": 0},
+    "data": {"source": "synthetic"},
+    "logging": {"progress": False, "tensorboard": False, "peak_flops": 1e9},
+}
+
+
+def tiny_config(*overrides: str, out_dir: str = "/tmp/tessel-test") -> Config:
+    return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
+
+
+def train_and_collect(cfg: Config) -> dict:
+    """Train with cfg on the current process group (or alone); return losses and full weights."""
+    p = cfg.parallel
+    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    runner = parallelize(model, mesh, cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = Trainer(cfg, mesh, model, runner, rank)
+    summary = trainer.fit()
+    return {"losses": summary.losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
