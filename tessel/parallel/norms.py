@@ -5,7 +5,9 @@ tp, experts over ep, ZeRO-2/3 gradients over dp) and replicated over the rest.
 Its squared norm is summed over the axes that shard it and counted once over
 the axes that replicate it. Pipeline stages hold disjoint parameters, so every
 sum also runs over pp. Each parameter declares its sharding in the attribute
-`tessel_shard_axes` (a tuple of axis names; absent means replicated).
+`tessel_shard_axes` (a tuple of axis names; absent means replicated), and the
+tensor dim each axis splits in `tessel_shard_dims` ({axis: dim}), which layout-
+independent checkpoints use to rebuild the logical tensor.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ import torch.nn as nn
 from tessel.mesh import Mesh
 
 SHARD_ATTR = "tessel_shard_axes"
+DIMS_ATTR = "tessel_shard_dims"
 
 
-def mark_sharded(p: torch.Tensor, *axes: str) -> None:
+def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
+    """Declare p a shard over `axes`; `dim` is the tensor dim they split (None: not a plain split)."""
     current = getattr(p, SHARD_ATTR, ())
     setattr(p, SHARD_ATTR, tuple(dict.fromkeys((*current, *axes))))
+    if dim is not None:
+        dims = dict(getattr(p, DIMS_ATTR, {}))
+        dims.update({a: dim for a in axes})
+        setattr(p, DIMS_ATTR, dims)
+
+
+def shard_dims(p: torch.Tensor) -> dict[str, int]:
+    return dict(getattr(p, DIMS_ATTR, {}))
 
 
 def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
