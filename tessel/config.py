@@ -85,6 +85,8 @@ class ParallelConfig(Strict):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1)
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
+    pp_balance: Literal["layers", "params", "time"] = Field(
+        "layers", description="without pp_layout: equal blocks, or balance parameters or measured time")
     recompute: bool = False
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for data parallelism")
     dp_algorithm: Literal["native", "ring", "hierarchical"] = "native"

@@ -14,8 +14,10 @@ import torch.nn as nn
 
 from tessel.config import Config
 from tessel.mesh import Mesh
-from tessel.models.gpt import GPT, cross_entropy
+from tessel.models.gpt import GPT, Block, cross_entropy
 from tessel.parallel.data import data_parallel
+from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
+from tessel.parallel.recompute import recompute_blocks
 from tessel.train.step import LocalRunner
 
 
@@ -29,8 +31,8 @@ class Plan:
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
-    pending = [("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1), ("parallel.ep", p.ep > 1),
-               ("parallel.zero_stage", p.zero_stage > 0), ("parallel.recompute", p.recompute)]
+    pending = [("parallel.tp", p.tp > 1), ("parallel.ep", p.ep > 1),
+               ("parallel.zero_stage", p.zero_stage > 0)]
     for name, on in pending:
         if on:
             raise NotImplementedError(f"{name} is not implemented yet")
@@ -44,8 +46,18 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     return plan  # issue 5
 
 
+def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """pp > 1: the model becomes this rank's stage chunks (original parameter names kept)."""
+    if mesh.size("pp") > 1:
+        plan.model = pipeline_chunks(plan.model, mesh, cfg)
+        plan.full_logits = None
+    return plan
+
+
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    return plan  # issue 4
+    if cfg.parallel.recompute:
+        recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
+    return plan
 
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -60,8 +72,11 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)
-    # pipeline parallelism (issue 4) returns its own runner from here
+    plan = apply_pipeline(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
+    if mesh.size("pp") > 1:
+        # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
+        return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg)
     plan = apply_data_parallel(plan, mesh, cfg)
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,

@@ -22,6 +22,13 @@ from tessel.mesh import Mesh
 
 SHARD_ATTR = "tessel_shard_axes"
 DIMS_ATTR = "tessel_shard_dims"
+REPLICA_ATTR = "tessel_replica"
+
+
+def mark_replica(p: torch.Tensor) -> None:
+    """p is a copy of a parameter that another pipeline stage holds and counts (a tied
+    embedding on the last stage): it is updated like the original but left out of the norm."""
+    setattr(p, REPLICA_ATTR, True)
 
 
 def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
@@ -52,7 +59,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], mesh: Mesh) -> torch.Tensor
     """L2 norm of all gradients of the whole model, identical on every rank."""
     sums: dict[tuple[str, ...], torch.Tensor] = {}
     for p in dict.fromkeys(params):
-        if p.grad is None:
+        if p.grad is None or getattr(p, REPLICA_ATTR, False):
             continue
         key = _reduce_axes(shard_axes(p), mesh)
         sq = p.grad.detach().float().pow(2).sum()

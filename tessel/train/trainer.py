@@ -105,6 +105,8 @@ class Trainer:
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
                "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+        if hasattr(self.runner, "step_metrics"):  # pipeline: bubble fraction, activation peak
+            row.update(self.runner.step_metrics())
         return row
 
     @torch.no_grad()
@@ -140,9 +142,11 @@ class Trainer:
         steady = self.history[min(2, len(self.history) - 1):]
         tps = statistics.median(r["tokens_per_s"] for r in steady)
         files = {}
+        if hasattr(self.runner, "write_timeline"):  # collective: every rank hands in its events
+            files.update(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
             self.log.close()
-            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+            files.update({"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")})
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
                        peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,

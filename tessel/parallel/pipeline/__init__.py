@@ -1,0 +1,48 @@
+"""Pipeline parallelism: partition (stages), comm (stage P2P), schedules (as data), runner (execution)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.config import Config
+from tessel.mesh import Mesh
+from tessel.models.gpt import GPT
+from tessel.parallel.pipeline.partition import (balanced_layout, param_costs, split_model, time_costs,
+                                                uniform_layout)
+from tessel.parallel.pipeline.runner import PipelineRunner
+
+
+def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
+    """Blocks per virtual stage: the user's layout, equal counts, or balanced costs."""
+    p = cfg.parallel
+    stages = p.pp * p.virtual_stages
+    if p.pp_layout is not None:
+        return list(p.pp_layout)
+    if p.pp_balance == "layers":
+        return uniform_layout(cfg.model.n_layer, stages)
+    if p.pp_balance == "params":
+        blocks, head, tail = param_costs(model)
+    else:
+        micro = cfg.train.global_batch // (p.batch_shards * cfg.train.grad_accum * p.micro_batches)
+        blocks, head, tail = time_costs(model, micro, cfg.train.seq_len, mesh.device)
+        # ranks time differently; they must agree on one cut, so take the mean
+        costs = torch.tensor([*blocks, head, tail], dtype=torch.float64, device=mesh.device)
+        if dist.is_initialized():
+            dist.all_reduce(costs)
+        *blocks, head, tail = (costs / max(1, mesh.world_size)).tolist()
+    return balanced_layout(blocks, stages, head, tail)
+
+
+def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
+    """This rank's model chunks (one per virtual stage it runs)."""
+    layout = choose_layout(model, mesh, cfg)
+    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp")))
+
+
+def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config) -> PipelineRunner:
+    p, t = cfg.parallel, cfg.train
+    return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,
+                          cfg.model.d_model, t.precision, cfg.model.vocab_size, cfg.model.max_seq_len,
+                          p.bucket_mb, tied=cfg.model.tie_embeddings)

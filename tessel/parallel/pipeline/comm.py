@@ -1,0 +1,70 @@
+"""Point-to-point traffic between pipeline stages: batched isend/irecv with shapes known ahead.
+
+Every rank of a pipeline knows the activation shape of a step before it
+starts, (micro-batch, T, d_model) in the model's dtype, so a receive allocates
+its buffer and posts at once: there is no shape message in front of each
+tensor (torch.distributed.pipelining does the same after its first step).
+The runner hands this module one run of consecutive communication actions of
+its schedule, which becomes one `dist.batch_isend_irecv`.
+
+Nothing here is differentiable by autograd: the runner feeds received
+gradients to `torch.autograd.backward` itself, which is how a pipeline
+schedule (not the autograd graph) decides when each backward runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessel.mesh import Mesh
+
+
+class StageLinks:
+    """This rank's links to the other ranks of its pipeline (its coordinates on dp/ep/tp fixed)."""
+
+    def __init__(self, mesh: Mesh):
+        self.ranks = mesh.group_ranks(("pp",))  # global rank of each pipeline rank
+        self.group = mesh.group("pp")
+        self.device = mesh.device
+        self._pending_sends: list = []
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]],
+                 recvs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> list[tuple[torch.Tensor, object]]:
+        """Post sends and receives as one batch; returns (buffer, work) for each receive.
+
+        sends: (pipeline peer, tensor); recvs: (pipeline peer, shape, dtype).
+        Sends are waited on lazily (`wait_sends`), so a rank never stalls on a
+        peer that is not yet ready to receive; the tensors stay referenced
+        until then so their memory is not reused while in flight.
+        """
+        ops, buffers = [], []
+        # order inside the batch: sends first, then receives, the same on every
+        # rank, so the n-th message on a link meets the n-th receive (NCCL has no tags)
+        for peer, tensor in sends:
+            tensor = tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, self.ranks[peer], group=self.group))
+            self._pending_sends.append(tensor)
+        for peer, shape, dtype in recvs:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, self.ranks[peer], group=self.group))
+            buffers.append(buf)
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # a coalesced batch (NCCL) answers with one handle for all
+            works = works[-1:] * len(ops)
+        self._pending_sends.extend(works[: len(sends)])
+        return list(zip(buffers, works[len(sends):]))
+
+    def wait_sends(self) -> None:
+        for item in self._pending_sends:
+            if not isinstance(item, torch.Tensor):
+                item.wait()
+        self._pending_sends.clear()
+
+    def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """The last pipeline rank's value of t on every pipeline rank (the loss, a sampled token)."""
+        if self.group is not None:
+            dist.broadcast(t, src=self.ranks[-1], group=self.group)
+        return t

@@ -1,0 +1,297 @@
+"""PipelineRunner: executes a schedule's action lists on this rank's model chunks.
+
+It has the methods of tessel.train.step.LocalRunner, so the trainer does not
+know a pipeline is there: parameters(), forward_backward(x, y) -> the step's
+mean loss on every rank, evaluate(), generate(). After the flush it finishes
+what spans stages: data-parallel reduction (one DataParallel per chunk, synced
+on that chunk's last backward, so it overlaps the pipeline's drain) and the
+sum of the tied embedding's gradients between the first and last stage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.mesh import Mesh
+from tessel.parallel.data import DataParallel
+from tessel.parallel.norms import mark_replica
+from tessel.parallel.pipeline.comm import StageLinks
+from tessel.parallel.pipeline.partition import PipelineStage
+from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
+from tessel.train.step import autocast_for, sample_next
+
+
+class SavedBytes:
+    """Bytes of activations autograd saves for backward, live on this rank, and their peak.
+
+    A saved-tensor hook sees each tensor a forward stores for its backward;
+    parameters are left out (they are not activations), and a storage is
+    counted once per micro-batch however many ops save views of it.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+        self._bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self._seen:
+            self._seen.add(ptr)
+            self._bytes += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        self._seen, self._bytes = set(), 0
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def forwarded(self) -> int:
+        self.live += self._bytes
+        self.peak = max(self.peak, self.live)
+        return self._bytes
+
+    def released(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class PipelineRunner:
+    def __init__(self, chunks: list[PipelineStage], mesh: Mesh, schedule: str, micro_batches: int,
+                 loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
+                 max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False):
+        self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
+        self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
+        self.rank = mesh.coord("pp")
+        self.device, self.precision, self.d_model = mesh.device, precision, d_model
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.schedule_name = schedule
+        self.actions = build_schedule(schedule, self.p, micro_batches, self.v)[self.rank]
+        self.items = batches(self.actions)
+        self.links = StageLinks(mesh)
+        self.act_dtype = next(chunks[0].parameters()).dtype  # the residual stream's dtype
+        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb) if mesh.size("dp", "ep") > 1 else None
+                   for c in chunks]
+        last_b = {a.chunk: a for a in self.actions if a.kind == "B"}
+        self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
+        self.tied_group, self.tied_param = self._setup_tied(tied)
+        self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
+        self.saved = SavedBytes(self.parameters())
+        self.metrics: dict[str, float] = {}
+
+    # ---- LocalRunner's interface ------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        return list(dict.fromkeys(p for c in self.chunks for p in c.parameters()))
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters under their names in the full model."""
+        return {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t for c in self.chunks for n, t in c.state_dict().items()}
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
+        if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
+            raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
+        shape = (xs[0].size(0), x.size(1), self.d_model)  # known ahead: no shape messages
+        total = torch.zeros((), device=self.device)
+        state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {}}
+        self.events = []
+        busy = 0.0
+        for item in self.items:
+            a = item[0]
+            if a.kind not in COMPUTE:
+                self._communicate(item, shape, state, t0)
+                continue
+            self._await_input(a, state, t0)
+            start = time.perf_counter()
+            if a.kind == "F":
+                total += self._forward(a, xs, ys, state)
+            else:
+                self._backward(a, state, sync=a in self.last_backward)
+            self._sync_device()
+            end = time.perf_counter()
+            busy += end - start
+            self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
+        self.links.wait_sends()
+        self._reduce_tied()
+        self._step_metrics(busy, max(e for k, *_, e in self.events if k in COMPUTE))
+        return self.links.broadcast_from_last(total)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self._forward_only(x.to(self.device))
+        loss = torch.zeros((), device=self.device)
+        if out is not None:
+            with autocast_for(self.device, self.precision):
+                loss = self.loss_fn(out, y.to(self.device)).detach().float()
+        return self.links.broadcast_from_last(loss)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int, seed: int, temperature: float = 0.8,
+                 top_k: int | None = 40) -> torch.Tensor:
+        """Every pipeline rank runs this loop; the last samples and broadcasts each token."""
+        gen = torch.Generator().manual_seed(seed)
+        idx = prompt.to(self.device)
+        for _ in range(new_tokens):
+            window = idx[:, -self.max_seq_len:] if self.max_seq_len else idx
+            logits = self._forward_only(window)
+            nxt = torch.zeros((idx.size(0), 1), dtype=torch.long, device=self.device)
+            if logits is not None:
+                nxt = sample_next(logits[:, -1, : self.vocab_size].cpu(), temperature, top_k, gen).to(self.device)
+            idx = torch.cat([idx, self.links.broadcast_from_last(nxt)], dim=1)
+        return idx
+
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self.metrics)
+
+    # ---- one action ---------------------------------------------------------------
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._stage(chunk) == self.p * self.v - 1
+
+    def _await_input(self, a: Action, state, t0: float) -> None:
+        """Wait for the activation (F) or gradient (B) this compute needs; the wait is a recv event."""
+        kind = "RF" if a.kind == "F" else "RB"
+        entry = state["recv"].get((kind, a.mb, a.chunk))
+        if entry is None:
+            return  # first stage's forward, last stage's backward: nothing to receive
+        buf, work, posted = entry
+        work.wait()
+        state["recv"][(kind, a.mb, a.chunk)] = buf
+        self.events.append((kind, a.mb, a.chunk, posted - t0, time.perf_counter() - t0))
+
+    def _forward(self, a: Action, xs, ys, state) -> torch.Tensor:
+        key = (a.mb, a.chunk)
+        if self._stage(a.chunk) == 0:
+            inp = xs[a.mb]
+        else:
+            inp = state["recv"].pop(("RF", a.mb, a.chunk)).requires_grad_(True)
+        with self.saved.hooks(), autocast_for(self.device, self.precision):
+            out = self.chunks[a.chunk](inp)
+            if self._is_last(a.chunk):
+                # mean over micro-batches: each contributes 1/m of the step's loss
+                out = self.loss_fn(out, ys[a.mb]) / self.m
+        state["saved"][key] = self.saved.forwarded()
+        state["inputs"][key], state["outputs"][key] = inp, out
+        return out.detach() if self._is_last(a.chunk) else torch.zeros((), device=self.device)
+
+    def _backward(self, a: Action, state, sync: bool) -> None:
+        key = (a.mb, a.chunk)
+        out = state["outputs"].pop(key)
+        dp = self.dp[a.chunk]
+        if dp is not None:
+            dp.sync_gradients = sync  # reduce over dp once, on this chunk's last backward
+        if self._is_last(a.chunk):
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, state["recv"].pop(("RB", a.mb, a.chunk)))
+        if self._stage(a.chunk) == 0:
+            state["inputs"].pop(key)  # token ids: nothing to send back
+        self.saved.released(state["saved"].pop(key))
+
+    def _communicate(self, item: list[Action], shape, state, t0: float) -> None:
+        sends, recvs = [], []
+        for a in item:
+            key = (a.mb, a.chunk)
+            if a.kind == "SF":
+                sends.append((a.peer, state["outputs"][key].detach()))
+            elif a.kind == "SB":
+                sends.append((a.peer, state["inputs"].pop(key).grad))
+            else:
+                recvs.append((a.peer, shape, self.act_dtype))
+        start = time.perf_counter()
+        handles = self.links.exchange(sends, recvs)
+        for a, (buf, work) in zip([a for a in item if a.kind in RECVS], handles):
+            state["recv"][(a.kind, a.mb, a.chunk)] = (buf, work, start)
+        end = time.perf_counter()
+        for a in item:
+            if a.kind not in RECVS:  # a receive's event closes when its wait does
+                self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
+
+    def _sync_device(self) -> None:
+        # timestamps must close when the device is done, not when the kernel was queued
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- what spans stages -------------------------------------------------------------
+    def _setup_tied(self, tied: bool):
+        if not tied or self.p == 1:
+            return None, None
+        group = None
+        for ranks in self.mesh.all_groups(("pp",)):  # collective: every rank creates every group
+            g = dist.new_group([ranks[0], ranks[-1]])
+            if self.mesh.rank in (ranks[0], ranks[-1]):
+                group = g
+        param = None
+        for c in self.chunks:
+            if c.is_first:
+                param = c.tok_emb.weight
+            if c.is_last:
+                param = c.lm_head.weight
+                mark_replica(param)  # the first stage's copy is the one the norm counts
+        return group, param
+
+    def _reduce_tied(self) -> None:
+        """Embedding and head are one weight: each of the two stages gets the sum of both gradients."""
+        if self.tied_group is not None and self.tied_param is not None:
+            if self.tied_param.grad is None:
+                self.tied_param.grad = torch.zeros_like(self.tied_param)
+            dist.all_reduce(self.tied_param.grad, group=self.tied_group)
+
+    def _step_metrics(self, busy: float, end: float) -> None:
+        """bubble = 1 - (compute time summed over the pipeline) / (p * step span).
+
+        The span is the latest end of a compute on any stage, from each rank's
+        own step start; the ranks start together because the previous step ended
+        in collectives over all of them (gradient norm, loss).
+        """
+        sums = torch.tensor([busy, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
+        span = torch.tensor([end], dtype=torch.float64, device=self.device)
+        if self.links.group is not None:
+            dist.all_reduce(sums, group=self.links.group)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.links.group)
+        self.metrics = {"bubble": 1 - sums[0].item() / (self.p * span.item()),
+                        "act_peak_mb": sums[1].item() / self.p}  # saved activations, mean over stages
+        self.saved.peak = self.saved.live = 0
+
+    def write_timeline(self, out_dir: str) -> dict[str, str]:
+        """Collective: the last step's events of one pipeline -> trace.json and gantt.png (rank 0 writes)."""
+        from tessel.observe.timeline import chrome_trace, gantt_png
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.events)
+        if self.mesh.rank != 0:
+            return {}
+        per_rank = [gathered[r] for r in self.mesh.group_ranks(("pp",))]
+        title = (f"{self.schedule_name}: pp={self.p}, micro-batches={self.m}"
+                 + (f", virtual stages={self.v}" if self.v > 1 else "")
+                 + f", bubble {self.metrics.get('bubble', 0):.0%}")
+        trace = chrome_trace(per_rank, f"{out_dir}/pipeline_trace.json", title)
+        png = gantt_png(per_rank, f"{out_dir}/pipeline_gantt.png", title)
+        return {"pipeline trace": str(trace), "pipeline gantt": str(png)}
+
+    def _forward_only(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """One micro-batch down every virtual stage; the last stage's output (None elsewhere)."""
+        shape = (idx.size(0), idx.size(1), self.d_model)
+        out = None
+        for c, chunk in enumerate(self.chunks):
+            s = self._stage(c)
+            inp = idx
+            if s > 0:
+                ((inp, work),) = self.links.exchange([], [((self.rank - 1) % self.p, shape, self.act_dtype)])
+                work.wait()
+            with autocast_for(self.device, self.precision):
+                out = chunk(inp)
+            if not self._is_last(c):
+                self.links.exchange([((self.rank + 1) % self.p, out)], [])
+                out = None
+        self.links.wait_sends()
+        return out
