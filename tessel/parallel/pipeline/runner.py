@@ -82,6 +82,7 @@ class PipelineRunner:
         self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
         self.saved = SavedBytes(self.parameters())
         self.metrics: dict[str, float] = {}
+        self.timeline = True  # write_timeline draws the last step (tests switch it off for speed)
 
     # ---- LocalRunner's interface ------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -254,18 +255,21 @@ class PipelineRunner:
         own step start; the ranks start together because the previous step ended
         in collectives over all of them (gradient norm, loss).
         """
-        sums = torch.tensor([busy, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
-        span = torch.tensor([end], dtype=torch.float64, device=self.device)
+        busy_sum = torch.tensor([busy], dtype=torch.float64, device=self.device)
+        peaks = torch.tensor([end, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
         if self.links.group is not None:
-            dist.all_reduce(sums, group=self.links.group)
-            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.links.group)
-        self.metrics = {"bubble": 1 - sums[0].item() / (self.p * span.item()),
-                        "act_peak_mb": sums[1].item() / self.p}  # saved activations, mean over stages
+            dist.all_reduce(busy_sum, group=self.links.group)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.links.group)
+        self.metrics = {"bubble": 1 - busy_sum.item() / (self.p * peaks[0].item()),
+                        "act_peak_mb": peaks[1].item(),  # saved activations, the most on any stage
+                        "act_peak_mb_rank": self.saved.peak / 2**20}
         self.saved.peak = self.saved.live = 0
 
     def write_timeline(self, out_dir: str) -> dict[str, str]:
         """Collective: the last step's events of one pipeline -> trace.json and gantt.png (rank 0 writes)."""
         from tessel.observe.timeline import chrome_trace, gantt_png
+        if not self.timeline:
+            return {}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.events)
         if self.mesh.rank != 0:

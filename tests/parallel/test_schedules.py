@@ -1,0 +1,92 @@
+"""Pipeline schedules as data: order, matching messages, no deadlock, bounded in-flight work, bubble."""
+
+import itertools
+
+import pytest
+
+from tessel.parallel.pipeline.schedules import (Action, ScheduleError, add_communication, bubble_fraction,
+                                                build_schedule, max_in_flight, simulate)
+
+CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
+         for p, m in itertools.product((1, 2, 3, 4), (1, 2, 4, 8, 12)) if name != "interleaved" or m % p == 0]
+
+
+def _v(name, v):
+    return v if name == "interleaved" else 1
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_micro_batch_forwarded_once_then_backwarded_once(name, p, m, v):
+    for rank, actions in enumerate(build_schedule(name, p, m, v)):
+        computes = [a for a in actions if a.kind in ("F", "B")]
+        for chunk in range(v):
+            fwd = [a.mb for a in computes if a.kind == "F" and a.chunk == chunk]
+            bwd = [a.mb for a in computes if a.kind == "B" and a.chunk == chunk]
+            assert sorted(fwd) == list(range(m)) and sorted(bwd) == list(range(m))
+        position = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(computes)}
+        for (kind, mb, chunk), i in position.items():
+            if kind == "B":
+                assert position[("F", mb, chunk)] < i, f"rank {rank}: B{mb}.{chunk} before its forward"
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_sends_match_receives_and_execution_never_deadlocks(name, p, m, v):
+    schedule = build_schedule(name, p, m, v)
+    # every send has exactly one receive of the same micro-batch on the neighbouring virtual stage
+    sends = {(r, a.peer, a.kind[1], a.mb, a.chunk * p + r) for r, acts in enumerate(schedule)
+             for a in acts if a.kind in ("SF", "SB")}
+    recvs = {(a.peer, r, a.kind[1], a.mb, a.chunk * p + r + (-1 if a.kind == "RF" else 1))
+             for r, acts in enumerate(schedule) for a in acts if a.kind in ("RF", "RB")}
+    assert sends == recvs
+    assert len(sends) == sum(a.kind in ("SF", "SB") for acts in schedule for a in acts)
+    # simulated execution: FIFO matching per link (as NCCL), inputs present before each compute
+    timeline = simulate(schedule, _v(name, v), strict=False)
+    assert sum(len(t) for t in timeline) == 2 * m * p * _v(name, v)
+
+
+@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in ("gpipe", "1f1b") for p in (2, 3, 4) for m in (1, 4, 8)])
+def test_gpipe_and_1f1b_survive_rendezvous_semantics(name, p, m):
+    """With fused send+recv batches that finish only when every partner is there (NCCL groups)."""
+    simulate(build_schedule(name, p, m), strict=True)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 12)])
+def test_in_flight_bounds(p, m):
+    gpipe = [max_in_flight(a) for a in build_schedule("gpipe", p, m)]
+    one_f = [max_in_flight(a) for a in build_schedule("1f1b", p, m)]
+    assert gpipe == [m] * p
+    assert max(one_f) <= p and one_f == [min(p - r, m) for r in range(p)]  # p - rank on rank r
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16)])
+def test_bubble_matches_theory_and_interleaving_shrinks_it(p, m):
+    theory = (p - 1) / (m + p - 1)
+    for name in ("gpipe", "1f1b"):
+        assert bubble_fraction(simulate(build_schedule(name, p, m))) == pytest.approx(theory)
+    for v in (2, 4):
+        # a chunk is 1/v of a stage, so each forward/backward costs 1/v as much
+        timeline = simulate(build_schedule("interleaved", p, m, v), v, t_fwd=1 / v, t_bwd=2 / v, strict=False)
+        assert bubble_fraction(timeline) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_interleaved_walks_all_virtual_stages_in_order():
+    p, m, v = 2, 4, 2
+    timeline = simulate(build_schedule("interleaved", p, m, v), v, strict=False)
+    # micro-batch 0's forward visits virtual stages 0, 1, 2, 3 in increasing time
+    starts = {(a.chunk * p + r): s for r, events in enumerate(timeline) for a, s, _ in events
+              if a.kind == "F" and a.mb == 0}
+    assert [starts[s] for s in range(p * v)] == sorted(starts[s] for s in range(p * v))
+    assert starts[0] < starts[1] < starts[2] < starts[3]
+
+
+def test_simulator_catches_a_deadlock_and_a_mismatch():
+    # both ranks receive before they send: a cycle
+    bad = [[Action("RB", 0, 0, 1), Action("F", 0), Action("SF", 0, 0, 1), Action("B", 0)],
+           [Action("RF", 0, 0, 0), Action("F", 0), Action("B", 0), Action("SB", 0, 0, 0)]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(bad)
+    # receives posted in another order than the sends: message 0 would land in micro-batch 1
+    orders = [[Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)],
+              [Action("F", 1), Action("F", 0), Action("B", 1), Action("B", 0)]]
+    with pytest.raises(ScheduleError, match="mismatch"):
+        simulate(add_communication(orders), strict=False)
