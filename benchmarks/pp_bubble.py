@@ -8,8 +8,11 @@ bubble of a step is 1 - (compute time summed over stages) / (p * step span),
 measured by the runner from its own timestamps (tessel.parallel.pipeline.runner).
 Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved
 with v virtual stages. Also printed: the bytes of activations saved for
-backward at the peak of a step on the most loaded rank. The last line gives
-measured/theory per configuration.
+backward at the peak of a step on the most loaded rank, and "sim": the bubble
+the schedule would have with the step's measured forward/backward times per
+rank and free messages (schedules.simulate), which separates stage imbalance
+and B/F ratio (in sim) from message latency and OS scheduling (measured - sim).
+The last line gives measured/theory per configuration.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _bench(args) -> list[tuple]:
             cfg = build_config(raw)
             torch.manual_seed(0)
             runner = parallelize(GPT(cfg.model), mesh, cfg)
-            bubbles, peaks = [], []
+            bubbles, peaks, sims = [], [], []
             for step in range(args.warmup + args.steps):
                 dist.barrier()  # every rank starts the step together, as after an optimizer step
                 runner.forward_backward(x, y)
@@ -50,8 +53,25 @@ def _bench(args) -> list[tuple]:
                 if step >= args.warmup:
                     bubbles.append(runner.step_metrics()["bubble"])
                     peaks.append(runner.step_metrics()["act_peak_mb"])
-            rows.append((name, v, m, statistics.median(bubbles), max(peaks)))
+                    sims.append(_simulated(runner, name, p, m, v))
+            rows.append((name, v, m, statistics.median(bubbles), statistics.median(sims), max(peaks)))
     return rows
+
+
+def _simulated(runner, name: str, p: int, m: int, v: int) -> float:
+    """The bubble this schedule would have with this step's measured compute times and free messages."""
+    from tessel.parallel.pipeline.schedules import bubble_fraction, build_schedule, simulate
+    per_rank: list = [None] * p
+    dist.all_gather_object(per_rank, runner.events)
+    times = {}
+    for r, events in enumerate(per_rank):
+        for kind, mb, chunk, start, end in events:
+            if kind in ("F", "B"):
+                times.setdefault((r, kind, chunk), []).append(end - start)
+    mean = {k: statistics.mean(t) for k, t in times.items()}
+    timeline = simulate(build_schedule(name, p, m, v), v, strict=False,
+                        cost=lambda r, a: mean[(r, a.kind, a.chunk)])
+    return bubble_fraction(timeline)
 
 
 def main() -> None:
@@ -70,12 +90,13 @@ def main() -> None:
     p = args.pp
     print(f"pp={p} batch={args.batch}x{args.seq} d_model={args.d_model} layers={args.layers}; "
           f"median over {args.steps} steps (gloo, CPU, one thread per rank)")
-    print(f"{'schedule':<14} {'m':>3} {'bubble':>8} {'theory':>8} {'meas/theory':>12} {'act peak MiB':>13}")
+    print(f"{'schedule':<15} {'m':>3} {'measured':>9} {'theory':>7} {'meas/theory':>12} {'sim(measured F/B)':>18} "
+          f"{'act peak MiB':>13}")
     ratios = []
-    for name, v, m, bubble, peak in rows:
+    for name, v, m, bubble, sim, peak in rows:
         theory = (p - 1) / (v * m + p - 1)
         label = name if v == 1 else f"{name} v={v}"
-        print(f"{label:<14} {m:>3} {bubble:8.3f} {theory:8.3f} {bubble / theory:12.2f} {peak:13.2f}")
+        print(f"{label:<15} {m:>3} {bubble:9.3f} {theory:7.3f} {bubble / theory:12.2f} {sim:18.3f} {peak:13.2f}")
         ratios.append(f"{label} m={m} {bubble / theory:.2f}")
     print("bubble measured/theory: " + "  ".join(ratios))
 

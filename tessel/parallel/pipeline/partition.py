@@ -87,7 +87,8 @@ def balanced_layout(costs: Sequence[float], stages: int, head: float = 0.0, tail
 
 
 def uniform_layout(n_layer: int, stages: int) -> list[int]:
-    """Equal blocks per stage; the remainder goes to the middle stages (the ends carry embedding/head)."""
+    """Equal blocks per stage; the remainder goes to the middle stages, leaning to the front
+    (the ends carry embedding and head; the head and loss cost more than the lookup)."""
     base, extra = divmod(n_layer, stages)
     layout = [base] * stages
     start = (stages - extra) // 2

@@ -161,7 +161,7 @@ class _Op:
 
 
 def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0,
-             strict: bool = True) -> list[list[tuple[Action, float, float]]]:
+             strict: bool = True, cost=None) -> list[list[tuple[Action, float, float]]]:
     """Run the lists on a model of the machine; returns each rank's (action, start, end) computes.
 
     Messages on a link (src -> dst) match in the order they are posted, as NCCL
@@ -170,6 +170,8 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
     a rank continue past a batch only when all of its sends and receives have
     met their partners (NCCL's fused group); strict=False waits on receives
     only. A state in which no rank can move is a deadlock (ScheduleError).
+    cost(rank, action) -> seconds overrides t_fwd/t_bwd (e.g. measured times);
+    messages take no time.
     """
     p = len(schedule)
     items = [batches(acts) for acts in schedule]
@@ -189,9 +191,9 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
             if item[0].kind in COMPUTE:
                 a = item[0]
                 _check_inputs(a, r, p, v, have[r], done_f[r])
-                cost = t_fwd if a.kind == "F" else t_bwd
-                timeline[r].append((a, clock[r], clock[r] + cost))
-                clock[r] += cost
+                dt = cost(r, a) if cost else (t_fwd if a.kind == "F" else t_bwd)
+                timeline[r].append((a, clock[r], clock[r] + dt))
+                clock[r] += dt
                 (done_f[r].add((a.mb, a.chunk)) if a.kind == "F" else None)
                 pc[r] += 1
                 moved = True
