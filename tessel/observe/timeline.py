@@ -65,11 +65,11 @@ def gantt_png(per_rank: list[list[Event]], path: str | Path, title: str = "pipel
                 ax.barh(y - 0.45, (stop - start) * 1e3, left=start * 1e3, height=0.1, color="#999999")
     ax.set_yticks(range(p), [f"rank {p - 1 - r}\nbubble {bubble_of(per_rank[p - 1 - r]):.0%}" for r in range(p)])
     ax.set_xlabel("ms from step start")
-    ax.set_title(title)
+    ax.set_title(title, loc="left")
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=COLORS["F"][0], label="forward"), Patch(color=COLORS["B"][0], label="backward"),
                        Patch(color="#999999", label="waiting for a receive")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if p < 3 else -0.15), ncol=3, frameon=False)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False, fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -77,3 +77,14 @@ def test_trace_and_gantt_files(tmp_path):
     assert len(spans) == 3 * 4 * 2 and {e["pid"] for e in spans} == {0, 1, 2}
     png = gantt_png(per_rank, tmp_path / "g.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_costs_measure_every_block_and_feed_the_balancer():
+    from tessel.parallel.pipeline.partition import time_costs
+    cfg = ModelConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=16)
+    model = GPT(cfg)
+    blocks, head, tail = time_costs(model, batch=2, seq_len=8, device=torch.device("cpu"), repeats=1)
+    assert len(blocks) == 4 and min(blocks) > 0 and head > 0 and tail > 0
+    assert all(p.grad is None for p in model.parameters())  # timing leaves no gradients behind
+    layout = balanced_layout(blocks, 2, head, tail)
+    assert sum(layout) == 4 and len(layout) == 2

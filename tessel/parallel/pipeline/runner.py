@@ -83,6 +83,8 @@ class PipelineRunner:
         self.saved = SavedBytes(self.parameters())
         self.metrics: dict[str, float] = {}
         self.timeline = True  # write_timeline draws the last step (tests switch it off for speed)
+        self.step_start = 0.0
+        self.shared_clock = self._same_host()
 
     # ---- LocalRunner's interface ------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -96,7 +98,7 @@ class PipelineRunner:
         return {n: t for c in self.chunks for n, t in c.state_dict().items()}
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = self.step_start = time.perf_counter()
         xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
         if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
@@ -241,6 +243,14 @@ class PipelineRunner:
                 mark_replica(param)  # the first stage's copy is the one the norm counts
         return group, param
 
+    def _same_host(self) -> bool:
+        import socket
+        hosts: list = [None] * self.p
+        if self.links.group is None:
+            return True
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.links.group)
+        return len(set(hosts)) == 1
+
     def _reduce_tied(self) -> None:
         """Embedding and head are one weight: each of the two stages gets the sum of both gradients."""
         if self.tied_group is not None and self.tied_param is not None:
@@ -251,17 +261,22 @@ class PipelineRunner:
     def _step_metrics(self, busy: float, end: float) -> None:
         """bubble = 1 - (compute time summed over the pipeline) / (p * step span).
 
-        The span is the latest end of a compute on any stage, from each rank's
-        own step start; the ranks start together because the previous step ended
-        in collectives over all of them (gradient norm, loss).
+        The span is from the earliest step start to the latest end of a compute
+        on any stage (perf_counter is one system-wide monotonic clock on a host).
+        Across hosts each rank counts from its own start, which is close: the
+        previous step ended in collectives over all ranks (gradient norm, loss).
         """
         busy_sum = torch.tensor([busy], dtype=torch.float64, device=self.device)
-        peaks = torch.tensor([end, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
+        # with one clock for all ranks (one host) the span runs from the earliest start to the
+        # latest end; otherwise each rank counts from its own start
+        t0 = self.step_start if self.shared_clock else 0.0
+        peaks = torch.tensor([end + t0, -t0, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
         if self.links.group is not None:
             dist.all_reduce(busy_sum, group=self.links.group)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.links.group)
-        self.metrics = {"bubble": 1 - busy_sum.item() / (self.p * peaks[0].item()),
-                        "act_peak_mb": peaks[1].item(),  # saved activations, the most on any stage
+        span = peaks[0].item() + peaks[1].item()
+        self.metrics = {"bubble": 1 - busy_sum.item() / (self.p * span),
+                        "act_peak_mb": peaks[2].item(),  # saved activations, the most on any stage
                         "act_peak_mb_rank": self.saved.peak / 2**20}
         self.saved.peak = self.saved.live = 0
 
@@ -271,10 +286,13 @@ class PipelineRunner:
         if not self.timeline:
             return {}
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.events)
+        dist.all_gather_object(gathered, (self.step_start if self.shared_clock else 0.0, self.events))
         if self.mesh.rank != 0:
             return {}
-        per_rank = [gathered[r] for r in self.mesh.group_ranks(("pp",))]
+        mine = [gathered[r] for r in self.mesh.group_ranks(("pp",))]
+        first = min(t0 for t0, _ in mine)  # put every rank on the clock of the earliest start
+        per_rank = [[(k, mb, c, s + t0 - first, e + t0 - first) for k, mb, c, s, e in events]
+                    for t0, events in mine]
         title = (f"{self.schedule_name}: pp={self.p}, micro-batches={self.m}"
                  + (f", virtual stages={self.v}" if self.v > 1 else "")
                  + f", bubble {self.metrics.get('bubble', 0):.0%}")
