@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from tessel.parallel.pipeline.schedules import (Action, ScheduleError, add_communication, bubble_fraction,
-                                                build_schedule, max_in_flight, simulate)
+                                                build_schedule, interleaved_order, max_in_flight, simulate)
 
 CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
          for p, m in itertools.product((1, 2, 3, 4), (1, 2, 4, 8, 12)) if name != "interleaved" or m % p == 0]
@@ -44,10 +44,19 @@ def test_sends_match_receives_and_execution_never_deadlocks(name, p, m, v):
     assert sum(len(t) for t in timeline) == 2 * m * p * _v(name, v)
 
 
-@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in ("gpipe", "1f1b") for p in (2, 3, 4) for m in (1, 4, 8)])
-def test_gpipe_and_1f1b_survive_rendezvous_semantics(name, p, m):
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_schedule_survives_rendezvous_semantics(name, p, m, v):
     """With fused send+recv batches that finish only when every partner is there (NCCL groups)."""
-    simulate(build_schedule(name, p, m), strict=True)
+    simulate(build_schedule(name, p, m, v), _v(name, v), strict=True)
+
+
+def test_interleaved_without_steady_state_pairing_needs_buffered_sends():
+    # why fuse_steady_state exists: the plain placement deadlocks under rendezvous semantics
+    orders = [interleaved_order(2, 4, r, 2) for r in range(2)]
+    plain = add_communication(orders, v=2)
+    simulate(plain, 2, strict=False)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(plain, 2, strict=True)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 12)])

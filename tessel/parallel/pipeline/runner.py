@@ -167,10 +167,11 @@ class PipelineRunner:
         entry = state["recv"].get((kind, a.mb, a.chunk))
         if entry is None:
             return  # first stage's forward, last stage's backward: nothing to receive
-        buf, work, posted = entry
+        buf, work = entry
+        start = time.perf_counter()  # the event is the time blocked, not the time since posting
         work.wait()
         state["recv"][(kind, a.mb, a.chunk)] = buf
-        self.events.append((kind, a.mb, a.chunk, posted - t0, time.perf_counter() - t0))
+        self.events.append((kind, a.mb, a.chunk, start - t0, time.perf_counter() - t0))
 
     def _forward(self, a: Action, xs, ys, state) -> torch.Tensor:
         key = (a.mb, a.chunk)
@@ -214,7 +215,7 @@ class PipelineRunner:
         start = time.perf_counter()
         handles = self.links.exchange(sends, recvs)
         for a, (buf, work) in zip([a for a in item if a.kind in RECVS], handles):
-            state["recv"][(a.kind, a.mb, a.chunk)] = (buf, work, start)
+            state["recv"][(a.kind, a.mb, a.chunk)] = (buf, work)
         end = time.perf_counter()
         for a in item:
             if a.kind not in RECVS:  # a receive's event closes when its wait does

@@ -14,6 +14,9 @@ any process (see `simulate`).
 - Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language
   Model Training on GPU Clusters", sec. 2.2): each rank holds v chunks; virtual
   stage s = chunk * p + rank; the bubble shrinks by v.
+
+Every schedule built here passes `simulate(..., strict=True)`: it needs no
+buffering of sends, so it cannot deadlock under NCCL's fused P2P groups.
 """
 
 from __future__ import annotations
@@ -123,7 +126,42 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ValueError(f"unknown schedule {name!r}; known: gpipe, 1f1b, interleaved")
     if name != "interleaved":
         v = 1
-    return add_communication(orders, v)
+    schedule = add_communication(orders, v)
+    if name == "interleaved" and m > p:
+        schedule = [fuse_steady_state(actions) for actions in schedule]
+    return schedule
+
+
+def fuse_steady_state(actions: list[Action]) -> list[Action]:
+    """Megatron's steady-state pairing: F(k), B(j), then one batch {SF(k), SB(j), RF(k+1), RB(j+1)}.
+
+    Where a forward is directly followed by a backward, the communication
+    between them moves out: its receive (the backward's gradient) joins the
+    batch before the forward, its send (the forward's output) the batch after
+    the backward. Neighbouring ranks then post matching batches, so the
+    interleaved schedule needs no buffering of sends (it survives simulate's
+    strict mode, as NCCL's fused groups require); without this pairing a rank
+    can wait in a batch whose send its neighbour will only receive later.
+    """
+    items = [list(i) for i in batches(actions)]
+    i = 0
+    while i + 2 < len(items):
+        f, mid, b = items[i], items[i + 1], items[i + 2]
+        if f and mid and b and f[0].kind == "F" and mid[0].kind not in COMPUTE and b[0].kind == "B":
+            sends = [a for a in mid if a.kind in SENDS]
+            recvs = [a for a in mid if a.kind in RECVS]
+            items[i + 1] = []
+            if i + 3 < len(items) and items[i + 3] and items[i + 3][0].kind not in COMPUTE:
+                items[i + 3] = sends + items[i + 3]
+            else:
+                items.insert(i + 3, sends)
+            if i > 0 and items[i - 1] and items[i - 1][0].kind not in COMPUTE:
+                items[i - 1] = items[i - 1] + recvs
+            else:
+                items.insert(i, recvs)
+                i += 1
+        i += 1
+    return [a for item in items for a in item]
 
 
 def batches(actions: list[Action]) -> list[list[Action]]:
