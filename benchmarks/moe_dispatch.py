@@ -1,7 +1,9 @@
 """MoE dispatch cost and MoE-vs-dense throughput, on `--world` ranks.
 
-1. One MoE layer's all-to-all dispatch + combine (AllToAllDispatcher: count
-   exchange, sort, variable-split all_to_all_single both ways, regrouping),
+1. One MoE layer's all-to-all dispatch + combine (AllToAllDispatcher: sort
+   and gather of the kept rows, count exchange, variable-split
+   all_to_all_single both ways, regrouping by local expert, gate-weighted
+   scatter back to token order),
    against the floor: two bare all_to_all_single calls moving the same rows
    with the same split sizes (PyTorch's collective alone).
 2. Training tokens/s of an MoE GPT (experts sharded over ep = world) against
@@ -69,11 +71,11 @@ def bench_dispatch(tokens: int, d_model: int, n_experts: int, iters: int) -> dic
     x = torch.randn(tokens, d_model, device=device)
     with torch.no_grad():
         r = router(x)
-    rows, expert = x[r.token], r.expert
+    rows, expert = x.index_select(0, r.token), r.expert
     disp = AllToAllDispatcher(n_experts, mesh.group("ep"), world)
 
     def tessel_round_trip():
-        grouped, _, state = disp.dispatch(rows, expert)
+        grouped, _, state = disp.dispatch(x, r)
         disp.combine(grouped, state)
 
     # the floor: the same rows with the same splits, already sorted, buffers ready

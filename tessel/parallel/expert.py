@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.models.moe import MoE, moe_layers
+from tessel.models.moe import MoE, Routing, moe_layers, sort_by_expert, weighted_scatter
 from tessel.parallel.norms import mark_sharded
 
 
@@ -84,27 +84,28 @@ class AllToAllDispatcher:
         self.n_experts, self.group, self.ep = n_experts, group, ep
         self.local = n_experts // ep
 
-    def dispatch(self, x: torch.Tensor, expert: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
-        # x: (M, C) kept assignments of my tokens; expert: (M,) global ids
-        order = torch.argsort(expert, stable=True)  # rows bound for rank j are now contiguous
-        counts = torch.bincount(expert, minlength=self.n_experts)  # (E,) rows I send per expert
-        recv = torch.empty_like(counts)  # (ep*El,) rows each source sends to each of my experts
-        dist.all_to_all_single(recv, counts, group=self.group)  # counts first: the splits
-        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
+    def dispatch(self, x: torch.Tensor, r: Routing) -> tuple[torch.Tensor, list[int], object]:
+        # x: (N, C) my tokens; rows bound for rank j are contiguous once sorted by global expert id
+        rows, s = sort_by_expert(x, r, self.n_experts)  # (M, C), s.counts (E,) rows I send per expert
+        recv = torch.empty_like(s.counts)  # (ep*El,) rows each source sends to each of my experts
+        dist.all_to_all_single(recv, s.counts, group=self.group)  # counts first: they are the splits
+        send_splits = s.counts.view(self.ep, self.local).sum(1).tolist()
         recv_counts = recv.view(self.ep, self.local)  # (source rank, local expert)
         recv_splits = recv_counts.sum(1).tolist()
-        arrived = AllToAllDispatch.apply(x[order], recv_splits, send_splits, self.group)
-        # arrived rows are ordered (source, expert): regroup as (expert, source)
-        local_id = torch.arange(self.local, device=x.device).repeat(self.ep)
-        row_expert = local_id.repeat_interleave(recv_counts.reshape(-1))
-        regroup = torch.argsort(row_expert, stable=True)
-        per_expert = recv_counts.sum(0).tolist()
-        return arrived[regroup], per_expert, (order, regroup, send_splits, recv_splits)
+        arrived = AllToAllDispatch.apply(rows, recv_splits, send_splits, self.group)
+        regroup = None
+        if self.local > 1:  # arrived rows are ordered (source, expert): regroup as (expert, source)
+            local_id = torch.arange(self.local, device=x.device).repeat(self.ep)
+            regroup = torch.argsort(local_id.repeat_interleave(recv_counts.reshape(-1)), stable=True)
+            arrived = arrived.index_select(0, regroup)
+        return arrived, recv_counts.sum(0).tolist(), (s, regroup, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, state: object) -> torch.Tensor:
-        order, regroup, send_splits, recv_splits = state
-        back = AllToAllCombine.apply(y[_inverse(regroup)], send_splits, recv_splits, self.group)
-        return back[_inverse(order)]  # (M, C) in the assignments' original order
+        s, regroup, send_splits, recv_splits = state
+        if regroup is not None:
+            y = y.index_select(0, _inverse(regroup))  # back to (source, expert) order
+        back = AllToAllCombine.apply(y, send_splits, recv_splits, self.group)  # (M, C), my sorted rows
+        return weighted_scatter(back, s)  # (N, C)
 
 
 def shard_experts(model: nn.Module, mesh: Mesh) -> list[MoE]:
