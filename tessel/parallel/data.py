@@ -62,8 +62,15 @@ class Bucket:
 
 
 def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None,
                   axes_of: Callable[[nn.Parameter], tuple[str, ...]] = lambda p: ()) -> list[Bucket]:
-    """Group params (already in expected gradient order) into flat buffers by dtype/device/axes."""
+    """Group params (already in expected gradient order) into flat buffers by dtype/device/axes.
+
+    The first bucket is small (1 MiB by default, as in DDP): its gradients are the
+    first ready, and a small bucket lets communication start early in backward.
+    `axes_of(p)` names the mesh axes p's gradient is summed over; buckets never mix them.
+    """
+    first_bucket_bytes = min(bucket_bytes, first_bucket_bytes or 2**20)
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, tuple[list, int]] = {}
 
@@ -80,7 +87,7 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
         plist.append(p)
         nbytes += p.numel() * p.element_size()
         open_by_key[key] = (plist, nbytes)
-        if nbytes >= bucket_bytes:
+        if nbytes >= (bucket_bytes if buckets else first_bucket_bytes):
             close(key)
     for key in list(open_by_key):
         close(key)
@@ -105,7 +112,7 @@ class DataParallel(nn.Module):
         if broadcast and self.group is not None:
             self._broadcast(module, mesh)
         # reverse order approximates the order in which gradients become ready
-        self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), self.reduce_axes)
+        self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), axes_of=self.reduce_axes)
         for bucket in self.buckets:
             bucket.group = _group(mesh, bucket.axes)
         self._where: dict[int, tuple[int, int]] = {}

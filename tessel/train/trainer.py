@@ -15,7 +15,7 @@ import torch.nn as nn
 from tessel.config import Config, TrainConfig
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
-from tessel.observe.metrics import MetricsLog, measure_matmul_flops, peak_memory_mb
+from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.train.data import BatchSampler, load_tokens
@@ -82,8 +82,7 @@ class Trainer:
 
     def _device_peak_flops(self) -> float:
         """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        per_rank = self.cfg.logging.peak_flops or measure_matmul_flops(self.mesh.device, dtype)
+        per_rank = self.cfg.logging.peak_flops or device_peak_flops(self.mesh.device, self.cfg.train.precision)
         total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
         if dist.is_initialized():
             dist.all_reduce(total)
