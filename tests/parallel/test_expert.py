@@ -31,7 +31,6 @@ CASES = {
     2: [("ep2-top1-nodrop", ["parallel.ep=2"], [NO_DROP]),
         ("ep2-top1-drop", ["parallel.ep=2"], [DROP])],
     4: [("ep4-top2-nodrop", ["parallel.ep=4"], [NO_DROP, "model.moe_top_k=2"]),
-        ("dp2ep2-top1-drop", ["parallel.dp=2", "parallel.ep=2"], [DROP]),
         ("dp2ep2-top2-drop", ["parallel.dp=2", "parallel.ep=2"], [DROP, "model.moe_top_k=2"])],
 }
 
