@@ -34,7 +34,10 @@ from tessel.config import ModelConfig
 
 
 def capacity(n_tokens: int, n_experts: int, factor: float) -> int:
-    """Slots per expert for one forward call: ceil(tokens / E * capacity_factor)."""
+    """Slots per expert for one forward call: ceil(tokens / E * capacity_factor).
+
+    Counted in tokens, not assignments, for top-1 and top-2 alike: GShard's top-2
+    capacity of 2N/E is capacity_factor = 2."""
     return math.ceil(n_tokens / n_experts * factor)
 
 
@@ -45,7 +48,7 @@ class Routing:
     expert: torch.Tensor  # (M,) global expert id
     gate: torch.Tensor    # (M,) combine weight (differentiable)
     load: torch.Tensor    # (E,) assignments per expert before the capacity cut
-    dropped: torch.Tensor  # () assignments cut by capacity (or random routing: not counted)
+    dropped: torch.Tensor  # () assignments cut by capacity (skipped random second choices do not count)
     aux_loss: torch.Tensor  # () alpha*E*sum f_i*P_i
     z_loss: torch.Tensor    # () coef*mean(logsumexp(logits)^2)
 
