@@ -45,21 +45,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn, iters: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def _median_ms(fns, iters: int, device: torch.device) -> list[float]:
+    """Median ms of each fn; the fns take turns, so a noisy machine weighs on all of them alike."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        for fn, ts in zip(fns, times):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            ts.append((time.perf_counter() - t0) * 1e3)
     # every rank waits for the slowest: report the max over ranks of each median
-    med = torch.tensor([statistics.median(times)], device=device)
+    med = torch.tensor([statistics.median(ts) for ts in times], device=device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
+    return med.tolist()
 
 
 def bench_dispatch(tokens: int, d_model: int, n_experts: int, iters: int) -> dict:
@@ -93,22 +96,19 @@ def bench_dispatch(tokens: int, d_model: int, n_experts: int, iters: int) -> dic
         dist.all_to_all_single(back, arrived, send_splits, recv_splits, group=mesh.group("ep"))
 
     with torch.no_grad():
-        t_tessel = _median_ms(tessel_round_trip, iters, device)
-        t_floor = _median_ms(floor_round_trip, iters, device)
+        t_tessel, t_floor = _median_ms([tessel_round_trip, floor_round_trip], iters, device)
     return {"tessel_ms": t_tessel, "floor_ms": t_floor, "rows": rows.size(0),
             "mb_each_way": rows.numel() * rows.element_size() / 2**20}
 
 
-def _train_tps(overrides: list[str], steps: int) -> float:
+def _trainer(overrides: list[str]) -> Trainer:
     cfg = build_config({}, overrides)
     p = cfg.parallel
     device = _device()
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, device=device)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
-    trainer = Trainer(cfg, mesh, model, parallelize(model, mesh, cfg), dist.get_rank())
-    rows = [trainer.train_step(s) for s in range(steps)]
-    return statistics.median(r["tokens_per_s"] for r in rows[3:])
+    return Trainer(cfg, mesh, model, parallelize(model, mesh, cfg), dist.get_rank())
 
 
 def bench_models(d_model: int, n_experts: int, steps: int, batch: int, seq: int) -> dict:
@@ -118,10 +118,14 @@ def bench_models(d_model: int, n_experts: int, steps: int, batch: int, seq: int)
               "train.eval_every=0", "train.sample_tokens=0", "data.source=\"synthetic\"",
               "logging.tensorboard=false", "logging.progress=false", "logging.peak_flops=1e12",
               "logging.out_dir=\"/tmp/tessel-bench-moe\"", f"runtime.device=\"{_device().type}\""]
-    moe = _train_tps([*common, f"model.n_experts={n_experts}", "model.moe_every=1", "model.capacity_factor=1.25",
-                      f"parallel.ep={world}"], steps)
-    dense = _train_tps([*common, f"parallel.dp={world}"], steps)
-    return {"moe_tps": moe, "dense_tps": dense}
+    moe = _trainer([*common, f"model.n_experts={n_experts}", "model.moe_every=1", "model.capacity_factor=1.25",
+                    f"parallel.ep={world}"])
+    dense = _trainer([*common, f"parallel.dp={world}"])
+    tps: dict[str, list[float]] = {"moe_tps": [], "dense_tps": []}
+    for step in range(steps):  # alternate, so that load from elsewhere hits both alike
+        for key, trainer in (("moe_tps", moe), ("dense_tps", dense)):
+            tps[key].append(trainer.train_step(step)["tokens_per_s"])
+    return {key: statistics.median(v[3:]) for key, v in tps.items()}  # first steps: warm-up
 
 
 def _rank(args) -> dict:
