@@ -62,6 +62,8 @@ class ModelConfig(Strict):
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
+        if self.moe_random_routing and self.moe_top_k != 2:
+            raise ValueError("model.moe_random_routing needs model.moe_top_k = 2 (it drops second choices)")
         return self
 
     @property

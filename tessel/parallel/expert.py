@@ -126,8 +126,8 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> list[MoE]:
 def moe_metrics(layers: list[MoE], mesh: Mesh) -> dict[str, float]:
     """Per-expert load, drop rate and aux losses of the last step, summed over the data shards.
 
-    Keys: moe/load/L{i}/e{j} (share of layer i's assignments that chose expert j,
-    before capacity), moe/load_max_min (worst max/min load ratio over layers;
+    Keys: moe/load/L{i}/e{j} (share of the i-th MoE layer's assignments that chose
+    expert j, before capacity), moe/load_max_min (worst max/min load ratio over layers;
     min counted as at least one token), moe/drop_rate, moe/aux_loss and
     moe/z_loss (per forward, summed over layers, averaged over shards).
     Collective over (dp, ep): every rank of the group must call it.

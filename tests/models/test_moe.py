@@ -25,6 +25,13 @@ def _logits_choosing(experts: list[int], n_experts: int = 4, margin: float = 5.0
     return logits
 
 
+def test_random_routing_needs_top2():
+    from tessel.config import ConfigError, build_config
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["model.n_experts=4", "model.moe_random_routing=true"])
+    assert err.value.field == "model.moe_random_routing"
+
+
 def test_capacity_formula():
     assert capacity(16, 4, 1.0) == 4
     assert capacity(16, 4, 1.25) == 5  # ceil(5.0)
