@@ -30,5 +30,6 @@ def test_tiny_recipe_trains_and_writes_metrics(tmp_path, precision):
     assert last < first - 0.3, (first, last)
     assert 0 < rows[-1]["mfu"] < 1
     assert any((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "dp groups: [[0, 1]]" in proc.stdout  # the mesh is printed
     assert "run summary" in proc.stdout and "tokens/s" in proc.stdout

@@ -144,7 +144,9 @@ class Trainer:
         files = {}
         if self.log is not None:
             self.log.close()
-            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+            from tessel.observe.plots import plot_metrics
+            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard"),
+                     "curves": str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))}
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
                        peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
