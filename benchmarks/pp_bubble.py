@@ -51,8 +51,8 @@ def _bench(args) -> list[tuple]:
                 for q in runner.parameters():
                     q.grad = None
                 if step >= args.warmup:
-                    bubbles.append(runner.step_metrics()["bubble"])
-                    peaks.append(runner.step_metrics()["act_peak_mb"])
+                    bubbles.append(runner.extra_metrics()["bubble"])
+                    peaks.append(runner.extra_metrics()["act_peak_mb"])
                     sims.append(_simulated(runner, name, p, m, v))
             rows.append((name, v, m, statistics.median(bubbles), statistics.median(sims), max(peaks)))
     return rows

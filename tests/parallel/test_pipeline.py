@@ -2,6 +2,7 @@
 recomputation, uneven layouts; evaluation and sampling through the pipeline; activation memory."""
 
 import functools
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ def _overrides(pp, dp, schedule, m, extra=()):
 
 @functools.lru_cache(maxsize=None)
 def _reference_cached(extra: tuple, m: int) -> dict:
-    return train_and_collect(tiny_config(f"train.steps={STEPS}", f"parallel.micro_batches={m}", *extra))
+    cfg = tiny_config(f"train.steps={STEPS}", f"parallel.micro_batches={m}", *extra, out_dir=tempfile.mkdtemp())
+    return train_and_collect(cfg)
 
 
 def _reference(extra, m):
@@ -48,8 +50,9 @@ def _reference(extra, m):
 def _run_configs(configs):
     """Inside a spawn: train each config on the current process group; report losses and this rank's weights."""
     out = []
+    out_dir = tempfile.mkdtemp(prefix="tessel-pp-")  # not the shared default: other runs write there
     for overrides in configs:
-        cfg = tiny_config(*overrides)
+        cfg = tiny_config(*overrides, out_dir=out_dir)
         p = cfg.parallel
         mesh = make_mesh({"pp": p.pp, "dp": p.dp})
         torch.manual_seed(cfg.train.seed)
@@ -61,7 +64,7 @@ def _run_configs(configs):
         out.append({"losses": summary.losses, "state": {k: v.detach().clone() for k, v in runner.state_dict().items()},
                     "eval": runner.evaluate(x[:, :-1], x[:, 1:]).item(),
                     "sample": runner.generate(x[:1, :4], 6, seed=3).tolist(),
-                    **runner.step_metrics()})
+                    **runner.extra_metrics()})
     return out
 
 

@@ -151,7 +151,8 @@ class PipelineRunner:
             idx = torch.cat([idx, self.links.broadcast_from_last(nxt)], dim=1)
         return idx
 
-    def step_metrics(self) -> dict[str, float]:
+    def extra_metrics(self) -> dict[str, float]:
+        """This step's bubble fraction and saved-activation peaks, for the trainer's metrics row."""
         return dict(self.metrics)
 
     # ---- one action ---------------------------------------------------------------
