@@ -71,6 +71,7 @@ def _run_configs(configs):
 def _check(results, configs, refs):
     for c, (overrides, (extra, m)) in enumerate(zip(configs, refs)):
         ref = _reference(extra, m)
+        ev, sample = _eval_and_sample_reference(extra, m)
         seen = set()
         for rank, per_config in enumerate(results):
             got = per_config[c]
@@ -80,6 +81,9 @@ def _check(results, configs, refs):
             for name, value in got["state"].items():
                 assert_close(value, ref["state"][name], **WEIGHT_TOL, msg=lambda msg: f"{where} {name}: {msg}")
             seen |= set(got["state"])
+            # evaluation and sampling through the pipeline equal the whole model's (same weights)
+            assert_close(got["eval"], ev, rtol=1e-5, atol=1e-5)
+            assert got["sample"] == sample, where
             assert 0.0 <= got["bubble"] < 1.0
         assert seen == set(ref["state"]), f"{overrides}: stages miss {set(ref['state']) - seen}"
         assert ref["losses"][-1] < ref["losses"][0]  # it learns, so parity is not trivially true
@@ -122,12 +126,6 @@ def test_pp2_every_schedule_and_micro_batch_count():
     results = spawn(_run_configs, 2, configs, timeout=300)
     _check(results, configs, refs)
     _check_memory(results, configs, FOUR + _overrides(2, 1, "gpipe", 8), FOUR + _overrides(2, 1, "1f1b", 8))
-    # evaluation and sampling through the pipeline equal the whole model's (tied config)
-    ev, sample = _eval_and_sample_reference(tied, 4)
-    for rank in range(2):
-        got = results[rank][configs.index(tied + _overrides(2, 1, "1f1b", 4))]
-        assert_close(got["eval"], ev, rtol=1e-5, atol=1e-5)
-        assert got["sample"] == sample
 
 
 def test_pp4_and_pp2_x_dp2():
