@@ -123,6 +123,8 @@ def test_pp2_every_schedule_and_micro_batch_count():
     refs.append((FOUR, 4))
     configs.append(FOUR + _overrides(2, 1, "1f1b", 4, ['parallel.pp_balance="params"']))
     refs.append((FOUR, 4))
+    configs.append(FOUR + _overrides(2, 1, "gpipe", 4, ['parallel.pp_balance="time"']))  # ranks agree on one cut
+    refs.append((FOUR, 4))
     results = spawn(_run_configs, 2, configs, timeout=300)
     _check(results, configs, refs)
     _check_memory(results, configs, FOUR + _overrides(2, 1, "gpipe", 8), FOUR + _overrides(2, 1, "1f1b", 8))
