@@ -82,6 +82,7 @@ class PipelineRunner:
         self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
         self.saved = SavedBytes(self.parameters())
         self.metrics: dict[str, float] = {}
+        self._pending_metrics: tuple | None = None
         self.timeline = True  # write_timeline draws the last step (tests switch it off for speed)
         self.step_start = 0.0
         self.shared_clock = self._same_host()
@@ -106,6 +107,7 @@ class PipelineRunner:
         total = torch.zeros((), device=self.device)
         state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {}}
         self.events = []
+        self.saved.peak = self.saved.live = 0
         busy = 0.0
         for item in self.items:
             a = item[0]
@@ -124,7 +126,8 @@ class PipelineRunner:
             self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
         self.links.wait_sends()
         self._reduce_tied()
-        self._step_metrics(busy, max(e for k, *_, e in self.events if k in COMPUTE))
+        # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
+        self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
         return self.links.broadcast_from_last(total)
 
     @torch.no_grad()
@@ -152,7 +155,10 @@ class PipelineRunner:
         return idx
 
     def extra_metrics(self) -> dict[str, float]:
-        """This step's bubble fraction and saved-activation peaks, for the trainer's metrics row."""
+        """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
+        if self._pending_metrics is not None:
+            self._step_metrics(*self._pending_metrics)
+            self._pending_metrics = None
         return dict(self.metrics)
 
     # ---- one action ---------------------------------------------------------------
@@ -260,7 +266,7 @@ class PipelineRunner:
                 self.tied_param.grad = torch.zeros_like(self.tied_param)
             dist.all_reduce(self.tied_param.grad, group=self.tied_group)
 
-    def _step_metrics(self, busy: float, end: float) -> None:
+    def _step_metrics(self, busy: float, end: float, saved_peak: int) -> None:
         """bubble = 1 - (compute time summed over the pipeline) / (p * step span).
 
         The span is from the earliest step start to the latest end of a compute
@@ -272,21 +278,21 @@ class PipelineRunner:
         # with one clock for all ranks (one host) the span runs from the earliest start to the
         # latest end; otherwise each rank counts from its own start
         t0 = self.step_start if self.shared_clock else 0.0
-        peaks = torch.tensor([end + t0, -t0, self.saved.peak / 2**20], dtype=torch.float64, device=self.device)
+        peaks = torch.tensor([end + t0, -t0, saved_peak / 2**20], dtype=torch.float64, device=self.device)
         if self.links.group is not None:
             dist.all_reduce(busy_sum, group=self.links.group)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.links.group)
         span = peaks[0].item() + peaks[1].item()
         self.metrics = {"bubble": 1 - busy_sum.item() / (self.p * span),
                         "act_peak_mb": peaks[2].item(),  # saved activations, the most on any stage
-                        "act_peak_mb_rank": self.saved.peak / 2**20}
-        self.saved.peak = self.saved.live = 0
+                        "act_peak_mb_rank": saved_peak / 2**20}
 
     def write_timeline(self, out_dir: str) -> dict[str, str]:
         """Collective: the last step's events of one pipeline -> trace.json and gantt.png (rank 0 writes)."""
         from tessel.observe.timeline import chrome_trace, gantt_png
         if not self.timeline:
             return {}
+        self.extra_metrics()  # collective too: the title quotes the step's bubble
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.step_start if self.shared_clock else 0.0, self.events))
         if self.mesh.rank != 0:
