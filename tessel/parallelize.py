@@ -29,7 +29,7 @@ class Plan:
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
-    pending = [("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1), ("parallel.ep", p.ep > 1),
+    pending = [("parallel.pp", p.pp > 1), ("parallel.ep", p.ep > 1),
                ("parallel.zero_stage", p.zero_stage > 0), ("parallel.recompute", p.recompute)]
     for name, on in pending:
         if on:
@@ -37,7 +37,18 @@ def _not_yet(cfg: Config) -> None:
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    return plan  # issue 3
+    """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
+    if mesh.size("tp") == 1:
+        return plan
+    from tessel.models.plan import GPT_TP_PLAN
+    from tessel.parallel.tensor import FullLogits, TPContext, VocabParallelLoss, apply_plan
+    if cfg.model.n_experts:
+        raise NotImplementedError("parallel.tp with MoE blocks (model.n_experts > 0) is not implemented yet")
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
+    apply_plan(plan.model, GPT_TP_PLAN, ctx)
+    plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
+    plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
+    return plan
 
 
 def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
