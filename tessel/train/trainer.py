@@ -74,7 +74,8 @@ class Trainer:
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
         self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
-        self.n_params = count_params(model)
+        with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
+            self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = self._device_peak_flops()
         self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if rank == 0 else None
