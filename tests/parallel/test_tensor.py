@@ -15,7 +15,7 @@ from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
 from tessel.models.plan import GPT_TP_PLAN
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPContext, full_tensor,
+from tessel.parallel.tensor import (LOGICAL_SHAPE_ATTR, ColumnParallelLinear, RowParallelLinear, TPContext, full_tensor,
                                     local_param_bytes, match_plan)
 from tessel.parallelize import parallelize
 from tessel.spawn import spawn
@@ -33,6 +33,8 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "tp4_vocab250": ["parallel.tp=4", "model.vocab_size=250"],  # 250 = 4 * 62 + 2: padded to 252
     "dp2_tp2_tied": ["parallel.dp=2", "parallel.tp=2", "model.tie_embeddings=true"],
+    # sequence-parallel norm gradients summed per micro-batch, then averaged over dp
+    "dp2_tp2_sp_accum": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.grad_accum=2"],
 }
 # fp32 throughout. Tensor parallelism sums partial products in another order
 # than one process (all-reduce of per-rank partial matmuls, split softmax
@@ -80,13 +82,27 @@ def _run(overrides: list[str]) -> dict:
         out["losses"].append(loss.item())
         if step == 0:
             out["grads"] = {n: full_tensor(q.grad, q, ctx) for n, q in model.named_parameters()}
+            out["padding_grads"] = _padding_rows(model, "grad")
         out["norms"].append(clip_grad_norm_(params, cfg.train.grad_clip, mesh).item())
         opt.step()
         opt.zero_grad(set_to_none=False)
     out["weights"] = {n: full_tensor(q, q, ctx) for n, q in model.named_parameters()}
+    out["padding_weights"] = _padding_rows(model, "data")
     with torch.no_grad():  # sampling path: whole-vocabulary logits for a prompt of odd length
         prompt = torch.arange(5).unsqueeze(0) * 7 % cfg.model.vocab_size
         out["full_logits"] = runner.full_logits(prompt)
+    return out
+
+
+def _padding_rows(model: nn.Module, what: str) -> dict:
+    """The rows of this rank's vocabulary shards that lie past the real vocabulary."""
+    out = {}
+    for n, q in model.named_parameters():
+        logical = getattr(q, LOGICAL_SHAPE_ATTR, None)
+        if logical is not None:
+            rank = int(getattr(model.get_submodule(n.rpartition(".")[0]), "ctx").rank)
+            first_pad = max(0, logical[0] - rank * q.size(0))  # local index of the first padded row
+            out[n] = getattr(q, what)[first_pad:].detach().clone()
     return out
 
 
@@ -190,6 +206,16 @@ def test_sharded_layers_hold_one_tpth_of_the_bytes(world2, world4, name):
                 assert local * tp == full, layer
 
 
+def test_vocabulary_padding_stays_zero(world4):
+    # vocab 250 over tp=4: 63 rows a rank, the last rank holds 61 real rows and 2 padded ones
+    padded = [r["tp4_vocab250"] for r in world4]
+    assert sum(t.size(0) for r in padded for t in r["padding_weights"].values()) == 2 * 2  # emb + head
+    for r in padded:
+        for what in ("padding_grads", "padding_weights"):
+            for n, t in r[what].items():
+                assert torch.count_nonzero(t) == 0, f"{what} {n}"  # never looked up, masked from the loss
+
+
 def test_split_linear_pair_matches_whole(world2):
     """f / g (and the sequence-parallel g / g-bar) around an nn.Linear pair split column- then row-wise."""
     torch.manual_seed(0)
@@ -214,3 +240,24 @@ def test_split_linear_pair_matches_whole(world2):
 def test_sequence_parallel_without_tp_is_rejected():
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         tiny_config("parallel.sequence_parallel=true")
+
+
+def test_plan_is_data_and_is_checked():
+    import ast
+    from pathlib import Path
+
+    import tessel.models
+    for f in Path(tessel.models.__file__).parent.glob("*.py"):  # models never import parallel
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("tessel.parallel") for n in names), f
+    model = GPT(tiny_config().model)
+    styles = match_plan(model, GPT_TP_PLAN)
+    assert styles["layers.1.attn.wk"] == "colwise" and styles["layers.0.mlp.w_down"] == "rowwise"
+    with pytest.raises(ValueError, match="match no module"):
+        match_plan(model, {**GPT_TP_PLAN, "layers.*.attn.w_typo": "colwise"})
+    with pytest.raises(ValueError, match="no enclosing module"):
+        match_plan(model, {k: v for k, v in GPT_TP_PLAN.items() if k != "layers.*.mlp"})
+    with pytest.raises(ValueError, match="unknown style"):
+        match_plan(model, {"lm_head": "diagonal"})
