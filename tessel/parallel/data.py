@@ -53,8 +53,14 @@ class Bucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
 
-def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Group params (already in expected gradient order) into flat buffers by dtype/device."""
+def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[Bucket]:
+    """Group params (already in expected gradient order) into flat buffers by dtype/device.
+
+    The first bucket is small (1 MiB by default, as in DDP): its gradients are the
+    first ready, and a small bucket lets communication start early in backward.
+    """
+    first_bucket_bytes = min(bucket_bytes, first_bucket_bytes or 2**20)
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, tuple[list, int]] = {}
 
@@ -71,7 +77,7 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Buc
         plist.append(p)
         nbytes += p.numel() * p.element_size()
         open_by_key[key] = (plist, nbytes)
-        if nbytes >= bucket_bytes:
+        if nbytes >= (bucket_bytes if buckets else first_bucket_bytes):
             close(key)
     for key in list(open_by_key):
         close(key)
