@@ -261,3 +261,20 @@ def test_plan_is_data_and_is_checked():
         match_plan(model, {k: v for k, v in GPT_TP_PLAN.items() if k != "layers.*.mlp"})
     with pytest.raises(ValueError, match="unknown style"):
         match_plan(model, {"lm_head": "diagonal"})
+
+
+def test_full_logits_pads_or_trims_prompts_under_sequence_parallelism():
+    from tessel.parallel.tensor import FullLogits
+    seen = []
+
+    def fake_model(idx):  # records what the sharded model would be given; logits = position
+        seen.append(idx.clone())
+        return idx.float().unsqueeze(-1).expand(*idx.shape, 6)  # (B, T, 6 = padded vocab)
+
+    ctx = TPContext(group=None, size=4, rank=0, sequence_parallel=True)  # no peers needed: shapes only
+    logits = FullLogits(fake_model, ctx, vocab_size=5, max_seq_len=8)(torch.arange(1, 6).unsqueeze(0))
+    assert seen[-1].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]  # padded on the right to 8
+    assert logits.shape == (1, 5, 5) and logits[0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    logits = FullLogits(fake_model, ctx, vocab_size=5, max_seq_len=8)(torch.arange(1, 11).unsqueeze(0))
+    assert seen[-1].tolist() == [[3, 4, 5, 6, 7, 8, 9, 10]]  # past max_seq_len: oldest tokens dropped
+    assert logits.shape == (1, 8, 5) and logits[0, -1, 0].item() == 10
