@@ -105,6 +105,9 @@ class Trainer:
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
                "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+        extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
+        if extra is not None:
+            row.update(extra())
         return row
 
     @torch.no_grad()
