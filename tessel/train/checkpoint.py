@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tessel.train.logical import LogicalView, load_targets, save_state
 from tessel.train.safe_dcp import METADATA_FILE, JsonMetadataWriter, SafeReader, UnsafeCheckpointError, read_metadata
@@ -170,7 +171,7 @@ class CheckpointManager:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             self.pending = Pending(fut, tmp, final, step, info)
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
             self.pending = Pending(None, tmp, final, step, info)
             self._finish()
 
@@ -218,7 +219,10 @@ class CheckpointManager:
         manifest = _manifest(path)
         md = read_metadata(path)
         targets, put_back = load_targets(runner, optimizer, self.view, md.state_dict_metadata)
-        dcp.load(targets, storage_reader=SafeReader(path), process_group=self.group)
+        try:
+            dcp.load(targets, storage_reader=SafeReader(path), process_group=self.group, no_dist=self.group is None)
+        except CheckpointException as err:
+            raise CheckpointError(f"{path}: could not be loaded: {_root_causes(err)}") from None
         for fqn, apply in put_back:
             apply(targets[fqn])
         custom = getattr(optimizer, "load_checkpoint_tensors", None)
@@ -244,6 +248,18 @@ class CheckpointManager:
             buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.group)
         return Path(bytes(buf.tolist()).decode())
+
+
+def _root_causes(err: CheckpointException) -> str:
+    """One line per failing rank: the underlying error (an unpickling refusal, a short read, ...)."""
+    lines = []
+    for rank, failure in sorted(err.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        text = str(exc).replace("\n", " ")
+        unsafe = "Unsupported global" in text or "Weights only" in text
+        lines.append(f"rank {rank}: {type(exc).__name__}: " +
+                     ("refused to unpickle a non-tensor object (weights_only): " if unsafe else "") + text[:400])
+    return "; ".join(lines)
 
 
 def _manifest(path: Path) -> dict:

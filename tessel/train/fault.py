@@ -80,6 +80,7 @@ class Heartbeat:
         self.beat = 0
         self.host = socket.gethostname()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase change is written at once, not at the next period
         self.store = None
         self.threads = []
 
@@ -98,6 +99,7 @@ class Heartbeat:
     def stop(self) -> None:
         """Say 'done' (a finished rank is not a stalled one), then stop both threads."""
         self._stop.set()
+        self._wake.set()
         if self.threads:
             self.threads[0].join(timeout=2 * self.period + 1)  # no beat may land after 'done'
             self.phase = "done"
@@ -109,6 +111,7 @@ class Heartbeat:
 
     def set(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
+        self._wake.set()
 
     def _beat_loop(self) -> None:
         while not self._stop.is_set():
@@ -117,9 +120,12 @@ class Heartbeat:
                    "host": self.host, "time": time.time()}
             try:
                 self.store.set(f"rank{self.rank}", json.dumps(doc))
-            except Exception:  # noqa: BLE001 - the store went away: the group is ending
+            except Exception as err:  # noqa: BLE001 - the store went away: the group is ending
+                if not self._stop.is_set():
+                    log(f"[tessel heartbeat] rank {self.rank}: heartbeat stopped: {err}")
                 return
-            self._stop.wait(self.period)
+            self._wake.wait(self.period)
+            self._wake.clear()
 
     def _watch_loop(self) -> None:
         seen: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, local time it changed, doc)
@@ -128,7 +134,9 @@ class Heartbeat:
             docs = {}
             try:
                 docs = self._read_all()
-            except Exception:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001
+                if not self._stop.is_set():
+                    log(f"[tessel watchdog] rank {self.rank}: watchdog stopped: {err}")
                 return
             for r, doc in docs.items():
                 if doc["phase"] == "done":
