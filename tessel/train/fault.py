@@ -80,6 +80,7 @@ class Heartbeat:
         self.beat = 0
         self.host = socket.gethostname()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._wake = threading.Event()  # a phase change is written at once, not at the next period
         self.store = None
         self.threads = []
@@ -109,17 +110,25 @@ class Heartbeat:
             except Exception:  # noqa: BLE001
                 pass
 
-    def set(self, step: int, phase: str) -> None:
+    def set(self, step: int, phase: str, flush: bool = False) -> None:
+        """Record what this rank does; flush=True writes it before returning (once per step)."""
         self.step, self.phase = step, phase
-        self._wake.set()
+        if flush and self.threads:
+            self._write()
+        else:
+            self._wake.set()
 
-    def _beat_loop(self) -> None:
-        while not self._stop.is_set():
+    def _write(self) -> None:
+        with self._lock:  # the beat thread and the trainer share one store connection
             self.beat += 1
             doc = {"beat": self.beat, "step": self.step, "phase": self.phase, "pid": os.getpid(),
                    "host": self.host, "time": time.time()}
+            self.store.set(f"rank{self.rank}", json.dumps(doc))
+
+    def _beat_loop(self) -> None:
+        while not self._stop.is_set():
             try:
-                self.store.set(f"rank{self.rank}", json.dumps(doc))
+                self._write()
             except Exception as err:  # noqa: BLE001 - the store went away: the group is ending
                 if not self._stop.is_set():
                     log(f"[tessel heartbeat] rank {self.rank}: heartbeat stopped: {err}")
@@ -199,11 +208,13 @@ class ForwardTimer:
 
 
 def straggler_report(times: list[float], factor: float, min_gap_s: float) -> dict:
-    """Per-rank local times -> metrics; `straggler_rank` is -1 when nobody stands out."""
-    med = statistics.median(times)
+    """Per-rank local times -> metrics; the slowest rank is compared with the median of the others
+    (with two ranks a median over all would be their mean); `straggler_rank` is -1 if none stands out."""
     slow = max(range(len(times)), key=lambda r: times[r])
+    others = [t for r, t in enumerate(times) if r != slow] or [times[slow]]
+    med = statistics.median(others)
     ratio = times[slow] / med if med > 0 else 1.0
-    is_straggler = ratio > factor and times[slow] - med > min_gap_s
+    is_straggler = len(times) > 1 and ratio > factor and times[slow] - med > min_gap_s
     return {"straggler_ratio": ratio, "straggler_rank": slow if is_straggler else -1,
             "rank_time_max_s": times[slow], "rank_time_median_s": med}
 

@@ -89,7 +89,7 @@ class Guard:
 
     # ---- per step -----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        self.heartbeat.set(step, "data")
+        self.heartbeat.set(step, "data", flush=True)
         self.injector.before_step(step)
 
     def end_step(self, step: int, row: dict) -> int:
@@ -111,7 +111,7 @@ class Guard:
             self.bad_in_row = 0
         nxt = step + 1
         every = self.cfg.checkpoint.every
-        if every and nxt % every == 0:
+        if every and nxt % every == 0 and self.bad_in_row == 0:  # never checkpoint a suspect state
             self.save(nxt)
         return nxt
 

@@ -43,10 +43,10 @@ def _world(overrides: list[str]) -> int:
     return cfg.parallel.world_size
 
 
-def _fit(cfg: Config) -> list[float]:
+def _fit(cfg: Config, init_seed: int | None = None) -> list[float]:
     p = cfg.parallel
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
     model = GPT(cfg.model)
     runner = parallelize(model, mesh, cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -64,12 +64,12 @@ def _save(root: str, name: str) -> list[float]:
 
 
 def _load(root: str, name: str, sources: list[str]) -> dict[str, float]:
-    """Resume layout `name` from each source's checkpoint (another seed first: the load must win)."""
+    """Resume layout `name` from each source's checkpoint (other initial weights: the load must win)."""
     out = {}
     for src in sources:
-        cfg = tiny_config(*LOAD_LAYOUTS[name], *_common(Path(root), name), "train.seed=99",
+        cfg = tiny_config(*LOAD_LAYOUTS[name], *_common(Path(root), name),
                           f'checkpoint.resume="{root}/{src}/step_{SAVE_AT:08d}"', f'checkpoint.dir="{root}/x"')
-        losses = _fit(cfg)
+        losses = _fit(cfg, init_seed=99)
         assert len(losses) == 1  # resumed at step 3 of 4
         out[src] = losses[0]
     return out
