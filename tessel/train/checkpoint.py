@@ -168,7 +168,7 @@ class CheckpointManager:
         state = save_state(runner, optimizer, self.view)
         writer = JsonMetadataWriter(tmp, sync_files=True)
         if self.async_save:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
             self.pending = Pending(fut, tmp, final, step, info)
         else:
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)

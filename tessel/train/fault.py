@@ -194,10 +194,11 @@ class ForwardTimer:
         module.register_forward_hook(self._post)
 
     def _pre(self, *_):
-        self._t0 = time.perf_counter()
+        # training forwards only: evaluation and sampling run without grad and are not a step's work
+        self._t0 = time.perf_counter() if torch.is_grad_enabled() else None
 
     def _post(self, *_):
-        if self.device.type == "cuda":
+        if self._t0 is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self._t0 is not None:
             self.total += time.perf_counter() - self._t0

@@ -38,11 +38,6 @@ SAVE_AT = 3  # checkpoint after 3 steps; the "next step" is step 3
 NEXT_LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _world(overrides: list[str]) -> int:
-    cfg = tiny_config(*overrides)
-    return cfg.parallel.world_size
-
-
 def _fit(cfg: Config, init_seed: int | None = None) -> list[float]:
     p = cfg.parallel
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
@@ -75,17 +70,21 @@ def _load(root: str, name: str, sources: list[str]) -> dict[str, float]:
     return out
 
 
-def _run(overrides_world: int, fn, *args):
-    if overrides_world == 1:
-        return fn(*args)
-    return spawn(fn, overrides_world, *args)[0]
+def _save_then_load(root: str, save: str | None, load: str | None, sources: list[str]):
+    """One process group does a save and/or a round of loads (fewer spawns: they dominate the time)."""
+    saved = _save(root, save) if save else None
+    return saved, (_load(root, load, sources) if load else None)
 
 
 def test_resharding_matrix_next_step_loss(tmp_path):
-    root = str(tmp_path)
-    saved = {name: _run(_world(ov), _save, root, name) for name, ov in SAVE_LAYOUTS.items()}
-    for name, ov in LOAD_LAYOUTS.items():
-        got = _run(_world(ov), _load, root, name, list(SAVE_LAYOUTS))
+    root, names = str(tmp_path), list(SAVE_LAYOUTS)
+    saved = {"dp1": _save(root, "dp1")}
+    saved["dp2"] = spawn(_save_then_load, 2, root, "dp2", None, [])[0][0]
+    saved["dp4"], loaded4 = spawn(_save_then_load, 4, root, "dp4", "dp4-accum2", names)[0]
+    loaded = {"dp4-accum2": loaded4, "dp2-accum2": spawn(_save_then_load, 2, root, None, "dp2-accum2", names)[0][1],
+              "dp1-accum4": _load(root, "dp1-accum4", names)}
+    assert sorted(loaded) == sorted(LOAD_LAYOUTS)
+    for name, got in loaded.items():
         for src, loss in got.items():
             assert_close(torch.tensor(loss), torch.tensor(saved[src][SAVE_AT]), **NEXT_LOSS_TOL,
                          msg=lambda m: f"saved in {src}, loaded in {name}: {m}")
@@ -180,6 +179,20 @@ def test_truncated_and_flipped_shards_fall_back_to_previous(tmp_path):
     assert torch.equal(model2.lm_head.weight, weights[1])
     with pytest.raises(CheckpointError, match="checksum"):
         verify(tmp_path / "step_00000002")  # an explicit path is verified too, never silently used
+
+
+def test_async_save_holds_the_state_of_its_step(tmp_path):
+    cfg, mesh, model, runner, trainer = _tiny_state(0)
+    mgr = CheckpointManager(tmp_path, mesh, async_save=True)
+    trainer.train_step(0)
+    at_save = model.lm_head.weight.detach().clone()
+    mgr.save(1, runner, trainer.optimizer, {})
+    trainer.train_step(1)  # training goes on while the files are written; the staged copy is unaffected
+    mgr.wait()
+    assert not torch.equal(model.lm_head.weight, at_save)
+    _, _, model2, runner2, trainer2 = _tiny_state(5)
+    mgr.load(latest_valid(tmp_path)[0], runner2, trainer2.optimizer)
+    assert torch.equal(model2.lm_head.weight, at_save)
 
 
 # ---- safe loading ---------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def test_elastic_4_to_2_ranks_keeps_global_batch_and_trajectory(reference, tmp_p
 # ---- numerical faults (in-process ranks) ---------------------------------------------------
 def _nan_run(root: str, fault: str) -> dict:
     os.environ["TESSEL_FAULT"] = fault
-    cfg = tiny_config("parallel.dp=2", "fault.heartbeat_s=0", "fault.nan_tolerance=2", "checkpoint.every=2",
+    cfg = tiny_config("parallel.dp=2", "train.steps=8", "fault.heartbeat_s=0", "fault.nan_tolerance=2",
+                      "checkpoint.every=4",
                       f'checkpoint.dir="{root}"', f'logging.out_dir="{root}/logs"')
     mesh = make_mesh({"dp": 2})
     torch.manual_seed(cfg.train.seed)
@@ -164,11 +165,11 @@ def _nan_pair(root: str) -> tuple[dict, dict]:
 def test_nan_skips_on_all_ranks_then_rolls_back(tmp_path):
     (once0, streak0), (once1, streak1) = spawn(_nan_pair, 2, str(tmp_path))
     for once, streak in ((once0, streak0), (once1, streak1)):
-        assert [s for _, s, _ in once["rows"]] == [i == 2 for i in range(10)]
-        # steps 5 and 6 skipped -> rollback to the step-4 checkpoint, then 4..9 replayed
+        assert [s for _, s, _ in once["rows"]] == [i == 2 for i in range(8)]
+        # steps 5 and 6 skipped -> rollback to the step-4 checkpoint, then 4..7 replayed
         skipped = [i for i, (_, s, _) in enumerate(streak["rows"]) if s]
         assert skipped == [2, 5, 6] and streak["rows"][6][2] == 4
-        assert len(streak["rows"]) == 10 + 3
+        assert len(streak["rows"]) == 8 + 3
         # the replayed steps land exactly where the run with the single skip went
         assert [loss for loss, _, _ in streak["rows"][7:]] == [loss for loss, _, _ in once["rows"][4:]]
     for k, v in once0["weights"].items():
