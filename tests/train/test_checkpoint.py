@@ -70,20 +70,36 @@ def _load(root: str, name: str, sources: list[str]) -> dict[str, float]:
     return out
 
 
-def _save_then_load(root: str, save: str | None, load: str | None, sources: list[str]):
-    """One process group does a save and/or a round of loads (fewer spawns: they dominate the time)."""
-    saved = _save(root, save) if save else None
-    return saved, (_load(root, load, sources) if load else None)
+def _phase(root: str, saves: list[str], loads: list[str], sources: list[str]) -> tuple[dict, dict]:
+    """One process group saves in some layouts, then loads every source into others."""
+    return {n: _save(root, n) for n in saves}, {n: _load(root, n, sources) for n in loads}
+
+
+def _in_world(world: int, *args) -> tuple[dict, dict]:
+    return _phase(*args) if world == 1 else spawn(_phase, world, *args)[0]
+
+
+def _by_world(layouts: dict[str, list[str]]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, overrides in layouts.items():
+        out.setdefault(tiny_config(*overrides).parallel.world_size, []).append(name)
+    return out
 
 
 def test_resharding_matrix_next_step_loss(tmp_path):
-    root, names = str(tmp_path), list(SAVE_LAYOUTS)
-    saved = {"dp1": _save(root, "dp1")}
-    saved["dp2"] = spawn(_save_then_load, 2, root, "dp2", None, [])[0][0]
-    saved["dp4"], loaded4 = spawn(_save_then_load, 4, root, "dp4", "dp4-accum2", names)[0]
-    loaded = {"dp4-accum2": loaded4, "dp2-accum2": spawn(_save_then_load, 2, root, None, "dp2-accum2", names)[0][1],
-              "dp1-accum4": _load(root, "dp1-accum4", names)}
-    assert sorted(loaded) == sorted(LOAD_LAYOUTS)
+    root, sources = str(tmp_path), list(SAVE_LAYOUTS)
+    saves, loads = _by_world(SAVE_LAYOUTS), _by_world(LOAD_LAYOUTS)
+    worlds = sorted(set(saves) | set(loads))
+    saved, loaded = {}, {}
+    # phase 1: every world saves; the last also loads (all sources exist by then). Phase 2: the rest load.
+    # Spawning dominates the time, so each world is spawned at most twice.
+    for w in worlds:
+        s, l = _in_world(w, root, saves.get(w, []), loads.get(w, []) if w == worlds[-1] else [], sources)
+        saved.update(s)
+        loaded.update(l)
+    for w in worlds[:-1]:
+        loaded.update(_in_world(w, root, [], loads.get(w, []), sources)[1])
+    assert sorted(loaded) == sorted(LOAD_LAYOUTS) and sorted(saved) == sorted(SAVE_LAYOUTS)
     for name, got in loaded.items():
         for src, loss in got.items():
             assert_close(torch.tensor(loss), torch.tensor(saved[src][SAVE_AT]), **NEXT_LOSS_TOL,
