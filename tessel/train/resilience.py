@@ -14,7 +14,6 @@ The trainer calls three methods, so its loop stays readable:
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
@@ -127,8 +127,3 @@ class SafeReader(FileSystemReader):
                 raise UnsafeCheckpointError(f"'{item.dest_index.fqn}' would be unpickled; refused")
         return super().read_data(plan, planner)
 
-
-def reject_bytes_entries(md: Metadata) -> None:
-    bad = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-    if bad:
-        raise UnsafeCheckpointError(f"non-tensor entries {bad} would be unpickled; refused")
