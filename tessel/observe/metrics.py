@@ -69,11 +69,11 @@ def peak_memory_mb(device: torch.device) -> float:
 class MetricsLog:
     """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self.file = self.path.open("w")
+        self.file = self.path.open("a" if append else "w")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
