@@ -53,8 +53,10 @@ class Bucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
 
-def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Group params (already in expected gradient order) into flat buffers by dtype/device."""
+def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int, align: int = 1) -> list[Bucket]:
+    """Group params (already in expected gradient order) into flat buffers by dtype/device.
+
+    Each buffer is zero-padded to a multiple of `align` elements (ZeRO splits it in equal shards)."""
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, tuple[list, int]] = {}
 
@@ -62,7 +64,7 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Buc
         plist, nbytes = open_by_key.pop(key)
         numels = [p.numel() for p in plist]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
-        buf = torch.zeros(sum(numels), dtype=key[0], device=key[1])
+        buf = torch.zeros(-(-sum(numels) // align) * align, dtype=key[0], device=key[1])
         buckets.append(Bucket(plist, buf, offsets))
 
     for p in params:
