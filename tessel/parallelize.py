@@ -16,6 +16,7 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.parallel.data import data_parallel
+from tessel.parallel.zero import zero_parallel
 from tessel.train.step import LocalRunner
 
 
@@ -25,12 +26,13 @@ class Plan:
     model: nn.Module
     loss_fn: Callable = cross_entropy
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
+    optimizer: object | None = None  # a strategy that shards the optimizer (ZeRO) supplies it
 
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
     pending = [("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1), ("parallel.ep", p.ep > 1),
-               ("parallel.zero_stage", p.zero_stage > 0), ("parallel.recompute", p.recompute)]
+               ("parallel.recompute", p.recompute)]
     for name, on in pending:
         if on:
             raise NotImplementedError(f"{name} is not implemented yet")
@@ -49,6 +51,12 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    if cfg.parallel.zero_stage > 0:
+        t = cfg.train
+        plan.model, plan.optimizer = zero_parallel(
+            plan.model, mesh, cfg.parallel.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+        return plan
     if mesh.size("dp", "ep") > 1:
         plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
     return plan
@@ -66,4 +74,4 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
                        full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len)
+                       max_seq_len=cfg.model.max_seq_len, optimizer=plan.optimizer)

@@ -39,7 +39,7 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 vocab_size: int | None = None, max_seq_len: int | None = None):
+                 vocab_size: int | None = None, max_seq_len: int | None = None, optimizer=None):
         self.model = model
         self.loss_fn = loss_fn
         self.chunks = chunks
@@ -48,6 +48,7 @@ class LocalRunner:
         self.full_logits = full_logits or model
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self.optimizer = optimizer  # None: the trainer builds AdamW over parameters()
 
     def parameters(self) -> list[nn.Parameter]:
         return list(dict.fromkeys(self.model.parameters()))
