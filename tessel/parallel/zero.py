@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Sequence
 
@@ -58,8 +57,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.parallel.data import Bucket, broadcast_tensors, build_buckets, data_parallel
-from tessel.parallel.norms import mark_sharded, shard_axes
+from tessel.parallel.data import broadcast_tensors, data_parallel
+from tessel.parallel.norms import shard_axes
+from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
+                                       segments, unit_group)
 
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
@@ -73,73 +74,6 @@ def default_decay(p: nn.Parameter) -> bool:
     return p.dim() >= 2
 
 
-# ---- collectives (gloo and NCCL both implement the single-tensor forms) ----------
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    if group is None:
-        if out.data_ptr() != inp.data_ptr():
-            out.copy_(inp)
-        return None
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group):
-    if group is None:
-        out.copy_(inp)
-        return None
-    return dist.reduce_scatter_single(out, inp, group=group, async_op=True)
-
-
-@dataclass
-class FlatGroup(Bucket):
-    """A flat parameter buffer (`full`) and its gradient buffer (Bucket.buffer), in N shards.
-
-    Bucket.buffer is the full-size gradient (None while it is not needed, stages 2, 3);
-    `grad_shard` is the reduced gradient of the owned shard."""
-    rank: int = 0
-    world: int = 1
-    full: torch.Tensor | None = None        # (numel,) stage 3: storage freed when not gathered
-    shard: torch.Tensor | None = None       # (numel/N,) owned params; a view of `full` before stage 3
-    grad_shard: torch.Tensor | None = None  # (numel/N,)
-    out: torch.Tensor | None = None         # reduce-scatter output while in flight
-    gather_work: object = None
-    gathered: bool = True
-    index: int = -1                         # stage 3: position in forward order; -1 for the root
-    unit: nn.Module | None = None           # stage 3: the module whose forward needs these params
-
-    @property
-    def lo(self) -> int:
-        return self.rank * (self.full.numel() // self.world)
-
-    @property
-    def hi(self) -> int:
-        return (self.rank + 1) * (self.full.numel() // self.world)
-
-    def param_view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.full[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
-
-
-def _flatten_into(g: FlatGroup) -> None:
-    """Copy the parameters into g.full and make each one a view of it."""
-    with torch.no_grad():
-        for i, p in enumerate(g.params):
-            view = g.param_view(i)
-            view.copy_(p.detach())
-            p.data = view
-
-
-def find_units(module: nn.Module) -> list[nn.Module]:
-    """Default stage-3 units: each child of each nn.ModuleList, outermost lists first."""
-    units, inside = [], set()
-    for m in module.modules():
-        if id(m) in inside or not isinstance(m, nn.ModuleList):
-            continue
-        for child in m:
-            units.append(child)
-            inside.update(id(x) for x in child.modules())
-    return units
-
-
 class _PreBackwardGather(torch.autograd.Function):
     """Identity on a unit's output; its backward gathers the unit's parameters.
 
@@ -149,13 +83,13 @@ class _PreBackwardGather(torch.autograd.Function):
     prefetches the unit before it."""
 
     @staticmethod
-    def forward(ctx, engine: "ZeroDataParallel", group: FlatGroup, x: torch.Tensor) -> torch.Tensor:
-        ctx.engine, ctx.group = engine, group
+    def forward(ctx, engine: "ZeroDataParallel", unit: int, x: torch.Tensor) -> torch.Tensor:
+        ctx.engine, ctx.unit = engine, unit
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.engine._before_backward(ctx.group)
+        ctx.engine._before_backward(ctx.unit)
         return None, None, grad
 
 
@@ -168,23 +102,27 @@ class ZeroDataParallel(nn.Module):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data), got {stage}")
         self.module, self.stage, self.axes = module, stage, tuple(axes)
-        self.group = mesh.group(*self.axes)
-        self.world = mesh.size(*self.axes)
-        # the shard order of a collective is the rank order inside its process group
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.sync_gradients = True
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         bad = [p.dtype for p in params if p.dtype != torch.float32]
         if bad:
             raise ValueError(f"ZeRO keeps fp32 master weights: parameters must be fp32 (found {bad[0]}); "
                              "use autocast for bf16 compute")
-        if broadcast and self.group is not None:
-            tensors = list(module.parameters()) + list(module.buffers())
-            broadcast_tensors(tensors, src=mesh.group_ranks(self.axes)[0], group=self.group)
+        # a parameter already sharded over an axis (experts over ep) is sharded and
+        # reduced over the remaining ZeRO axes only
+        by_comm: dict[Comm, list[nn.Parameter]] = {}
+        for p in params:
+            key = tuple(a for a in self.axes if a not in shard_axes(p))
+            by_comm.setdefault(self._comm(mesh, key), []).append(p)
+        if broadcast:
+            self._broadcast(mesh, module, by_comm)
         if stage == 3:
-            self.groups = self._unit_groups(params, find_units(module) if units is None else list(units))
+            self.groups = self._unit_groups(by_comm, find_units(module) if units is None else list(units))
         else:
-            self.groups = self._bucket_groups(params, bucket_mb)
+            order = {id(p): i for i, p in enumerate(reversed(params))}
+            self.groups = sorted((g for comm, ps in by_comm.items()
+                                  for g in bucket_groups(ps, int(bucket_mb * 2**20), comm, stage, order)),
+                                 key=lambda g: g.first)
         self._where = {id(p): (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         self._next_to_launch = 0
         self._callback_queued = False
@@ -195,75 +133,45 @@ class ZeroDataParallel(nn.Module):
             self.reshard_all()
 
     # ---- layout ------------------------------------------------------------------
-    def _bucket_groups(self, params, bucket_mb) -> list[FlatGroup]:
-        # reverse order approximates the order in which gradients become ready
-        buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), align=self.world)
-        groups = []
-        for b in buckets:
-            g = FlatGroup(b.params, b.buffer, b.offsets, rank=self.rank, world=self.world,
-                          full=torch.zeros_like(b.buffer))
-            _flatten_into(g)
-            g.shard = g.full[g.lo: g.hi]
-            if self.stage == 1:
-                g.grad_shard = g.buffer[g.lo: g.hi]  # the all-reduced gradient, seen in place
-            else:
-                g.buffer = None  # allocated by the first gradient, freed once reduce-scattered
-                g.grad_shard = torch.zeros_like(g.shard)
-            groups.append(g)
-        return groups
+    @staticmethod
+    def _comm(mesh: Mesh, axes: tuple[str, ...]) -> Comm:
+        group = mesh.group(*axes)
+        # the shard order of a collective is the rank order inside its process group
+        return Comm(axes, group, mesh.size(*axes), dist.get_rank(group) if group is not None else 0)
 
-    def _unit_groups(self, params, units) -> list[FlatGroup]:
-        wanted = {id(p) for p in params}
+    def _broadcast(self, mesh: Mesh, module: nn.Module, by_comm: dict[Comm, list[nn.Parameter]]) -> None:
+        """Every rank of a group starts from the same weights: those of its first rank."""
+        for comm, ps in by_comm.items():
+            if comm.group is not None:
+                broadcast_tensors(ps, src=mesh.group_ranks(comm.axes)[0], group=comm.group)
+        buffers = list(module.buffers())
+        group = mesh.group(*self.axes)
+        if buffers and group is not None:
+            broadcast_tensors(buffers, src=mesh.group_ranks(self.axes)[0], group=group)
+
+    def _unit_groups(self, by_comm: dict[Comm, list[nn.Parameter]], units: list[nn.Module]) -> list[FlatGroup]:
+        """Stage 3: one flat group per unit and process group, in gradient order."""
+        comm_of = {id(p): comm for comm, ps in by_comm.items() for p in ps}
         claimed: set[int] = set()
-        per_unit = []
+        self.units: list[list[FlatGroup]] = []  # forward order
+        self._unit_modules: list[nn.Module] = []
         for u in units:
-            ps = [p for p in dict.fromkeys(u.parameters()) if id(p) in wanted and id(p) not in claimed]
+            ps = [p for p in dict.fromkeys(u.parameters()) if id(p) in comm_of and id(p) not in claimed]
             claimed.update(id(p) for p in ps)
-            per_unit.append((u, ps))
-        root_params = [p for p in params if id(p) not in claimed]
-        self.unit_groups = [self._unit_group(ps, i, u) for i, (u, ps) in enumerate(per_unit) if ps]
-        self.root_group = self._unit_group(root_params, -1, self.module) if root_params else None
+            if ps:
+                self.units.append(self._split_by_comm(ps, comm_of, len(self.units)))
+                self._unit_modules.append(u)
+        rest = [p for ps in by_comm.values() for p in ps if id(p) not in claimed]
+        self.root = self._split_by_comm(rest, comm_of, -1)
         # gradients of the last unit are ready first; the root (embedding, head) completes last
-        order = list(reversed(self.unit_groups)) + ([self.root_group] if self.root_group else [])
-        return order
+        return [g for unit in reversed(self.units) for g in unit] + self.root
 
-    def _unit_group(self, ps, index, unit) -> FlatGroup:
-        kinds = {(p.dtype, p.device) for p in ps}
-        assert len(kinds) == 1, f"a ZeRO-3 unit needs one dtype and device, got {kinds}"
-        numels = [p.numel() for p in ps]
-        offsets = [sum(numels[:i]) for i in range(len(ps))]
-        padded = -(-sum(numels) // self.world) * self.world
-        full = torch.zeros(padded, dtype=ps[0].dtype, device=ps[0].device)
-        g = FlatGroup(ps, None, offsets, rank=self.rank, world=self.world, full=full)
-        _flatten_into(g)
-        g.shard = g.full[g.lo: g.hi].clone()  # the only persistent copy of these parameters
-        g.grad_shard = torch.zeros_like(g.shard)
-        g.index, g.unit = index, unit
-        return g
-
-    def segments(self, decay: Callable[[nn.Parameter], bool]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """The optimizer's parameters: owned pieces of each flat group, split by decay and sharding.
-
-        Each segment aliases the owned parameter shard and its gradient aliases the
-        gradient shard, so the optimizer updates the flat buffers in place."""
-        out: tuple[list, list] = ([], [])
-        for g in self.groups:
-            pieces = []  # (start, end, key) in flat coordinates, clipped to the owned shard
-            for p, off in zip(g.params, g.offsets):
-                a, b = max(g.lo, off), min(g.hi, off + p.numel())
-                if a >= b:
-                    continue
-                key = (bool(decay(p)), shard_axes(p))
-                if pieces and pieces[-1][2] == key and pieces[-1][1] == a:
-                    pieces[-1] = (pieces[-1][0], b, key)
-                else:
-                    pieces.append((a, b, key))
-            for a, b, (dec, axes) in pieces:
-                seg = nn.Parameter(g.shard[a - g.lo: b - g.lo], requires_grad=False)
-                seg.grad = g.grad_shard[a - g.lo: b - g.lo]
-                mark_sharded(seg, *self.axes, *axes)
-                out[0 if dec else 1].append(seg)
-        return out
+    @staticmethod
+    def _split_by_comm(ps, comm_of, index) -> list[FlatGroup]:
+        per: dict[Comm, list[nn.Parameter]] = {}
+        for p in ps:
+            per.setdefault(comm_of[id(p)], []).append(p)
+        return [unit_group(group_ps, comm, index) for comm, group_ps in per.items()]
 
     # ---- forward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -282,8 +190,7 @@ class ZeroDataParallel(nn.Module):
     def gathered(self) -> Iterator[None]:
         """Stage 3: every parameter whole for the duration (state dicts, checks). No-op otherwise."""
         if self.stage == 3:
-            for g in self.groups:
-                self._wait_gathered(g)
+            self._wait_gathered(self.groups)
         try:
             yield
         finally:
@@ -292,47 +199,48 @@ class ZeroDataParallel(nn.Module):
 
     # ---- stage 3: gather just in time, free after --------------------------------------
     def _install_unit_hooks(self) -> None:
-        for g in self.unit_groups:
-            g.unit.register_forward_pre_hook(partial(self._pre_forward, g))
-            g.unit.register_forward_hook(partial(self._post_forward, g))
+        for i, u in enumerate(self._unit_modules):
+            u.register_forward_pre_hook(partial(self._pre_forward, i))
+            u.register_forward_hook(partial(self._post_forward, i))
         # the root hooks sit on the wrapped module, so calling it directly also works
         self.module.register_forward_pre_hook(self._pre_forward_root)
         self.module.register_forward_hook(self._post_forward_root)
 
-    def _gather_async(self, g: FlatGroup) -> None:
-        if g.gathered:
-            return
-        g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
-        with torch.no_grad():
-            g.gather_work = _all_gather(g.full, g.shard, self.group)
-        g.gathered = True
+    def _gather_async(self, groups: Sequence[FlatGroup]) -> None:
+        for g in groups:
+            if g.gathered:
+                continue
+            g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
+            with torch.no_grad():
+                g.gather_work = all_gather(g.full, g.shard, g.comm.group)
+            g.gathered = True
 
-    def _wait_gathered(self, g: FlatGroup) -> None:
-        self._gather_async(g)
-        if g.gather_work is not None:
-            g.gather_work.wait()
-            g.gather_work = None
+    def _wait_gathered(self, groups: Sequence[FlatGroup]) -> None:
+        self._gather_async(groups)
+        for g in groups:
+            if g.gather_work is not None:
+                g.gather_work.wait()
+                g.gather_work = None
 
-    def _reshard(self, g: FlatGroup) -> None:
-        if not g.gathered:
-            return
-        if g.gather_work is not None:  # a prefetch nobody used: finish it before freeing
-            g.gather_work.wait()
-            g.gather_work = None
-        g.full.untyped_storage().resize_(0)
-        g.gathered = False
+    def _reshard(self, groups: Sequence[FlatGroup]) -> None:
+        for g in groups:
+            if not g.gathered:
+                continue
+            if g.gather_work is not None:  # a prefetch nobody used: finish it before freeing
+                g.gather_work.wait()
+                g.gather_work = None
+            g.full.untyped_storage().resize_(0)
+            g.gathered = False
 
     def reshard_all(self) -> None:
-        for g in self.groups:
-            self._reshard(g)
+        self._reshard(self.groups)
 
-    def _prefetch(self, index: int) -> None:
-        if 0 <= index < len(self.unit_groups):
-            self._gather_async(self.unit_groups[index])
+    def _prefetch(self, unit: int) -> None:
+        if 0 <= unit < len(self.units):
+            self._gather_async(self.units[unit])
 
     def _pre_forward_root(self, module, args) -> None:
-        if self.root_group is not None:
-            self._wait_gathered(self.root_group)
+        self._wait_gathered(self.root)
         self._prefetch(0)
 
     def _post_forward_root(self, module, args, output):
@@ -340,21 +248,21 @@ class ZeroDataParallel(nn.Module):
             self.reshard_all()  # no backward will follow (evaluation, sampling)
         return output  # otherwise the root stays gathered until backward ends
 
-    def _pre_forward(self, g: FlatGroup, module, args) -> None:
-        self._wait_gathered(g)
-        self._prefetch(g.index + 1)
+    def _pre_forward(self, unit: int, module, args) -> None:
+        self._wait_gathered(self.units[unit])
+        self._prefetch(unit + 1)
 
-    def _post_forward(self, g: FlatGroup, module, args, output):
+    def _post_forward(self, unit: int, module, args, output):
         if torch.is_grad_enabled():
-            output = _map_tensors(output, lambda t: _PreBackwardGather.apply(self, g, t)
+            output = _map_tensors(output, lambda t: _PreBackwardGather.apply(self, unit, t)
                                   if t.requires_grad else t)
-        self._reshard(g)
+        self._reshard(self.units[unit])
         return output
 
-    def _before_backward(self, g: FlatGroup) -> None:
+    def _before_backward(self, unit: int) -> None:
         self._queue_finish()  # reshard at the end even under no_sync
-        self._wait_gathered(g)
-        self._prefetch(g.index - 1)
+        self._wait_gathered(self.units[unit])
+        self._prefetch(unit - 1)
 
     # ---- backward: gradients to their owners ---------------------------------------
     def _queue_finish(self) -> None:
@@ -379,8 +287,8 @@ class ZeroDataParallel(nn.Module):
         g.ready.add(i)
         if len(g.ready) < len(g.params):
             return
-        if self.stage == 3 and g is not self.root_group:
-            self._reshard(g)  # the unit's backward is over: no node needs its weights
+        if self.stage == 3 and g.index >= 0:
+            self._reshard([g])  # the unit's backward is over: no node needs its weights
         if self.sync_gradients:
             self._launch_ready_in_order()
 
@@ -395,10 +303,10 @@ class ZeroDataParallel(nn.Module):
 
     def _launch(self, g: FlatGroup) -> None:
         if self.stage == 1:
-            g.work = dist.all_reduce(g.buffer, group=self.group, async_op=True) if self.group else None
+            g.work = dist.all_reduce(g.buffer, group=g.comm.group, async_op=True) if g.comm.group else None
         else:
             g.out = torch.empty_like(g.grad_shard)
-            g.work = _reduce_scatter(g.out, g.buffer, self.group)
+            g.work = reduce_scatter(g.out, g.buffer, g.comm.group)
             for p in g.params:
                 p.grad = None  # the full gradient lives on only until the reduction ends
         self._in_flight.append(g)
@@ -410,9 +318,9 @@ class ZeroDataParallel(nn.Module):
             g.work.wait()
             g.work = None
         if self.stage == 1:
-            g.buffer.div_(self.world)
+            g.buffer.div_(g.comm.world)
         else:
-            g.grad_shard.add_(g.out.div_(self.world))  # add: gradients accumulate across steps
+            g.grad_shard.add_(g.out.div_(g.comm.world))  # add: gradients accumulate across steps
             g.out = None
             g.buffer = None
 
@@ -444,7 +352,7 @@ class ZeroDataParallel(nn.Module):
         """After the optimizer updated the owned shards: make the parameters whole (stages 1, 2)."""
         if self.stage == 3:
             return  # the next forward gathers from the updated shards
-        works = [_all_gather(g.full, g.shard, self.group) for g in self.groups]
+        works = [all_gather(g.full, g.shard, g.comm.group) for g in self.groups]
         for w in works:
             if w is not None:
                 w.wait()
@@ -486,7 +394,7 @@ class ZeroAdamW(torch.optim.AdamW):
 
     def __init__(self, engine: ZeroDataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, decay: Callable[[nn.Parameter], bool] = default_decay):
-        decay_segs, plain_segs = engine.segments(decay)
+        decay_segs, plain_segs = segments(engine.groups, decay)
         groups = [{"params": decay_segs, "weight_decay": weight_decay},
                   {"params": plain_segs, "weight_decay": 0.0}]
         super().__init__(groups, lr=lr, betas=betas, eps=eps)
