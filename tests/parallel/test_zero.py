@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
-from tessel.parallel.norms import clip_grad_norm_
+from tessel.parallel.norms import clip_grad_norm_, mark_sharded
 from tessel.parallel.zero import state_bytes, zero_parallel
 from tessel.parallelize import parallelize
 from tessel.spawn import spawn
@@ -174,9 +174,93 @@ def _any_module_reference():
     return net.state_dict(), norms, sum(p.numel() for p in params)
 
 
+# ---- composition with expert parallelism: dp=2 x ep=2 ----------------------------------
+class ExpertNet(nn.Module):
+    """Shared layers replicated over dp x ep around one expert per ep rank (sharded over ep)."""
+
+    def __init__(self, ep_rank: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        torch.manual_seed(100 + ep_rank)  # each ep rank holds a different expert
+        self.experts = nn.ModuleList([nn.Linear(16, 16)])
+        for p in self.experts.parameters():
+            mark_sharded(p, "ep")
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        return self.head(h + self.experts[0](h))
+
+
+EXPERT_CLIP = 0.2
+
+
+def _expert_run(stages):
+    """ZeRO over (dp, ep): shared weights shard over all four ranks, experts over dp only."""
+    mesh = make_mesh({"dp": 2, "ep": 2})
+    out = []
+    for stage in stages:
+        net = ExpertNet(mesh.coord("ep"))
+        model, opt = zero_parallel(net, mesh, stage, axes=("dp", "ep"), bucket_mb=0.001, **HYPER)
+        norms = []
+        for step in range(2):
+            model(_batch(step).chunk(4)[dist.get_rank()]).pow(2).mean().backward()
+            params = [p for g in opt.param_groups for p in g["params"]]
+            norms.append(clip_grad_norm_(params, EXPERT_CLIP, mesh).item())
+            opt.step()
+            opt.zero_grad()
+        with model.gathered() if stage == 3 else contextlib.nullcontext():
+            out.append({"norms": norms, "state": {k: v.detach().clone() for k, v in net.state_dict().items()}})
+    return out
+
+
+def _expert_reference():
+    """One process plays the 4 ranks: shared gradients average over all of them, an
+    expert's over the dp ranks that hold it (the data-parallel rule under ep)."""
+    nets = [ExpertNet(e) for e in range(2)]
+    shared = list(nets[0].shared.parameters()) + list(nets[0].head.parameters())
+    for net in nets[1:]:
+        net.shared, net.head = nets[0].shared, nets[0].head
+    experts = [list(net.experts.parameters()) for net in nets]
+    params = shared + experts[0] + experts[1]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=HYPER["lr"], betas=HYPER["betas"])
+    norms = []
+    for step in range(2):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for rank, x in enumerate(_batch(step).chunk(4)):
+            e = rank % 2  # default rank order pp > dp > ep > tp: ep is the inner of the two
+            grads = torch.autograd.grad(nets[e](x).pow(2).mean(), shared + experts[e])
+            for p, g in zip(shared + experts[e], grads):
+                p.grad += g / (4 if any(p is q for q in shared) else 2)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, EXPERT_CLIP).item())
+        opt.step()
+    return [{k: v.detach().clone() for k, v in net.state_dict().items()} for net in nets], norms
+
+
 @pytest.fixture(scope="module")
 def dp4_runs():
-    return spawn(_any_module_run, 4, [0, 1, 2, 3])
+    return spawn(_dp4_runs, 4)
+
+
+def _dp4_runs():
+    return {"plain": _any_module_run([0, 1, 2, 3]), "experts": _expert_run([1, 2, 3])}
+
+
+def test_zero_composes_with_expert_parallel_dp2_ep2(dp4_runs):
+    ref_states, ref_norms = _expert_reference()
+    for rank, runs in enumerate(dp4_runs):
+        for stage, got in zip([1, 2, 3], runs["experts"]):
+            # fp32, reduction order only (see FP32_* above)
+            assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **FP32_NORM,
+                         msg=lambda m: f"rank {rank} stage {stage} norms: {m}")
+            for name, w in ref_states[rank % 2].items():
+                assert_close(got["state"][name], w, **FP32_WEIGHT,
+                             msg=lambda m: f"rank {rank} stage {stage} {name}: {m}")
+    assert min(ref_norms) > EXPERT_CLIP, "both steps must be clipped"
 
 
 def zero_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
@@ -195,8 +279,8 @@ def zero_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
 
 def test_memory_per_rank_matches_zero_formulas_dp4(dp4_runs):
     _, _, psi = _any_module_reference()
-    for rank, per_stage in enumerate(dp4_runs):
-        for stage, got in enumerate(per_stage):
+    for rank, runs in enumerate(dp4_runs):
+        for stage, got in enumerate(runs["plain"]):
             want = zero_bytes(stage, psi, 4)
             for kind, nbytes in want.items():
                 # 5%: padding each flat buffer to a multiple of N adds < N elements per buffer
@@ -206,8 +290,8 @@ def test_memory_per_rank_matches_zero_formulas_dp4(dp4_runs):
 
 def test_any_module_grad_norm_and_weights_match_single_process_dp4(dp4_runs):
     ref_state, ref_norms, _ = _any_module_reference()
-    for rank, per_stage in enumerate(dp4_runs):
-        for stage, got in enumerate(per_stage):
+    for rank, runs in enumerate(dp4_runs):
+        for stage, got in enumerate(runs["plain"]):
             # fp32, reduction order only (see FP32_* above)
             assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **FP32_NORM,
                          msg=lambda m: f"rank {rank} stage {stage} norms: {m}")
