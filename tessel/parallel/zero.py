@@ -65,7 +65,7 @@ from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_group
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
 # gradient memory of backward at about two units; two measured 4% more peak
-# memory in benchmarks/zero_vs_fsdp.py and no faster step.
+# memory in benchmarks/zero_vs_fsdp.py on CPU.
 MAX_IN_FLIGHT = 1
 
 
@@ -250,9 +250,15 @@ class ZeroDataParallel(nn.Module):
 
     def _pre_forward(self, unit: int, module, args) -> None:
         self._wait_gathered(self.units[unit])
-        self._prefetch(unit + 1)
+        if not _in_backward():
+            self._prefetch(unit + 1)
 
     def _post_forward(self, unit: int, module, args, output):
+        if _in_backward():
+            # recomputation (activation checkpointing) inside the unit's backward: the
+            # graph it just built needs the weights at once, so keep them; they are
+            # freed when the unit's gradients are ready
+            return output
         if torch.is_grad_enabled():
             output = _map_tensors(output, lambda t: _PreBackwardGather.apply(self, unit, t)
                                   if t.requires_grad else t)
@@ -367,6 +373,10 @@ class ZeroDataParallel(nn.Module):
                 g.buffer = None
                 for p in g.params:
                     p.grad = None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _map_tensors(output, fn):
