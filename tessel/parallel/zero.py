@@ -244,9 +244,14 @@ class ZeroDataParallel(nn.Module):
         self._prefetch(0)
 
     def _post_forward_root(self, module, args, output):
+        if _in_backward():
+            return output
         if not (torch.is_grad_enabled() and _any_requires_grad(output)):
             self.reshard_all()  # no backward will follow (evaluation, sampling)
-        return output  # otherwise the root stays gathered until backward ends
+            return output
+        # the root stays gathered until backward ends; it is gathered again before its
+        # backward in case another backward freed it meanwhile (pipeline micro-batches)
+        return _map_tensors(output, lambda t: _PreBackwardGather.apply(self, -1, t) if t.requires_grad else t)
 
     def _pre_forward(self, unit: int, module, args) -> None:
         self._wait_gathered(self.units[unit])
@@ -266,9 +271,14 @@ class ZeroDataParallel(nn.Module):
         return output
 
     def _before_backward(self, unit: int) -> None:
+        """`unit` is about to run backward (-1: the root, first of all); gather it, prefetch the next."""
         self._queue_finish()  # reshard at the end even under no_sync
-        self._wait_gathered(self.units[unit])
-        self._prefetch(unit - 1)
+        if unit < 0:
+            self._wait_gathered(self.root)
+            self._prefetch(len(self.units) - 1)
+        else:
+            self._wait_gathered(self.units[unit])
+            self._prefetch(unit - 1)
 
     # ---- backward: gradients to their owners ---------------------------------------
     def _queue_finish(self) -> None:

@@ -131,20 +131,31 @@ def _batch(step):
     return torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
 
 
-def _any_module_run(stages):
+def _micro_steps(model, x, interleave: bool) -> None:
+    """Two accumulation micro-steps; interleaved, both forwards run before either backward,
+    as in a pipeline schedule (stage 3 must gather the freed root again)."""
+    if interleave:
+        losses = [model(xc).pow(2).mean() / 2 for xc in x.chunk(2)]
+        with model.no_sync():
+            losses[0].backward()
+        losses[1].backward()
+        return
+    for i, xc in enumerate(x.chunk(2)):
+        with model.no_sync() if i == 0 else contextlib.nullcontext():
+            (model(xc).pow(2).mean() / 2).backward()
+
+
+def _any_module_run(runs):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh({"dp": world})
     out = []
-    for stage in stages:
+    for stage, interleave in runs:
         torch.manual_seed(0)
         net = Stack()
         model, opt = zero_parallel(net, mesh, stage, bucket_mb=0.004, **HYPER)
         norms = []
         for step in range(2):
-            x = _batch(step).chunk(world)[rank]
-            for i, xc in enumerate(x.chunk(2)):  # two accumulation micro-steps
-                with model.no_sync() if i == 0 else contextlib.nullcontext():
-                    (model(xc).pow(2).mean() / 2).backward()
+            _micro_steps(model, _batch(step).chunk(world)[rank], interleave)
             params = [p for g in opt.param_groups for p in g["params"]]
             norms.append(clip_grad_norm_(params, 0.5, mesh).item())
             opt.step()
@@ -153,7 +164,7 @@ def _any_module_run(stages):
         gathered = getattr(model, "gathered", contextlib.nullcontext)
         with gathered():
             state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-        out.append({"memory": memory, "norms": norms, "state": state})
+        out.append({"stage": stage, "memory": memory, "norms": norms, "state": state})
     return out
 
 
@@ -247,7 +258,8 @@ def dp4_runs():
 
 
 def _dp4_runs():
-    return {"plain": _any_module_run([0, 1, 2, 3]), "experts": _expert_run([1, 2, 3])}
+    plain = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+    return {"plain": _any_module_run(plain), "experts": _expert_run([1, 2, 3])}
 
 
 def test_zero_composes_with_expert_parallel_dp2_ep2(dp4_runs):
@@ -280,7 +292,8 @@ def zero_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
 def test_memory_per_rank_matches_zero_formulas_dp4(dp4_runs):
     _, _, psi = _any_module_reference()
     for rank, runs in enumerate(dp4_runs):
-        for stage, got in enumerate(runs["plain"]):
+        for got in runs["plain"]:
+            stage = got["stage"]
             want = zero_bytes(stage, psi, 4)
             for kind, nbytes in want.items():
                 # 5%: padding each flat buffer to a multiple of N adds < N elements per buffer
@@ -291,7 +304,8 @@ def test_memory_per_rank_matches_zero_formulas_dp4(dp4_runs):
 def test_any_module_grad_norm_and_weights_match_single_process_dp4(dp4_runs):
     ref_state, ref_norms, _ = _any_module_reference()
     for rank, runs in enumerate(dp4_runs):
-        for stage, got in enumerate(runs["plain"]):
+        for got in runs["plain"]:
+            stage = got["stage"]
             # fp32, reduction order only (see FP32_* above)
             assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **FP32_NORM,
                          msg=lambda m: f"rank {rank} stage {stage} norms: {m}")
