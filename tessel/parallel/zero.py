@@ -37,6 +37,7 @@ the global gradient norm over the optimizer's parameters is the norm of the
 whole model. Usage, on any nn.Module:
 
     model, opt = zero_parallel(model, mesh, stage=3, lr=3e-4, weight_decay=0.1)
+    # model(...) trains as usual; under stage 3, read weights inside `with model.gathered():`
     with model.no_sync():                 # accumulation micro-steps: no traffic
         loss_fn(model(x0), y0).backward()
     loss_fn(model(x1), y1).backward()     # gradients reach their owners, averaged
@@ -409,8 +410,9 @@ class ZeroAdamW(torch.optim.AdamW):
     """AdamW on the owned shard only; `step` then makes the parameters whole again.
 
     A real torch AdamW (so LambdaLR and other schedulers work) whose parameters
-    are the segments of ZeroDataParallel.segments(). Gradients are views of flat
-    buffers, so zero_grad always zeroes in place, whatever set_to_none says."""
+    are the owned segments (tessel.parallel.zero_flat.segments). Gradients are
+    views of flat buffers, so zero_grad always zeroes in place, whatever
+    set_to_none says. Its state_dict holds this rank's shard only."""
 
     def __init__(self, engine: ZeroDataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, decay: Callable[[nn.Parameter], bool] = default_decay):
