@@ -42,6 +42,19 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
             return 2 * n**3 * iters / elapsed
 
 
+def device_peak_flops(device: torch.device, precision: str) -> float:
+    """The peak MFU is measured against, per rank.
+
+    A GPU's is its spec-sheet number for the compute dtype. A CPU has no spec
+    sheet here, and many CPUs emulate bf16 matmuls more slowly than fp32 ones:
+    its peak is the faster of the two measured rates, so MFU never exceeds 1
+    merely because the chosen dtype is the slow one.
+    """
+    if device.type == "cuda":
+        return measure_matmul_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+    return max(measure_matmul_flops(device, torch.float32), measure_matmul_flops(device, torch.bfloat16))
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated device memory (CUDA) or peak resident set size (CPU), in MiB."""
     if device.type == "cuda":

@@ -103,6 +103,10 @@ class ZeroDataParallel(nn.Module):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data), got {stage}")
         self.module, self.stage, self.axes = module, stage, tuple(axes)
+        # every gradient is divided by the number of data shards, also one summed over
+        # fewer ranks (experts: the all-to-all's backward already summed the other ep
+        # ranks' tokens into it), as in tessel.parallel.data
+        self.data_shards = mesh.size(*self.axes)
         self.sync_gradients = True
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         bad = [p.dtype for p in params if p.dtype != torch.float32]
@@ -335,9 +339,9 @@ class ZeroDataParallel(nn.Module):
             g.work.wait()
             g.work = None
         if self.stage == 1:
-            g.buffer.div_(g.comm.world)
+            g.buffer.div_(self.data_shards)
         else:
-            g.grad_shard.add_(g.out.div_(g.comm.world))  # add: gradients accumulate across steps
+            g.grad_shard.add_(g.out.div_(self.data_shards))  # add: gradients accumulate across steps
             g.out = None
             g.buffer = None
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from tessel.config import Config, TrainConfig
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
-from tessel.observe.metrics import MetricsLog, measure_matmul_flops, peak_memory_mb
+from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.train.data import BatchSampler, load_tokens
@@ -86,8 +86,7 @@ class Trainer:
 
     def _device_peak_flops(self) -> float:
         """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        per_rank = self.cfg.logging.peak_flops or measure_matmul_flops(self.mesh.device, dtype)
+        per_rank = self.cfg.logging.peak_flops or device_peak_flops(self.mesh.device, self.cfg.train.precision)
         total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -109,6 +108,9 @@ class Trainer:
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
                "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+        extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
+        if extra is not None:
+            row.update(extra())
         return row
 
     @torch.no_grad()
@@ -146,7 +148,9 @@ class Trainer:
         files = {}
         if self.log is not None:
             self.log.close()
-            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+            from tessel.observe.plots import plot_metrics
+            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard"),
+                     "curves": str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))}
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
                        peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,

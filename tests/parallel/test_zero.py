@@ -23,8 +23,11 @@ from tests.helpers import tiny_config
 # do not clip, for the bitwise check below.
 COMMON = ["train.steps=5", "train.grad_accum=2", "parallel.bucket_mb=0.002"]
 PRECISION = {"fp32": ['train.precision="fp32"', "train.grad_clip=0.05"],
-             "bf16": ['train.precision="bf16"', "train.grad_clip=0.0"]}
-RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (0, "bf16")]
+             "bf16": ['train.precision="bf16"', "train.grad_clip=0.0"],
+             # MoE with experts sharded over ep=2 (world 2, dp=1): ZeRO shards the
+             # experts over dp alone, the rest over dp x ep
+             "moe": ['train.precision="fp32"', "train.grad_clip=0.05", "model.n_experts=4", "parallel.ep=2"]}
+RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (0, "bf16"), (3, "moe"), (0, "moe")]
 
 # fp32: ZeRO sums the ranks' gradients in another order than one process does
 # (reduce-scatter or all-reduce), so gradients differ by a few ulps (~1e-7
@@ -68,8 +71,9 @@ def _collect(cfg) -> dict:
 
 
 def _train_stages(runs):
-    return [_collect(tiny_config(*COMMON, *PRECISION[prec], "parallel.dp=2", f"parallel.zero_stage={stage}"))
-            for stage, prec in runs]
+    return [_collect(tiny_config(*COMMON, *PRECISION[kind], f"parallel.zero_stage={stage}",
+                                 *(["parallel.dp=2"] if kind != "moe" else [])))
+            for stage, kind in runs]
 
 
 def _check_bf16_weights(got: dict, ref: dict, where: str) -> None:
@@ -82,7 +86,7 @@ def test_zero_stages_match_single_process():
     refs = {prec: _collect(tiny_config(*COMMON, *PRECISION[prec])) for prec in ("fp32", "bf16")}
     results = spawn(_train_stages, 2, RUNS)
     for rank, per_run in enumerate(results):
-        for (stage, prec), got in zip(RUNS, per_run):
+        for (stage, prec), got in zip(RUNS[:4], per_run):
             ref = refs[prec]
             loss_tol, norm_tol = (FP32_LOSS, FP32_NORM) if prec == "fp32" else (BF16_LOSS, BF16_NORM)
             where = f"rank {rank} stage {stage} {prec}"
@@ -101,6 +105,13 @@ def test_zero_stages_match_single_process():
         assert zero3_bf16["losses"] == dp_bf16["losses"]
         for name, w in dp_bf16["state"].items():
             assert torch.equal(zero3_bf16["state"][name], w), f"rank {rank}: zero-3 vs dp in bf16, {name}"
+        # MoE: ZeRO-3 against expert + data parallelism (tested against one process in
+        # test_expert.py); fp32, reduction order only
+        zero3_moe, ep_moe = per_run[5], per_run[6]
+        assert_close(torch.tensor(zero3_moe["losses"]), torch.tensor(ep_moe["losses"]), **FP32_LOSS)
+        assert_close(torch.tensor(zero3_moe["norms"]), torch.tensor(ep_moe["norms"]), **FP32_NORM)
+        for name, w in ep_moe["state"].items():
+            assert_close(zero3_moe["state"][name], w, **FP32_WEIGHT, msg=lambda m: f"rank {rank} moe {name}: {m}")
     for ref in refs.values():
         assert ref["losses"][-1] < ref["losses"][0] - 0.1, "the run must learn, or parity is trivial"
     assert min(refs["fp32"]["norms"]) > 0.05, "every step must be clipped, or clipping goes untested"
@@ -227,8 +238,9 @@ def _expert_run(stages):
 
 
 def _expert_reference():
-    """One process plays the 4 ranks: shared gradients average over all of them, an
-    expert's over the dp ranks that hold it (the data-parallel rule under ep)."""
+    """One process plays the 4 ranks; the loss is the mean of theirs. An expert's
+    gradient is summed over the dp ranks that hold it and divided by all four data
+    shards (tessel.parallel.data's rule under ep), which is this loss's gradient."""
     nets = [ExpertNet(e) for e in range(2)]
     shared = list(nets[0].shared.parameters()) + list(nets[0].head.parameters())
     for net in nets[1:]:
@@ -246,7 +258,7 @@ def _expert_reference():
             e = rank % 2  # default rank order pp > dp > ep > tp: ep is the inner of the two
             grads = torch.autograd.grad(nets[e](x).pow(2).mean(), shared + experts[e])
             for p, g in zip(shared + experts[e], grads):
-                p.grad += g / (4 if any(p is q for q in shared) else 2)
+                p.grad += g / 4
         norms.append(torch.nn.utils.clip_grad_norm_(params, EXPERT_CLIP).item())
         opt.step()
     return [{k: v.detach().clone() for k, v in net.state_dict().items()} for net in nets], norms
