@@ -18,6 +18,7 @@ from tessel.models.gpt import GPT, cross_entropy
 from tessel.models.moe import moe_layers, with_aux_losses
 from tessel.parallel.data import data_parallel
 from tessel.parallel.expert import moe_metrics, shard_experts
+from tessel.parallel.zero import zero_parallel
 from tessel.train.step import LocalRunner
 
 
@@ -27,13 +28,13 @@ class Plan:
     model: nn.Module
     loss_fn: Callable = cross_entropy
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
+    optimizer: object | None = None  # a strategy that shards the optimizer (ZeRO) supplies it
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
 
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
-    pending = [("parallel.pp", p.pp > 1),
-               ("parallel.zero_stage", p.zero_stage > 0), ("parallel.recompute", p.recompute)]
+    pending = [("parallel.pp", p.pp > 1), ("parallel.recompute", p.recompute)]
     for name, on in pending:
         if on:
             raise NotImplementedError(f"{name} is not implemented yet")
@@ -69,6 +70,12 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    if cfg.parallel.zero_stage > 0:
+        t = cfg.train
+        plan.model, plan.optimizer = zero_parallel(
+            plan.model, mesh, cfg.parallel.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+        return plan
     if mesh.size("dp", "ep") > 1:
         plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
     return plan
@@ -86,4 +93,5 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
                        full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics)
+                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
+                       optimizer=plan.optimizer)

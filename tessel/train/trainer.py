@@ -69,8 +69,12 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0):
         self.cfg, self.mesh, self.runner, self.rank = cfg, mesh, runner, rank
         t = cfg.train
-        self.params = runner.parameters()
-        self.optimizer = build_optimizer(self.params, t)
+        # a runner may bring its own optimizer (ZeRO's steps only this rank's shard);
+        # the gradient norm is over what the optimizer steps (sharded grads are marked)
+        self.optimizer = getattr(runner, "optimizer", None)
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(runner.parameters(), t)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scheduler = build_scheduler(self.optimizer, t)
         tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
