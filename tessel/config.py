@@ -213,6 +213,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
     _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs tp > 1")
+    _require(not (p.sequence_parallel and m.n_experts), "parallel.sequence_parallel",
+             "is not supported with MoE blocks yet (MoE runs replicated over tp)")
     if p.sequence_parallel:
         _require(t.seq_len % p.tp == 0, "train.seq_len", f"({t.seq_len}) must be divisible by tp ({p.tp}) "
                  "under sequence parallelism")

@@ -44,12 +44,12 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
     if mesh.size("tp") == 1:
         return plan
-    from tessel.models.plan import GPT_TP_PLAN
+    from tessel.models.moe import MoE
+    from tessel.models.plan import gpt_tp_plan
     from tessel.parallel.tensor import FullLogits, TPContext, VocabParallelLoss, apply_plan
-    if cfg.model.n_experts:
-        raise NotImplementedError("parallel.tp with MoE blocks (model.n_experts > 0) is not implemented yet")
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
-    apply_plan(plan.model, GPT_TP_PLAN, ctx)
+    moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
+    apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
     return plan

@@ -28,8 +28,12 @@ def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
 
 
-def train_and_collect(cfg: Config) -> dict:
-    """Train with cfg on the current process group (or alone); return losses and full weights."""
+def train_and_collect(cfg: Config, weights: bool = True) -> dict:
+    """Train with cfg on the current process group (or alone); return losses and full weights.
+
+    weights=False returns losses only: under ZeRO-3 the module's own parameters
+    are freed between steps, and only the sharded optimizer holds their values.
+    """
     p = cfg.parallel
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
     torch.manual_seed(cfg.train.seed)
@@ -38,4 +42,5 @@ def train_and_collect(cfg: Config) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = Trainer(cfg, mesh, model, runner, rank)
     summary = trainer.fit()
-    return {"losses": summary.losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()} if weights else {}
+    return {"losses": summary.losses, "state": state}

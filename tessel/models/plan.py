@@ -30,3 +30,18 @@ GPT_TP_PLAN: dict[str, str] = {
     "norm": "sequence_norm",
     "lm_head": "vocab_head",
 }
+
+
+def gpt_tp_plan(moe_blocks: list[int], n_layer: int) -> dict[str, str]:
+    """GPT_TP_PLAN with the MoE blocks' feed-forward replicated over tp (first match wins).
+
+    Experts are split over the ep axis, not tp; without sequence parallelism the
+    MoE input is the same on every tp rank, so each rank computes it whole.
+    """
+    plan = {f"layers.{i}.mlp": "replicate" for i in moe_blocks}
+    dense = [k for k in GPT_TP_PLAN if k.startswith("layers.*.mlp")]
+    for key, style in GPT_TP_PLAN.items():
+        if key in dense and len(moe_blocks) == n_layer:
+            continue  # no dense feed-forward left for these patterns to match
+        plan[key] = style
+    return plan

@@ -304,6 +304,9 @@ def _sequence_norm(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
 STYLES: dict[str, Callable[[nn.Module, TPContext, dict], nn.Module]] = {
     "enter": _enter_region, "colwise": _colwise, "rowwise": _rowwise,
     "vocab_embedding": _vocab_embedding, "vocab_head": _vocab_head, "sequence_norm": _sequence_norm,
+    # computed whole on every tp rank: its input and output are replicated, and so are its
+    # gradients, which therefore need no tp reduction (MoE blocks under tp without SP)
+    "replicate": lambda module, ctx, memo: module,
 }
 
 
