@@ -142,6 +142,7 @@ class RuntimeConfig(Strict):
     threads_per_rank: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int | None = Field(None, ge=1)
+    topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
 
 
@@ -206,6 +207,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  "byte-level data needs vocab_size >= 256")
     r = cfg.runtime
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
+    if r.topology is not None:
+        _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
                  f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp = {p.world_size}")

@@ -392,3 +392,12 @@ def make_reducer(name: str, nodes: Sequence[Sequence[int]] | None = None, backgr
         from tessel.parallel.data import native_all_reduce as native
         return native
     return AlgorithmReducer(name, nodes, background)
+
+
+def dp_reducer(name: str, world_size: int, runtime=None, background: bool = True):
+    """The reducer for config parallel.dp_algorithm; nodes from runtime.topology / nproc_per_node."""
+    if name == "native":
+        return make_reducer(name)
+    from tessel.comm.topology import resolve_nodes
+    nodes = resolve_nodes(world_size, getattr(runtime, "topology", None), getattr(runtime, "nproc_per_node", None))
+    return make_reducer(name, nodes, background)
