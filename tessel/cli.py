@@ -58,14 +58,14 @@ def _standalone(nproc: int) -> int:
 
 @bench_app.command("comm")
 def bench_comm(
-    nproc: int = typer.Option(4, help="local ranks when not already under torchrun"),
+    world: int = typer.Option(4, "--world", help="local ranks when not already under torchrun"),
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all", help="comma-separated"),
     algorithms: str = typer.Option("", help="comma-separated subset of native,ring,hierarchical (all)"),
     sizes: str = typer.Option("4K,1M,16M", help="comma-separated sizes in bytes (K/M/G suffixes)"),
     iters: int = typer.Option(5, min=1),
     warmup: int = typer.Option(1, min=0),
     topology: Optional[str] = typer.Option(None, help="topology file from `tessel probe`"),
-    nproc_per_node: Optional[int] = typer.Option(None, help="node grouping when there is no topology file"),
+    node_size: Optional[int] = typer.Option(None, "--node-size", help="ranks per node when there is no topology file"),
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the rows as JSON (rank 0)"),
 ) -> None:
     """nccl-tests-style table: op, algorithm, size, time, algbw, busbw."""
@@ -78,15 +78,15 @@ def bench_comm(
         typer.secho(f"error: unknown op(s) {bad}; known: {list(ALGORITHMS)}", fg="red", err=True)
         raise typer.Exit(2)
     if not under_torchrun():
-        raise typer.Exit(_standalone(nproc))
+        raise typer.Exit(_standalone(world))
     algos = [a.strip() for a in algorithms.split(",") if a.strip()]
     run_rank(op_list, algos, [parse_size(x) for x in sizes.split(",")], iters, warmup, topology,
-             nproc_per_node, json_out)
+             node_size, json_out)
 
 
 @app.command()
 def probe(
-    nproc: int = typer.Option(4, help="local ranks when not already under torchrun"),
+    world: int = typer.Option(4, "--world", help="local ranks when not already under torchrun"),
     out: str = typer.Option("runs/topology.json", help="where rank 0 writes the topology file"),
     size_mb: float = typer.Option(4.0, help="bandwidth message size (MiB)"),
     reps: int = typer.Option(3, min=1),
@@ -95,7 +95,7 @@ def probe(
     from tessel.launch import under_torchrun
 
     if not under_torchrun():
-        raise typer.Exit(_standalone(nproc))
+        raise typer.Exit(_standalone(world))
     from tessel.comm.probe import run_rank
     run_rank(out, size_mb, reps)
 
