@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 PIECE_BYTES = 1 << 20  # ~1 MiB pieces: big enough to amortize a message, small enough to pipeline
+SEGMENT_BYTES = 4 << 20  # hierarchical all-reduce pipeline segment (4 segments for 16 MiB)
+MAX_SEGMENTS = 16
+TAG_INTRA_RS, TAG_INTER, TAG_INTRA_AG = 11, 12, 13  # one tag per pipelined phase (gloo matches by tag)
 
 
 # ---- small helpers ------------------------------------------------------------
@@ -61,7 +64,7 @@ def _is_nccl(group) -> bool:
 
 
 def exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
-             group=None) -> tuple[list, list]:
+             group=None, tag: int = 0) -> tuple[list, list]:
     """Post one send and one receive (either may be None or empty); returns (send works, recv works).
 
     NCCL needs the pair in one batch (ncclGroupStart/End) or a ring of blocking
@@ -69,15 +72,15 @@ def exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src
     """
     ops = []
     if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dst, group))
+        ops.append(dist.P2POp(dist.isend, send, dst, group, tag))
     if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, src, group))
+        ops.append(dist.P2POp(dist.irecv, recv, src, group, tag))
     if not ops:
         return [], []
     if _is_nccl(group):
         works = dist.batch_isend_irecv(ops)
     else:
-        works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+        works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
     n_send = 1 if send is not None and send.numel() else 0
     return works[:n_send], works[n_send:]
 
@@ -94,7 +97,7 @@ def _wait(works) -> None:
 
 # ---- ring reduce-scatter / all-gather over a list of ranks -------------------
 def ring_reduce_scatter_(flat: torch.Tensor, ranks: Sequence[int], group=None,
-                         piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+                         piece_bytes: int = PIECE_BYTES, tag: int = 0) -> tuple[int, int]:
     """Sum `flat` over `ranks` in place; afterwards this rank's chunk (index in ranks) is reduced.
 
     flat: (N,) contiguous. Returns (offset, length) of the chunk this rank owns.
@@ -122,7 +125,7 @@ def ring_reduce_scatter_(flat: torch.Tensor, ranks: Sequence[int], group=None,
             out = _piece(c_send, p_off, p_len)
             inc = _piece(c_recv, p_off, p_len)
             buf = scratch[s % 2].narrow(0, p_off, inc.numel())
-            sent, got = exchange(out, nxt, buf, prv, group)
+            sent, got = exchange(out, nxt, buf, prv, group, tag)
             sends += sent
             if got:
                 pending[j] = (got, buf, inc)
@@ -140,7 +143,7 @@ def _piece(chunk: torch.Tensor, off: int, length: int) -> torch.Tensor:
 
 
 def ring_all_gather_(flat: torch.Tensor, ranks: Sequence[int], group=None,
-                     piece_bytes: int = PIECE_BYTES) -> None:
+                     piece_bytes: int = PIECE_BYTES, tag: int = 0) -> None:
     """Each rank holds chunk (index in ranks) of `flat`; afterwards every rank holds all chunks."""
     n, i = len(ranks), list(ranks).index(dist.get_rank())
     if n == 1:
@@ -157,7 +160,7 @@ def ring_all_gather_(flat: torch.Tensor, ranks: Sequence[int], group=None,
             if j in pending:  # the piece we forward must have arrived
                 _wait(pending.pop(j))
             out, inc = _piece(c_send, p_off, p_len), _piece(c_recv, p_off, p_len)
-            sent, got = exchange(out, nxt, inc, prv, group)  # received straight into place
+            sent, got = exchange(out, nxt, inc, prv, group, tag)  # received straight into place
             works_all += sent
             if got:
                 pending[j] = got
@@ -177,12 +180,15 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, piece_bytes: int = PIECE_B
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, nodes: Sequence[Sequence[int]], group=None,
-                            piece_bytes: int = PIECE_BYTES) -> torch.Tensor:
+                            piece_bytes: int = PIECE_BYTES, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
     """In-place sum over `group`, given the group's ranks grouped by node (global ranks).
 
     1. ring reduce-scatter inside the node: local rank l owns chunk l;
     2. ring all-reduce of chunk l among the ranks with local rank l on every node;
     3. ring all-gather inside the node.
+    On gloo the buffer is cut into segments that flow through the three phases
+    as a pipeline (one thread per phase, one message tag per phase), so the
+    intra-node phases of one segment overlap the inter-node phase of another.
     """
     flat = _flat_view(tensor)
     nodes = restrict_nodes(nodes, group_ranks(group))
@@ -192,14 +198,99 @@ def hierarchical_all_reduce(tensor: torch.Tensor, nodes: Sequence[Sequence[int]]
         # ragged nodes have no same-local-rank peers for everyone; one node or one rank
         # per node is a flat ring anyway
         return ring_all_reduce(tensor, group, piece_bytes)
-    l = local.index(me)
-    peers = [n[l] for n in nodes]
-    off, length = ring_reduce_scatter_(flat, local, group, piece_bytes)
-    part = flat.narrow(0, off, length)
-    ring_reduce_scatter_(part, peers, group, piece_bytes)
-    ring_all_gather_(part, peers, group, piece_bytes)
-    ring_all_gather_(flat, local, group, piece_bytes)
+    peers = [n[local.index(me)] for n in nodes]
+    n_seg = max(1, min(MAX_SEGMENTS, flat.numel() * flat.element_size() // max(1, segment_bytes)))
+    segments = [flat.narrow(0, o, z) for o, z in zip(offsets_of(split_sizes(flat.numel(), n_seg)),
+                                                       split_sizes(flat.numel(), n_seg))]
+    # NCCL orders p2p by stream, not tag: keep its phases sequential
+    stages = _HierStages(local, peers, group, piece_bytes, pipelined=n_seg > 1 and not _is_nccl(group))
+    stages.run(segments)
     return tensor
+
+
+class _HierStages:
+    """The three phases of hierarchical all-reduce, run on segments in order, optionally pipelined."""
+
+    def __init__(self, local, peers, group, piece_bytes, pipelined):
+        self.local, self.peers, self.group, self.pb, self.pipelined = local, peers, group, piece_bytes, pipelined
+
+    def intra_rs(self, seg):
+        off, length = ring_reduce_scatter_(seg, self.local, self.group, self.pb, TAG_INTRA_RS)
+        return seg.narrow(0, off, length)
+
+    def post_swap(self, part):
+        """Two nodes: a ring of two is "swap halves, then swap back"; swapping whole parts sends
+        the same bytes in one round instead of two dependent ones (a + b == b + a, so both ends
+        still agree bit for bit). Returns the function that completes it."""
+        other = self.peers[1 - self.peers.index(dist.get_rank())]
+        incoming = torch.empty_like(part)
+        sent, got = exchange(part, other, incoming, other, self.group, TAG_INTER)
+
+        def finish():
+            _wait(got)
+            _wait(sent)  # part may change only after it has left
+            part.add_(incoming)
+        return finish
+
+    def inter(self, part):
+        if len(self.peers) == 2:
+            self.post_swap(part)()
+            return
+        ring_reduce_scatter_(part, self.peers, self.group, self.pb, TAG_INTER)
+        ring_all_gather_(part, self.peers, self.group, self.pb, TAG_INTER)
+
+    def intra_ag(self, seg):
+        ring_all_gather_(seg, self.local, self.group, self.pb, TAG_INTRA_AG)
+
+    def run(self, segments):
+        if not self.pipelined:
+            for seg in segments:
+                self.inter(self.intra_rs(seg))
+                self.intra_ag(seg)
+            return
+        import queue
+        q_inter, q_gather = queue.Queue(), queue.Queue()
+
+        def inter_stage():
+            # two nodes: keep up to two segments' swaps in flight, so the slow link never idles
+            # while a segment is being added or the next one is still in the intra stage
+            in_flight = []
+            try:
+                for _ in segments:
+                    item = q_inter.get()
+                    if item is None:
+                        return
+                    if len(self.peers) == 2:
+                        in_flight.append((item[0], self.post_swap(item[1])))
+                        if len(in_flight) > 1:
+                            seg, swap = in_flight.pop(0)
+                            swap()
+                            q_gather.put(seg)
+                    else:
+                        self.inter(item[1])
+                        q_gather.put(item[0])
+                for seg, swap in in_flight:
+                    swap()
+                    q_gather.put(seg)
+            finally:
+                q_gather.put(None)  # harmless after the last segment; unblocks the gatherer on error
+
+        def gather_stage():
+            for _ in segments:
+                seg = q_gather.get()
+                if seg is None:
+                    raise RuntimeError("hierarchical all-reduce: the inter-node stage failed")
+                self.intra_ag(seg)
+
+        with cf.ThreadPoolExecutor(2, thread_name_prefix="tessel-hier") as pool:
+            futures = [pool.submit(inter_stage), pool.submit(gather_stage)]
+            try:
+                for seg in segments:
+                    q_inter.put((seg, self.intra_rs(seg)))
+            finally:
+                q_inter.put(None)
+            for f in futures:
+                f.result()
 
 
 def native_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:

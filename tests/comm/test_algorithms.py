@@ -33,7 +33,10 @@ def _all_reduce_cases(nodes):
                 dist.all_reduce(want, group=group)
                 ring = A.ring_all_reduce(x.clone(), group, piece_bytes=PIECE)
                 hier = A.hierarchical_all_reduce(x.clone(), nodes, group, piece_bytes=PIECE)
+                # tiny segments: the three phases run as a threaded pipeline over many segments
+                piped = A.hierarchical_all_reduce(x.clone(), nodes, group, piece_bytes=PIECE, segment_bytes=256)
                 out.append((gname, n, str(dtype), want, ring, hier))
+                out.append((gname + "-pipelined", n, str(dtype), want, ring, piped))
     return out
 
 
