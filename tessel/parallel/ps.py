@@ -87,7 +87,9 @@ class ParameterServer:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if staleness < 0:
             raise ValueError("staleness must be >= 0")
-        self.model, self.mode, self.s = model, mode, (0 if mode == "bsp" else staleness)
+        # the bound on clock[w] - min clock when answering: none at all under ASP
+        bound = {"bsp": 0, "ssp": staleness, "asp": float("inf")}[mode]
+        self.model, self.mode, self.s = model, mode, bound
         self.servers, self.workers, self.group = list(servers), list(workers), group
         self.rank = dist.get_rank()
         self.is_server = self.rank in self.servers
