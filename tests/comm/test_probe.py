@@ -54,3 +54,15 @@ def test_probe_recovers_emulated_nodes(tmp_path):
     assert topo.inter_gbps < 0.3 < 2 * 0.3 < topo.intra_gbps  # the shaping is what it measured
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert emu.name not in left  # namespaces (and with them veths and the bridge) are gone
+
+
+@pytest.mark.skipif(require_root() is not None, reason=str(require_root()))
+def test_emulator_cleans_up_after_a_failing_run():
+    emu = Emulator(nodes=2, nproc_per_node=1, rate="100mbit")
+    with emu:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert emu.ns(0) in names and emu.switch in names
+        runs = emu.run(["--no-python", "false"], timeout=120)  # every rank of the job fails
+    assert all(r.returncode != 0 for r in runs)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert emu.name not in left
