@@ -50,7 +50,7 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if mesh.size("dp", "ep") > 1:
-        from tessel.comm.algorithms import dp_reducer
+        from tessel.comm.reducer import dp_reducer
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
         plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
                                    reducer=reducer)

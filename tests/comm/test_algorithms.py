@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from tessel.comm import algorithms as A
+from tessel.comm import bench as B
 from tessel.spawn import spawn
 
 SIZES = [0, 1, 2, 7, 1001]  # empty, one element, fewer than ranks, not divisible, several pieces
@@ -75,11 +76,18 @@ def _a2a_cases(nodes):
 
 
 def _run(nodes):
-    return _all_reduce_cases(nodes), _rs_ag_cases(), _a2a_cases(nodes)
+    rows = B.run(B.OPS, [], [64, 1000], nodes, iters=1, warmup=0)  # `tessel bench comm`'s engine
+    return _all_reduce_cases(nodes), _rs_ag_cases(), _a2a_cases(nodes), rows
 
 
 def _check(results):
-    for rank, (ar, rsag, a2a) in enumerate(results):
+    rows = results[0][3]
+    assert {(r.op, r.algorithm) for r in rows} == {(op, a) for op, algos in B.ALGORITHMS.items() for a in algos}
+    for r in rows:
+        assert r.time_us > 0 and r.busbw == r.algbw * B.bus_factor(r.op, 4)
+    assert B.bus_factor("all_reduce", 4) == 1.5 and B.bus_factor("all_to_all", 4) == 0.75
+    assert B.parse_size("16M") == 16 << 20 and B.parse_size("4K") == 4096
+    for rank, (ar, rsag, a2a, _) in enumerate(results):
         assert ar, "no all-reduce case ran"
         for gname, n, dtype, want, ring, hier in ar:
             # float64 sums in a different order than gloo: a few ulps at most
