@@ -10,7 +10,10 @@
   among the ranks with the same local rank, intra-node ring all-gather
   (Horovod's hierarchical all-reduce; Jia et al. 2018, "Highly scalable deep
   learning training system with mixed-precision"). Only 1/L of the buffer
-  crosses the slow links per rank, L the ranks per node.
+  crosses the slow links per rank, L the ranks per node; with two nodes each
+  node sends S bytes out instead of the flat ring's 1.5 S (for 2 x 2 ranks),
+  so 1.5x is the bandwidth bound of its advantage there. On gloo, segments
+  of the buffer flow through the three phases as a pipeline.
 - `hierarchical_all_to_all`: ranks first aggregate, inside their node, all
   data bound for the same local rank of every node, then exchange one message
   per (node, node, local rank) between nodes (the idea of NCCL's PXN and of

@@ -66,3 +66,10 @@ def test_emulator_cleans_up_after_a_failing_run():
     assert all(r.returncode != 0 for r in runs)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert emu.name not in left
+
+
+def test_config_rejects_a_missing_topology_file():
+    from tessel.config import ConfigError, build_config
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ['runtime.topology="/nonexistent/topo.json"'])
+    assert err.value.field == "runtime.topology"
