@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 PIECE_BYTES = 1 << 20  # ~1 MiB pieces: big enough to amortize a message, small enough to pipeline
-SEGMENT_BYTES = 4 << 20  # hierarchical all-reduce pipeline segment (4 segments for 16 MiB)
+SEGMENT_BYTES = 2 << 20  # hierarchical all-reduce pipeline segment (ramped: see segment_sizes)
 MAX_SEGMENTS = 16
 TAG_INTRA_RS, TAG_INTER, TAG_INTRA_AG = 11, 12, 13  # one tag per pipelined phase (gloo matches by tag)
 
@@ -202,13 +202,27 @@ def hierarchical_all_reduce(tensor: torch.Tensor, nodes: Sequence[Sequence[int]]
         # per node is a flat ring anyway
         return ring_all_reduce(tensor, group, piece_bytes)
     peers = [n[local.index(me)] for n in nodes]
-    n_seg = max(1, min(MAX_SEGMENTS, flat.numel() * flat.element_size() // max(1, segment_bytes)))
-    segments = [flat.narrow(0, o, z) for o, z in zip(offsets_of(split_sizes(flat.numel(), n_seg)),
-                                                       split_sizes(flat.numel(), n_seg))]
+    sizes = segment_sizes(flat.numel(), max(1, segment_bytes // flat.element_size()))
+    segments = [flat.narrow(0, o, z) for o, z in zip(offsets_of(sizes), sizes)]
     # NCCL orders p2p by stream, not tag: keep its phases sequential
-    stages = _HierStages(local, peers, group, piece_bytes, pipelined=n_seg > 1 and not _is_nccl(group))
+    stages = _HierStages(local, peers, group, piece_bytes, pipelined=len(sizes) > 1 and not _is_nccl(group))
     stages.run(segments)
     return tensor
+
+
+def segment_sizes(n: int, seg: int) -> list[int]:
+    """Pipeline segments of n elements, about `seg` each, the first and last ones smaller.
+
+    The first segment's intra-node reduce-scatter and the last one's all-gather
+    run alone (pipeline fill and drain); ramping them (seg/4, seg/2, ..., seg/2,
+    seg/4) shortens both.
+    """
+    if n <= 2 * seg:
+        return split_sizes(n, max(1, min(MAX_SEGMENTS, n // max(1, seg))))
+    ramp = [seg // 4, seg // 2]
+    middle = n - 2 * sum(ramp)
+    k = max(1, min(MAX_SEGMENTS - 4, -(-middle // seg)))
+    return [s for s in ramp + split_sizes(middle, k) + ramp[::-1] if s > 0]
 
 
 class _HierStages:
