@@ -53,7 +53,8 @@ def worker(out: str, iters: int) -> None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if it:
                     times[algo].append(t.item())
-        assert torch.allclose(buf[:4], buf[:4])  # values grew; each run is still a full all-reduce
+        # every call summed 4 equal buffers: exactly 4**calls everywhere (powers of 4 are exact in fp32)
+        assert torch.equal(buf, torch.full_like(buf, 4.0 ** ((iters + 1) * len(ALGOS)))), "wrong sum"
         results[mb] = {a: statistics.median(v) for a, v in times.items()}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"nodes": nodes, "results": results}))
