@@ -2,9 +2,10 @@
 
 Pairs are measured one at a time (a barrier between pairs) so they never share
 a link: latency is half the median round trip of a 1-element message;
-bandwidth is a large message's bytes over the median time until the
-receiver's 1-element acknowledgement arrives, less one latency. Both
-directions are measured.
+bandwidth is a large message's bytes over the best (shortest) time until
+the receiver's 1-element acknowledgement arrives, less one latency: stalls
+of a busy machine only make a measurement slower. Both directions are
+measured.
 
 Node inference clusters the bandwidth matrix: take each pair's slower
 direction, sort those values, and cut at the largest ratio between
@@ -84,7 +85,9 @@ def _stream(peer: int, sender: bool, nbytes: int, reps: int, one_way: float, dev
             dist.send(ack, peer, tag=TAG)
     if not sender:
         return None
-    t = max(statistics.median(times) - one_way, 1e-9)
+    # best of the repetitions: a stall (a descheduled rank) only ever lowers a measurement,
+    # so the fastest one is the closest to what the link can do
+    t = max(min(times) - one_way, 1e-9)
     return big.numel() * 4 * 8 / t / 1e9
 
 

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from tessel.comm.emulator import Emulator, require_root
-from tessel.comm.probe import infer_nodes
+from tessel.comm.probe import format_topology, infer_nodes
 from tessel.comm.topology import Topology, nodes_from_nproc, resolve_nodes
 
 
@@ -42,14 +42,14 @@ def test_probe_recovers_emulated_nodes(tmp_path):
     # 200 Mbit/s between nodes: far below loopback even on a loaded machine, so the gap is clear
     emu = Emulator(nodes=2, nproc_per_node=2, rate="200mbit")
     with emu:
-        runs = emu.run(["-m", "tessel", "probe", "--out", str(out), "--size-mb", "1", "--reps", "2"], timeout=240)
+        runs = emu.run(["-m", "tessel", "probe", "--out", str(out), "--size-mb", "1", "--reps", "3"], timeout=240)
         assert all(r.returncode == 0 for r in runs), "\n".join(r.log[-3000:] for r in runs)
     topo = Topology.load(out)
     # ground truth: the node each rank says it ran on (the probe infers from bandwidth alone)
     truth: dict[str, list[int]] = {}
     for rank, host in enumerate(topo.hosts):
         truth.setdefault(host.rsplit("/", 1)[1], []).append(rank)
-    assert sorted(truth.values()) == topo.nodes
+    assert sorted(truth.values()) == topo.nodes, format_topology(topo)
     assert len(topo.nodes) == 2
     assert topo.inter_gbps < 0.3 < 2 * 0.3 < topo.intra_gbps  # the shaping is what it measured
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
