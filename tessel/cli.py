@@ -29,17 +29,42 @@ def train(
     recipe: Optional[str] = typer.Argument(None, help="TOML recipe; defaults apply when omitted"),
     set_: List[str] = typer.Option([], "--set", help="override a field: --set parallel.dp=2"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a rank dies"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="'auto' (newest valid checkpoint) or a path"),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="elastic node range MIN:MAX (re-plans dp)"),
+    nproc: Optional[int] = typer.Option(None, "--nproc-per-node", help="ranks per node; other than the "
+                                        "layout's world size, the layout is re-planned (elastic)"),
 ) -> None:
     """Train the reference GPT with the recipe's parallel layout."""
     from tessel.launch import reexec, run_rank, under_torchrun
 
+    extra = []
+    if resume is not None:
+        extra.append(f'checkpoint.resume="{resume}"')
+    if (nnodes and ":" in nnodes) or nproc is not None:
+        extra.append("runtime.elastic=true")
     try:
-        cfg = load_config(recipe, set_)
+        cfg = load_config(recipe, [*set_, *extra])
+        if nproc is not None and not under_torchrun():
+            from tessel.train.elastic import replan
+            replan(cfg, nproc)  # rejects a size the layout cannot take, before anything is spawned
     except ConfigError as err:
         fail(err)
     if under_torchrun():
         run_rank(cfg)  # does not return
-    raise typer.Exit(reexec(cfg, sys.argv[1:], max_restarts))
+    raise typer.Exit(reexec(cfg, sys.argv[1:], max_restarts, nnodes, nproc))
+
+
+@app.command()
+def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tessel train"),
+         out: str = typer.Option("curves.png", "--out", help="PNG to write")) -> None:
+    """Plot loss, validation loss, throughput and learning rate of a run."""
+    from pathlib import Path
+
+    from tessel.observe.plots import plot_metrics
+    if not Path(metrics).is_file():
+        typer.secho(f"error: no such file: {metrics}", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.echo(plot_metrics(metrics, out))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")

@@ -49,7 +49,8 @@ class ModelConfig(Strict):
     capacity_factor: float = Field(1.25, gt=0)
     aux_loss_coef: float = Field(0.01, ge=0)
     z_loss_coef: float = Field(0.0, ge=0)
-    router_jitter: float = Field(0.0, ge=0)
+    router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
+    moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
@@ -61,6 +62,8 @@ class ModelConfig(Strict):
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
+        if self.moe_random_routing and self.moe_top_k != 2:
+            raise ValueError("model.moe_random_routing needs model.moe_top_k = 2 (it drops second choices)")
         return self
 
     @property
@@ -144,6 +147,26 @@ class RuntimeConfig(Strict):
     nproc_per_node: int | None = Field(None, ge=1)
     topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+    elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
+
+
+class CheckpointConfig(Strict):
+    dir: str | None = Field(None, description="default: <logging.out_dir>/checkpoints")
+    every: int = Field(0, ge=0, description="save every N steps; 0 disables periodic checkpoints")
+    keep: int = Field(3, ge=1, description="how many of the newest checkpoints to keep")
+    async_save: bool = Field(False, description="write in a background thread (dcp.async_save)")
+    resume: str | None = Field(None, description="'auto' (newest valid checkpoint) or a checkpoint path")
+
+
+class FaultConfig(Strict):
+    heartbeat_s: float = Field(2.0, ge=0, description="heartbeat period; 0 disables the heartbeat")
+    hang_timeout_s: float = Field(60.0, gt=0, description="a rank whose heartbeat stops this long is stalled")
+    kill_stalled: bool = Field(True, description="SIGKILL a stalled rank on the same host so the group restarts")
+    nan_tolerance: int = Field(3, ge=1, description="roll back after this many non-finite steps in a row")
+    max_rollbacks: int = Field(3, ge=0)
+    straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
+    straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
+    straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
 
 
 class Config(Strict):
@@ -153,6 +176,8 @@ class Config(Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -209,6 +234,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
     if r.topology is not None:
         _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
+    f = cfg.fault
+    _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
+             f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
                  f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp = {p.world_size}")

@@ -15,10 +15,12 @@ import torch.nn as nn
 from tessel.config import Config, TrainConfig
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
-from tessel.observe.metrics import MetricsLog, measure_matmul_flops, peak_memory_mb
+from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.train.data import BatchSampler, load_tokens
+from tessel.train.fault import all_finite
+from tessel.train.resilience import Guard
 
 
 def build_optimizer(params: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
@@ -74,16 +76,18 @@ class Trainer:
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
         self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
-        self.n_params = count_params(model)
+        with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
+            self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = self._device_peak_flops()
-        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if rank == 0 else None
+        # a resumed run appends to the metrics of the attempt it continues
+        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
+                              append=cfg.checkpoint.resume is not None) if rank == 0 else None
         self.history: list[dict] = []
 
     def _device_peak_flops(self) -> float:
         """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        per_rank = self.cfg.logging.peak_flops or measure_matmul_flops(self.mesh.device, dtype)
+        per_rank = self.cfg.logging.peak_flops or device_peak_flops(self.mesh.device, self.cfg.train.precision)
         total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -93,18 +97,23 @@ class Trainer:
         t0 = time.perf_counter()
         x, y = self.sampler.next()
         loss = self.runner.forward_backward(x, y)
+        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        finite = all_finite(loss, grad_norm, self.mesh.device)  # every rank agrees to skip or not
+        if finite:
+            self.optimizer.step()
         self.scheduler.step()
         # set_to_none=False keeps gradients as views of the data-parallel buckets
         self.optimizer.zero_grad(set_to_none=False)
-        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
-               "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+               "peak_mem_mb": peak_memory_mb(self.mesh.device), "skipped": not finite}
+        extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
+        if extra is not None:
+            row.update(extra())
         return row
 
     @torch.no_grad()
@@ -124,15 +133,21 @@ class Trainer:
         t = self.cfg.train
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
+        guard = Guard(self)  # resumes from a checkpoint when asked; checkpoints, heartbeat, rollback
+        step = guard.start_step
         with progress:
-            for step in range(t.steps):
+            while step < t.steps:
+                guard.begin_step(step)
                 row = self.train_step(step)
+                next_step = guard.end_step(step, row)  # the next step; earlier after a rollback
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
                 if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
                     self.log.log(step, row)
                 progress.update(step, row)
+                step = next_step
+        guard.close()
         return self._summary(val_loss)
 
     def _summary(self, val_loss: float | None) -> Summary:
@@ -142,7 +157,9 @@ class Trainer:
         files = {}
         if self.log is not None:
             self.log.close()
-            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+            from tessel.observe.plots import plot_metrics
+            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard"),
+                     "curves": str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))}
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
                        peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
