@@ -145,6 +145,7 @@ class RuntimeConfig(Strict):
     threads_per_rank: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int | None = Field(None, ge=1)
+    topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
     elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
 
@@ -233,6 +234,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  "byte-level data needs vocab_size >= 256")
     r = cfg.runtime
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
+    if r.topology is not None:
+        _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
     f = cfg.fault
     _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")

@@ -86,7 +86,11 @@ def train_rank(cfg: Config):
     rank = dist.get_rank()
     if rank == 0:
         print(mesh.describe(), flush=True)
-    mesh.check_topology(r.nproc_per_node)
+    if r.topology and not r.nproc_per_node:  # a `tessel probe` file knows the node size
+        from tessel.comm.topology import Topology
+        mesh.check_topology(Topology.load(r.topology).nproc_per_node)
+    else:
+        mesh.check_topology(r.nproc_per_node)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split

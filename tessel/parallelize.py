@@ -77,7 +77,10 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
         return plan
     if mesh.size("dp", "ep") > 1:
-        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+        from tessel.comm.reducer import dp_reducer
+        reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
+        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+                                   reducer=reducer)
     return plan
 
 
