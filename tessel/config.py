@@ -147,7 +147,28 @@ class RuntimeConfig(Strict):
     threads_per_rank: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int | None = Field(None, ge=1)
+    topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
+    elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
+
+
+class CheckpointConfig(Strict):
+    dir: str | None = Field(None, description="default: <logging.out_dir>/checkpoints")
+    every: int = Field(0, ge=0, description="save every N steps; 0 disables periodic checkpoints")
+    keep: int = Field(3, ge=1, description="how many of the newest checkpoints to keep")
+    async_save: bool = Field(False, description="write in a background thread (dcp.async_save)")
+    resume: str | None = Field(None, description="'auto' (newest valid checkpoint) or a checkpoint path")
+
+
+class FaultConfig(Strict):
+    heartbeat_s: float = Field(2.0, ge=0, description="heartbeat period; 0 disables the heartbeat")
+    hang_timeout_s: float = Field(60.0, gt=0, description="a rank whose heartbeat stops this long is stalled")
+    kill_stalled: bool = Field(True, description="SIGKILL a stalled rank on the same host so the group restarts")
+    nan_tolerance: int = Field(3, ge=1, description="roll back after this many non-finite steps in a row")
+    max_rollbacks: int = Field(3, ge=0)
+    straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
+    straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
+    straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
 
 
 class Config(Strict):
@@ -157,6 +178,8 @@ class Config(Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -190,11 +213,15 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
     _require(p.pp == 1 or m.n_experts == 0, "parallel.pp",
              "pipeline parallelism with MoE models is not supported yet (aux losses span stages)")
+    _require(p.pp == 1 or (p.tp == 1 and p.zero_stage == 0), "parallel.pp",
+             "pipeline parallelism composes with dp only so far (not with tp or zero_stage)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
     _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs tp > 1")
+    _require(not (p.sequence_parallel and m.n_experts), "parallel.sequence_parallel",
+             "is not supported with MoE blocks yet (MoE runs replicated over tp)")
     if p.sequence_parallel:
         _require(t.seq_len % p.tp == 0, "train.seq_len", f"({t.seq_len}) must be divisible by tp ({p.tp}) "
                  "under sequence parallelism")
@@ -213,6 +240,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  "byte-level data needs vocab_size >= 256")
     r = cfg.runtime
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
+    if r.topology is not None:
+        _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
+    f = cfg.fault
+    _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
+             f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
                  f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp = {p.world_size}")

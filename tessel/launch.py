@@ -16,21 +16,32 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
-def torchrun_command(cfg: Config, argv: list[str], max_restarts: int = 0) -> list[str]:
-    """`python -m torch.distributed.run --standalone` with one process per rank of the layout."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={cfg.parallel.world_size}", f"--max-restarts={max_restarts}",
-            "-m", "tessel", *argv]
+def torchrun_command(cfg: Config, argv: list[str], max_restarts: int = 0, nnodes: str | None = None,
+                     nproc: int | None = None) -> list[str]:
+    """`python -m torch.distributed.run --standalone` with one process per rank of the layout.
+
+    With an elastic node range (nnodes "MIN:MAX") the rendezvous is c10d on
+    runtime's endpoint (this host by default), see tessel.train.elastic.
+    """
+    nproc = nproc or cfg.parallel.world_size
+    if nnodes and ":" in nnodes:
+        from tessel.train.elastic import rendezvous_args
+        rdzv = rendezvous_args(nnodes)
+    else:
+        rdzv = ["--standalone", "--nnodes=1"]
+    return [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "-m", "tessel", *argv]
 
 
-def reexec(cfg: Config, argv: list[str], max_restarts: int = 0) -> int:
+def reexec(cfg: Config, argv: list[str], max_restarts: int = 0, nnodes: str | None = None,
+           nproc: int | None = None) -> int:
     """Run this same command under torchrun and return its exit code."""
     env = dict(os.environ)
     # one thread per rank unless told otherwise; also silences torchrun's OMP warning
     env.setdefault("OMP_NUM_THREADS", str(cfg.runtime.threads_per_rank))
     env.setdefault("PYTHONUNBUFFERED", "1")
     _prepare_data(cfg)  # build the corpus cache once, not once per rank
-    proc = subprocess.run(torchrun_command(cfg, argv, max_restarts), env=env)
+    proc = subprocess.run(torchrun_command(cfg, argv, max_restarts, nnodes, nproc), env=env)
     return proc.returncode
 
 
@@ -66,13 +77,20 @@ def train_rank(cfg: Config):
 
     r = cfg.runtime
     device = init_distributed(r.device, r.backend, r.threads_per_rank, r.timeout_s)
+    if r.elastic:
+        from tessel.train.elastic import replan_for_world
+        cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
     check_layout(cfg, world_size=dist.get_world_size())
     p = cfg.parallel
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order, device=device)
     rank = dist.get_rank()
     if rank == 0:
         print(mesh.describe(), flush=True)
-    mesh.check_topology(r.nproc_per_node)
+    if r.topology and not r.nproc_per_node:  # a `tessel probe` file knows the node size
+        from tessel.comm.topology import Topology
+        mesh.check_topology(Topology.load(r.topology).nproc_per_node)
+    else:
+        mesh.check_topology(r.nproc_per_node)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split

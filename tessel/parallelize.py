@@ -20,6 +20,7 @@ from tessel.parallel.data import data_parallel
 from tessel.parallel.expert import moe_metrics, shard_experts
 from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
+from tessel.parallel.zero import zero_parallel
 from tessel.train.step import LocalRunner
 
 
@@ -29,19 +30,31 @@ class Plan:
     model: nn.Module
     loss_fn: Callable = cross_entropy
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
+    optimizer: object | None = None  # a strategy that shards the optimizer (ZeRO) supplies it
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
 
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
-    pending = [("parallel.tp", p.tp > 1), ("parallel.zero_stage", p.zero_stage > 0)]
+    pending: list[tuple[str, bool]] = []  # every parallel option is implemented
     for name, on in pending:
         if on:
             raise NotImplementedError(f"{name} is not implemented yet")
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    return plan  # issue 3
+    """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
+    if mesh.size("tp") == 1:
+        return plan
+    from tessel.models.moe import MoE
+    from tessel.models.plan import gpt_tp_plan
+    from tessel.parallel.tensor import FullLogits, TPContext, VocabParallelLoss, apply_plan
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
+    moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
+    apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
+    plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
+    plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
+    return plan
 
 
 def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -69,8 +82,17 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    if cfg.parallel.zero_stage > 0:
+        t = cfg.train
+        plan.model, plan.optimizer = zero_parallel(
+            plan.model, mesh, cfg.parallel.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+        return plan
     if mesh.size("dp", "ep") > 1:
-        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+        from tessel.comm.reducer import dp_reducer
+        reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
+        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+                                   reducer=reducer)
     return plan
 
 
@@ -89,4 +111,5 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
                        full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics)
+                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
+                       optimizer=plan.optimizer)

@@ -35,8 +35,26 @@ def init_distributed(device: str = "auto", backend: str = "auto", threads: int =
     dev = pick_device(device)
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        kwargs.update(_attempt_store(timeout_s))
         dist.init_process_group(pick_backend(dev, backend), timeout=timedelta(seconds=timeout_s), **kwargs)
     return dev
+
+
+def _attempt_store(timeout_s: float) -> dict:
+    """After a torchrun restart, rendezvous under a prefix of this attempt's own.
+
+    The agent's store outlives a failed attempt, and gloo's connection keys
+    from it (the dead ranks' addresses) would otherwise be read by the new
+    ranks, which then wait forever to connect to processes that are gone.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return {"store": dist.PrefixStore(f"tessel/{run}/attempt{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def shutdown_and_exit(code: int = 0) -> None:

@@ -56,8 +56,11 @@ def _rank_main(fn, rank, world, port, outdir, args, threads, backend, timeout_s,
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0, threads: int = 1,
-          backend: str = "gloo", env: dict[str, str] | None = None) -> list[Any]:
-    """Run fn(*args) on `world_size` ranks; returns each rank's return value, by rank."""
+          backend: str = "gloo", env: dict[str, str] | None = None, may_die: tuple[int, ...] = ()) -> list[Any]:
+    """Run fn(*args) on `world_size` ranks; returns each rank's return value, by rank.
+
+    Ranks in `may_die` are allowed to die (fault tests); their result is None.
+    """
     ctx = mp.get_context("spawn")
     env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="tessel-spawn-") as outdir:
@@ -68,7 +71,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        failed = _wait_all(procs, deadline)
+        failed = _wait_all(procs, deadline, set(may_die))
         if failed is not None:
             for p in procs:
                 if p.is_alive():
@@ -76,15 +79,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0
             for p in procs:
                 p.join(5)
             raise SpawnError(_failure_report(outdir, procs, failed, timeout))
-        return [torch.load(Path(outdir) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+        return [torch.load(Path(outdir) / f"result{r}.pt", weights_only=False)
+                if (Path(outdir) / f"result{r}.pt").exists() or r not in may_die else None
+                for r in range(world_size)]
 
 
-def _wait_all(procs, deadline) -> str | None:
+def _wait_all(procs, deadline, may_die: set[int] = frozenset()) -> str | None:
     while True:
         codes = [p.exitcode for p in procs]
-        if any(c not in (None, 0) for c in codes):
+        if any(c not in (None, 0) for r, c in enumerate(codes) if r not in may_die):
             return "a rank failed"
-        if all(c == 0 for c in codes):
+        if all(c is not None and (c == 0 or r in may_die) for r, c in enumerate(codes)):
             return None
         if time.monotonic() > deadline:
             return "timeout"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 import torch.distributed as dist
 
@@ -20,12 +22,18 @@ TINY = {
 }
 
 
-def tiny_config(*overrides: str, out_dir: str = "/tmp/tessel-test") -> Config:
+def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
+    # a private directory per run: concurrent test sessions must not share metrics files
+    out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")
     return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
 
 
-def train_and_collect(cfg: Config) -> dict:
-    """Train with cfg on the current process group (or alone); return losses and full weights."""
+def train_and_collect(cfg: Config, weights: bool = True) -> dict:
+    """Train with cfg on the current process group (or alone); return losses and full weights.
+
+    weights=False returns losses only: under ZeRO-3 the module's own parameters
+    are freed between steps, and only the sharded optimizer holds their values.
+    """
     p = cfg.parallel
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
     torch.manual_seed(cfg.train.seed)
@@ -34,4 +42,5 @@ def train_and_collect(cfg: Config) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = Trainer(cfg, mesh, model, runner, rank)
     summary = trainer.fit()
-    return {"losses": summary.losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()} if weights else {}
+    return {"losses": summary.losses, "state": state}

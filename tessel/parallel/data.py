@@ -63,12 +63,14 @@ class Bucket:
 
 def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
                   first_bucket_bytes: int | None = None,
-                  axes_of: Callable[[nn.Parameter], tuple[str, ...]] = lambda p: ()) -> list[Bucket]:
+                  axes_of: Callable[[nn.Parameter], tuple[str, ...]] = lambda p: (),
+                  align: int = 1) -> list[Bucket]:
     """Group params (already in expected gradient order) into flat buffers by dtype/device/axes.
 
     The first bucket is small (1 MiB by default, as in DDP): its gradients are the
     first ready, and a small bucket lets communication start early in backward.
     `axes_of(p)` names the mesh axes p's gradient is summed over; buckets never mix them.
+    Each buffer is zero-padded to a multiple of `align` elements (ZeRO cuts it in equal shards).
     """
     first_bucket_bytes = min(bucket_bytes, first_bucket_bytes or 2**20)
     buckets: list[Bucket] = []
@@ -78,7 +80,7 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
         plist, nbytes = open_by_key.pop(key)
         numels = [p.numel() for p in plist]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
-        buf = torch.zeros(sum(numels), dtype=key[0], device=key[1])
+        buf = torch.zeros(-(-sum(numels) // align) * align, dtype=key[0], device=key[1])
         buckets.append(Bucket(plist, buf, offsets, axes=key[2]))
 
     for p in params:

@@ -40,7 +40,7 @@ class LocalRunner:
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  vocab_size: int | None = None, max_seq_len: int | None = None,
-                 extra_metrics: Callable[[], dict] | None = None):
+                 extra_metrics: Callable[[], dict] | None = None, optimizer=None):
         self.model = model
         self.loss_fn = loss_fn
         self.chunks = chunks
@@ -50,6 +50,7 @@ class LocalRunner:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self._extra_metrics = extra_metrics
+        self.optimizer = optimizer  # None: the trainer builds AdamW over parameters()
 
     def extra_metrics(self) -> dict:
         """Layout-specific numbers for this step's metrics row (MoE load, ...); collective."""

@@ -19,6 +19,8 @@ from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.train.data import BatchSampler, load_tokens
+from tessel.train.fault import all_finite
+from tessel.train.resilience import Guard
 
 
 def build_optimizer(params: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
@@ -67,17 +69,24 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0):
         self.cfg, self.mesh, self.runner, self.rank = cfg, mesh, runner, rank
         t = cfg.train
-        self.params = runner.parameters()
-        self.optimizer = build_optimizer(self.params, t)
+        # a runner may bring its own optimizer (ZeRO's steps only this rank's shard);
+        # the gradient norm is over what the optimizer steps (sharded grads are marked)
+        self.optimizer = getattr(runner, "optimizer", None)
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(runner.parameters(), t)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scheduler = build_scheduler(self.optimizer, t)
         tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
         self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
-        self.n_params = count_params(model)
+        with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
+            self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = self._device_peak_flops()
-        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if rank == 0 else None
+        # a resumed run appends to the metrics of the attempt it continues
+        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
+                              append=cfg.checkpoint.resume is not None) if rank == 0 else None
         self.history: list[dict] = []
 
     def _device_peak_flops(self) -> float:
@@ -92,18 +101,20 @@ class Trainer:
         t0 = time.perf_counter()
         x, y = self.sampler.next()
         loss = self.runner.forward_backward(x, y)
+        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        finite = all_finite(loss, grad_norm, self.mesh.device)  # every rank agrees to skip or not
+        if finite:
+            self.optimizer.step()
         self.scheduler.step()
         # set_to_none=False keeps gradients as views of the data-parallel buckets
         self.optimizer.zero_grad(set_to_none=False)
-        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
-               "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+               "peak_mem_mb": peak_memory_mb(self.mesh.device), "skipped": not finite}
         extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
         if extra is not None:
             row.update(extra())
@@ -126,15 +137,21 @@ class Trainer:
         t = self.cfg.train
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
+        guard = Guard(self)  # resumes from a checkpoint when asked; checkpoints, heartbeat, rollback
+        step = guard.start_step
         with progress:
-            for step in range(t.steps):
+            while step < t.steps:
+                guard.begin_step(step)
                 row = self.train_step(step)
+                next_step = guard.end_step(step, row)  # the next step; earlier after a rollback
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
                 if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
                     self.log.log(step, row)
                 progress.update(step, row)
+                step = next_step
+        guard.close()
         return self._summary(val_loss)
 
     def _summary(self, val_loss: float | None) -> Summary:

@@ -63,7 +63,8 @@ class SavedBytes:
 class PipelineRunner:
     def __init__(self, chunks: list[PipelineStage], mesh: Mesh, schedule: str, micro_batches: int,
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
-                 max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False):
+                 max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
+                 reducer=None):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
@@ -74,8 +75,9 @@ class PipelineRunner:
         self.items = batches(self.actions)
         self.links = StageLinks(mesh)
         self.act_dtype = next(chunks[0].parameters()).dtype  # the residual stream's dtype
-        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb) if mesh.size("dp", "ep") > 1 else None
-                   for c in chunks]
+        dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
+        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs) if mesh.size("dp", "ep") > 1
+                   else None for c in chunks]
         last_b = {a.chunk: a for a in self.actions if a.kind == "B"}
         self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
         self.tied_group, self.tied_param = self._setup_tied(tied)

@@ -1,0 +1,280 @@
+"""Parameter server on torch.distributed point-to-point: BSP, ASP and SSP.
+
+The architecture of DistBelief/PS-Lite (Li et al. 2014, "Scaling distributed
+machine learning with the parameter server"). Server ranks own the weights;
+worker ranks hold a full copy of the model, pull weights, compute gradients on
+their own data and push them; servers apply the optimizer.
+
+Sharding (PS-Lite key ranges): the model's parameters, in registration order,
+are one flat key space of N elements; server k owns the contiguous range
+[k*N/S, (k+1)*N/S) (balanced by size to within one element; one parameter may
+span two servers). A server's shard is a single flat tensor, so any
+elementwise optimizer (SGD, Adam, AdamW, ...) applies to it unchanged;
+optimizers that need whole-tensor norms (LAMB, Shampoo) would not.
+
+Modes, as the servers enforce them (clock[w] = pushes received from worker w):
+- `bsp`: bulk synchronous. A server averages the step-c gradients of every
+  live worker (summed in worker order, so runs are deterministic), applies
+  one optimizer step, then answers all of them. Same math as all-reduce DP.
+- `asp`: asynchronous. Each push is applied on arrival and answered at once
+  (Hogwild-style staleness, no waiting).
+- `ssp`: stale synchronous (Ho et al. 2013, "More effective distributed ML via
+  a stale synchronous parallel parameter server"). Applied on arrival, but a
+  worker may start step c only when c - min_v clock[v] <= s, so it is never
+  more than s steps ahead of the slowest live worker.
+
+Fault tolerance: each server reads every worker on its own thread; when a
+worker's connection drops (or it is silent past the process group's timeout)
+the server logs it, drops it from the barrier and the clock minimum, and goes
+on. Messages: worker->server [kind, worker, step, 0 | gradient slice],
+server->worker [version, min_clock, clock, 0 | weight slice], float32.
+
+    ps = ParameterServer(model, servers=[0], workers=[1, 2, 3], mode="ssp", staleness=2,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    if ps.is_server:
+        stats = ps.serve()
+    else:
+        for step in range(steps):
+            loss = ps.step(lambda m: loss_fn(m(x), y))
+        ps.finish()
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.comm.algorithms import offsets_of, split_sizes
+
+log = logging.getLogger("tessel.ps")
+MODES = ("bsp", "asp", "ssp")
+PUSH, PULL, DONE, DEAD = 0, 1, 2, 3
+HEADER = 4
+TAG_UP, TAG_DOWN = 71, 72
+WIRE = torch.float32
+
+
+def shard_ranges(total: int, n_servers: int) -> list[tuple[int, int]]:
+    """Contiguous key ranges [lo, hi) of the flat parameter space, balanced by size."""
+    sizes = split_sizes(total, n_servers)
+    return [(lo, lo + n) for lo, n in zip(offsets_of(sizes), sizes)]
+
+
+@dataclass
+class ServerStats:
+    rank: int
+    mode: str
+    updates: int = 0  # optimizer steps applied
+    pushes: dict[int, int] = field(default_factory=dict)  # worker -> gradients received
+    done: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    staleness: list[tuple[int, int, int]] = field(default_factory=list)  # (worker, its clock, min clock) at release
+    max_staleness: int = 0
+
+
+class ParameterServer:
+    def __init__(self, model: nn.Module, servers: Sequence[int], workers: Sequence[int], mode: str = "bsp",
+                 staleness: int = 0, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 group=None, broadcast: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        # the bound on clock[w] - min clock when answering: none at all under ASP
+        bound = {"bsp": 0, "ssp": staleness, "asp": float("inf")}[mode]
+        self.model, self.mode, self.s = model, mode, bound
+        self.servers, self.workers, self.group = list(servers), list(workers), group
+        self.rank = dist.get_rank()
+        self.is_server = self.rank in self.servers
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.device = self.params[0].device
+        if broadcast:  # one starting point everywhere, whatever each rank's seed was
+            from tessel.parallel.data import broadcast_tensors
+            broadcast_tensors(self.params, src=self.servers[0], group=group)
+        self.total = sum(p.numel() for p in self.params)
+        self.ranges = shard_ranges(self.total, len(self.servers))
+        self.step_count = 0
+        self.last_header: dict[int, list[int]] = {}
+        if self.is_server:
+            lo, hi = self.ranges[self.servers.index(self.rank)]
+            self.shard = nn.Parameter(self.flat_params()[lo:hi].clone())
+            self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))([self.shard])
+
+    # ---- flat views of the model -------------------------------------------
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).to(WIRE) for p in self.params])
+
+    def flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(WIRE)
+                          for p in self.params])
+
+    @torch.no_grad()
+    def load_flat(self, flat: torch.Tensor) -> None:
+        off = 0
+        for p in self.params:
+            p.copy_(flat[off: off + p.numel()].view_as(p))
+            off += p.numel()
+
+    # ---- worker side -------------------------------------------------------
+    def _exchange(self, kind: int, payload: torch.Tensor | None) -> None:
+        """Send [header | slice] to every server, receive [header | weights slice] back, load them."""
+        sends, recvs = [], []
+        for k, srv in enumerate(self.servers):
+            lo, hi = self.ranges[k]
+            body = payload[lo:hi] if payload is not None else torch.zeros(hi - lo, dtype=WIRE, device=self.device)
+            head = torch.tensor([kind, self.rank, self.step_count, 0], dtype=WIRE, device=self.device)
+            msg = torch.cat([head, body])
+            sends.append((dist.isend(msg, srv, self.group, tag=TAG_UP), msg))
+            if kind != DONE:
+                buf = torch.empty(HEADER + hi - lo, dtype=WIRE, device=self.device)
+                recvs.append((dist.irecv(buf, srv, self.group, tag=TAG_DOWN), buf, k))
+        flat = torch.empty(self.total, dtype=WIRE, device=self.device)
+        for work, buf, k in recvs:
+            work.wait()
+            lo, hi = self.ranges[k]
+            flat[lo:hi] = buf[HEADER:]
+            self.last_header[self.servers[k]] = [int(v) for v in buf[:HEADER].tolist()]
+        for work, _ in sends:
+            work.wait()
+        if recvs:
+            self.load_flat(flat)
+
+    def pull(self) -> None:
+        self._exchange(PULL, None)
+
+    def step(self, compute_loss: Callable[[nn.Module], torch.Tensor]) -> float:
+        """One worker step: (first time: pull), loss, backward, push, and pull the answer."""
+        if self.step_count == 0 and not self.last_header:
+            self.pull()
+        for p in self.params:
+            p.grad = None
+        loss = compute_loss(self.model)
+        loss.backward()
+        self._exchange(PUSH, self.flat_grads())
+        self.step_count += 1
+        return float(loss.detach())
+
+    def observed_staleness(self) -> int:
+        """How far ahead of the slowest worker the servers let this worker start its next step."""
+        return max(clock - min_clock for _, min_clock, clock, _ in self.last_header.values())
+
+    def finish(self) -> None:
+        self._exchange(DONE, None)
+
+    # ---- server side -------------------------------------------------------
+    def serve(self) -> ServerStats:
+        """Run until every worker is done or dead; returns what happened."""
+        return _ServerLoop(self).run()
+
+
+class _ServerLoop:
+    def __init__(self, ps: ParameterServer):
+        self.ps = ps
+        self.stats = ServerStats(ps.rank, ps.mode, pushes={w: 0 for w in ps.workers})
+        self.clock = {w: 0 for w in ps.workers}
+        self.live = set(ps.workers)  # neither done nor dead
+        self.waiting: set[int] = set()  # workers owed an answer
+        self.bsp_grads: dict[int, torch.Tensor] = {}
+        self.inbox: queue.Queue = queue.Queue()
+        self.sends: dict[int, tuple] = {}
+        self.n = ps.shard.numel()
+
+    def _reader(self, w: int) -> None:
+        """Blocking receives from one worker; a dropped connection or a timeout means it is dead."""
+        while True:
+            buf = torch.empty(HEADER + self.n, dtype=WIRE, device=self.ps.device)
+            try:
+                dist.recv(buf, w, self.ps.group, tag=TAG_UP)
+            except Exception as err:  # noqa: BLE001 - any transport failure is a dead worker
+                self.inbox.put((DEAD, w, -1, repr(err)[:200]))
+                return
+            kind, _, step = (int(v) for v in buf[:3].tolist())
+            self.inbox.put((kind, w, step, buf[HEADER:]))
+            if kind == DONE:
+                return
+
+    def run(self) -> ServerStats:
+        for w in self.ps.workers:
+            threading.Thread(target=self._reader, args=(w,), daemon=True, name=f"ps-read-{w}").start()
+        while self.live:
+            kind, w, step, body = self.inbox.get()
+            if w not in self.live:
+                continue
+            if kind == DEAD:
+                log.warning("ps server %d: worker %d died (%s); going on without it", self.ps.rank, w, body)
+                self.live.discard(w)
+                self.waiting.discard(w)
+                self.stats.dead.append(w)
+            elif kind == DONE:
+                self.live.discard(w)
+                self.stats.done.append(w)
+            elif kind == PULL:
+                self.waiting.add(w)
+            else:
+                self._on_push(w, body)
+            self._release()
+        for work, _ in self.sends.values():
+            _quiet_wait(work)
+        return self.stats
+
+    def _on_push(self, w: int, grad: torch.Tensor) -> None:
+        self.clock[w] += 1
+        self.stats.pushes[w] += 1
+        self.waiting.add(w)
+        if self.ps.mode == "bsp":
+            self.bsp_grads[w] = grad
+        else:
+            self._apply(grad)
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        self.ps.shard.grad = grad.to(self.ps.shard.dtype)
+        self.ps.optimizer.step()
+        self.ps.shard.grad = None
+        self.stats.updates += 1
+
+    def _min_clock(self) -> int:
+        return min((self.clock[w] for w in self.live), default=0)
+
+    def _release(self) -> None:
+        if self.ps.mode == "bsp" and self.bsp_grads and all(self.clock[w] >= max(self.clock[v] for v in self.bsp_grads)
+                                                           for w in self.live):
+            # every live worker has pushed this step: one averaged update, in worker order
+            grads = [self.bsp_grads[w] for w in sorted(self.bsp_grads)]
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g
+            self._apply(total / len(grads))
+            self.bsp_grads.clear()
+        if self.ps.mode == "bsp" and self.bsp_grads:
+            return  # a barrier is open: nobody moves on
+        low = self._min_clock()
+        for w in sorted(self.waiting):
+            if self.clock[w] - low <= self.ps.s:
+                self._answer(w, low)
+
+    def _answer(self, w: int, low: int) -> None:
+        self.waiting.discard(w)
+        self.stats.staleness.append((w, self.clock[w], low))
+        self.stats.max_staleness = max(self.stats.max_staleness, self.clock[w] - low)
+        head = torch.tensor([self.stats.updates, low, self.clock[w], 0], dtype=WIRE, device=self.ps.device)
+        msg = torch.cat([head, self.ps.shard.detach().to(WIRE)])
+        if w in self.sends:
+            _quiet_wait(self.sends[w][0])  # the worker read it before pushing again
+        try:
+            self.sends[w] = (dist.isend(msg, w, self.ps.group, tag=TAG_DOWN), msg)
+        except Exception as err:  # noqa: BLE001 - its reader thread will report the death
+            log.warning("ps server %d: answer to worker %d failed: %r", self.ps.rank, w, err)
+
+
+def _quiet_wait(work) -> None:
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - a send to a worker that died; its reader reports it
+        pass
