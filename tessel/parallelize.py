@@ -34,14 +34,6 @@ class Plan:
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
 
 
-def _not_yet(cfg: Config) -> None:
-    p = cfg.parallel
-    pending: list[tuple[str, bool]] = []  # every parallel option is implemented
-    for name, on in pending:
-        if on:
-            raise NotImplementedError(f"{name} is not implemented yet")
-
-
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
     if mesh.size("tp") == 1:
@@ -98,7 +90,6 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     """Returns a runner (see tessel.train.step) that owns the parallelized model."""
-    _not_yet(cfg)
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)
