@@ -160,6 +160,7 @@ class Estimate:
     chunk_times: list[list[tuple[float, float]]] = field(default_factory=list)  # [stage][chunk] = (fwd, bwd)
     p2p_s: float = 0.0
     dp_comm_s: float = 0.0
+    stage_memory: dict[int, dict[str, float]] = field(default_factory=dict)  # stages 0 and pp-1 (all if v>1)
 
     @property
     def memory_total(self) -> float:
@@ -283,7 +284,7 @@ class CostModel:
         last_chunk = len(all_chunks) - 1
         p2p_bytes = tokens * c.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
         p2p = p2p_time(p2p_bytes, links["pp"]) if lay.pp > 1 else 0.0
-        chunk_times, mems, stage_busy = [], [], []
+        chunk_times, stage_busy, mems = [], [], {}
         comm_sent = {"tp": 0.0, "ep": 0.0}
         t_tp_ep = t_rc = 0.0
         for s in range(lay.pp):
@@ -301,8 +302,8 @@ class CostModel:
             chunk_times.append(row)
             stage_busy.append(sum(f + b for f, b in row))
             if s in (0, lay.pp - 1) or lay.v > 1:
-                mems.append(self._memory(s, chunks, lay, all_chunks, tokens))
-        memory = max(mems, key=lambda mm: mm["total"])
+                mems[s] = self._memory(s, chunks, lay, all_chunks, tokens)
+        memory = max(mems.values(), key=lambda mm: mm["total"])
         # pipeline: the first micro-batch crosses every chunk, the slowest chunk paces the rest
         chunk_max = max(f + b + 2 * p2p for row in chunk_times for f, b in row)
         chunk_sum = sum(f + b + 2 * p2p for row in chunk_times for f, b in row) / lay.v
@@ -325,7 +326,7 @@ class CostModel:
         comm_sent["dp"] = dp_bytes
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
-                        comm_sent, bubble, fits, chunk_times, p2p, dp_total)
+                        comm_sent, bubble, fits, chunk_times, p2p, dp_total, mems)
 
     def _dp_time(self, lay: Layout, links, chunk_times, memory) -> tuple[float, float, float]:
         """(exposed seconds, total seconds, bytes sent) of gradient/parameter traffic over dp (x ep).
