@@ -60,7 +60,8 @@ def _probe_rank() -> dict:
 
     n = dist.get_world_size()
     dist.barrier()
-    out = {"fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
+    baseline = _baseline_rss()  # first, before the probe's own buffers raise the peak
+    out = {"baseline": baseline, "fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
            "bf16": measure_matmul_flops(torch.device("cpu"), torch.bfloat16)}
     small, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
     dist.all_reduce(big)
@@ -75,7 +76,6 @@ def _probe_rank() -> dict:
     out["overlap"] = _overlap(big, n)
     a = torch.empty(2**23)  # 32 MiB: streams through memory, like the optimizer step
     out["mem_bandwidth"] = 3 * a.numel() * 4 / _median_time(lambda: a.mul_(1.0000001).add_(1e-9), 5)
-    out["baseline"] = _baseline_rss()
     return out
 
 
