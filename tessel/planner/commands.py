@@ -101,6 +101,9 @@ def plan(prob: Problem, layout: str | None, as_json: bool, out: str | None, top:
         head = (f"{prob.spec.name} ({prob.spec.total_params / 1e9:.3g}B params) on {prob.world} x "
                 f"{prob.cluster.name}, global batch {prob.global_batch} x {prob.spec.seq_len} tokens")
         console.print(head)
+        if prob.cluster.source == "preset":
+            console.print("[dim]preset cluster: compute priced at the spec-sheet peak (nothing measured), so "
+                          "step times are lower bounds; the ranking is what to read[/dim]")
         if layout:
             console.print(plan_table(ranked, "predicted cost of the given layout"))
             for line in lines:

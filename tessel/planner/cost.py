@@ -161,6 +161,7 @@ class Estimate:
     p2p_s: float = 0.0
     dp_comm_s: float = 0.0
     stage_memory: dict[int, dict[str, float]] = field(default_factory=dict)  # stages 0 and pp-1 (all if v>1)
+    placement: dict[str, str] = field(default_factory=dict)  # axis -> "intra" / "inter" node link
 
     @property
     def memory_total(self) -> float:
@@ -172,7 +173,7 @@ class Estimate:
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
                 "model_flops_per_device": self.model_flops_per_device, "mfu": self.mfu,
                 "memory_mib": mib, "time_s": self.time, "comm_bytes": self.comm_bytes,
-                "bubble": self.bubble, "fits": self.fits}
+                "bubble": self.bubble, "fits": self.fits, "placement": self.placement}
 
 
 class CostModel:
@@ -326,7 +327,9 @@ class CostModel:
         comm_sent["dp"] = dp_bytes
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
-                        comm_sent, bubble, fits, chunk_times, p2p, dp_total, mems)
+                        comm_sent, bubble, fits, chunk_times, p2p, dp_total, mems,
+                        {a: ("intra" if links[a] is self.cluster.intra else "inter") for a in ("tp", "pp", "dp", "ep")
+                         if getattr(lay, a) > 1})
 
     def _dp_time(self, lay: Layout, links, chunk_times, memory) -> tuple[float, float, float]:
         """(exposed seconds, total seconds, bytes sent) of gradient/parameter traffic over dp (x ep).

@@ -139,7 +139,8 @@ def probe_this(world: int, refresh: bool = False) -> Cluster:
 
 # ---- profiling the reference model --------------------------------------------
 
-def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str) -> dict:
+def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
+                  rounds: int = 5) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -157,18 +158,22 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     params = list(model.parameters())
     opt = build_optimizer(params, TrainConfig())
     dev = torch.device("cpu")
-    points = []
-    for mb in micro_batches:
-        x = torch.randint(0, cfg.vocab_size, (mb, seq_len))
+    batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
 
-        def fwd_bwd():
-            with autocast_for(dev, precision):
-                loss = cross_entropy(model(x), x)
-            loss.backward()
-        fwd_bwd()  # warm-up: allocations and kernel choice
-        dist.barrier()
-        t = _median_time(fwd_bwd, 3)
-        points.append((mb * seq_len, spec.model_flops_per_token() * mb * seq_len / t))
+    def fwd_bwd(x):
+        with autocast_for(dev, precision):
+            loss = cross_entropy(model(x), x)
+        loss.backward()
+    for x in batches.values():
+        fwd_bwd(x)  # warm-up: allocations and kernel choice
+    # sizes take turns, round after round, so a change in the machine's load hits them all alike
+    times: dict[int, list[float]] = {mb: [] for mb in micro_batches}
+    for _ in range(rounds):
+        for mb, x in batches.items():
+            dist.barrier()
+            times[mb].append(_median_time(lambda: fwd_bwd(x), 1))
+    points = [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[mb]))
+              for mb in micro_batches]
 
     def opt_step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -176,7 +181,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
         opt.zero_grad(set_to_none=False)
     opt_step()
     dist.barrier()
-    t_opt = _median_time(opt_step, 3)
+    t_opt = _median_time(opt_step, 5)
     sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, max(micro_batches), 0)
     scalar = torch.zeros(1)
     dist.barrier()

@@ -101,6 +101,9 @@ def explain(result: SearchResult, top: int = 5) -> list[str]:
                       if v / total >= 0.01)
     lines = [f"winner {best.layout.describe()}: {best.step_s:.3g} s/step, {100 * best.mfu:.1f}% MFU, "
              f"{_gib(best.memory_total)} GiB/device; its step is {parts}"]
+    if best.placement:
+        lines.append("placement (tp innermost): " + ", ".join(f"{a} groups on {where}-node links"
+                                                            for a, where in best.placement.items()))
     for i, e in enumerate(result.ranked[1:top], 2):
         deltas = {k: e.time.get(k, 0.0) - best.time.get(k, 0.0) for k in e.time}
         worst = max(deltas, key=deltas.get)
