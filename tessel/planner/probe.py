@@ -50,7 +50,23 @@ def _rss_bytes() -> float:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def _own_session() -> None:
+    """Run this rank in its own session, as torchrun does (start_new_session=True).
+
+    Linux's autogroup scheduler (kernel.sched_autogroup_enabled) shares the
+    CPU fairly between sessions, not processes. Ranks spawned into the
+    parent's session split one share among themselves, while `tessel train`'s
+    ranks get one share each: on a loaded machine the probe would then see
+    several times less CPU than the trainer it is meant to predict.
+    """
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader
+
+
 def _probe_rank() -> dict:
+    _own_session()
     import torch
     import torch.distributed as dist
 
@@ -141,6 +157,7 @@ def probe_this(world: int, refresh: bool = False) -> Cluster:
 
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
                   rounds: int = 5) -> dict:
+    _own_session()
     import torch
     import torch.distributed as dist
 

@@ -301,11 +301,14 @@ def write_png(result: SimResult, path: str | Path, title: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     devices = sorted({e.device for e in result.events}) or [0]
     fig, ax = plt.subplots(figsize=(12, 0.5 + 0.6 * len(devices)))
-    colors = {"F": "tab:blue", "B": "tab:orange", "s": "tab:gray", "d": "tab:green"}
+    colors = {"F": "tab:blue", "B": "tab:orange", "s": "tab:gray", "d": "tab:green", "z": "tab:green"}
     for e in result.events:
         y = devices.index(e.device) * 2 + (0 if e.row == "compute" else 1)
         ax.barh(y, e.end - e.start, left=e.start, height=0.8 if e.row == "compute" else 0.5,
                 color=colors.get(e.name[0], "tab:purple"), edgecolor="black", linewidth=0.2)
+    from matplotlib.patches import Patch
+    legend = [("forward", "F"), ("backward", "B"), ("pipeline send", "s"), ("gradient traffic", "d")]
+    ax.legend([Patch(color=colors[k]) for _, k in legend], [n for n, _ in legend], loc="upper right", fontsize=8)
     ax.set_yticks([2 * i for i in range(len(devices))], [f"stage {d}" for d in devices])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
