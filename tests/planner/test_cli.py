@@ -56,7 +56,7 @@ def test_plan_one_layout_and_invalid_layouts_exit_2():
 def test_simulate_writes_trace_and_png(tmp_path):
     trace, png = tmp_path / "trace.json", tmp_path / "tl.png"
     res = runner.invoke(app, ["simulate", "--model", "gpt3-1.3b", "--world", "64", "--cluster", "a100",
-                              "--layout", "dp=4,tp=4,pp=4,mb=1", "--trace", str(trace), "--png", str(png), "--json"])
+                              "--global-batch", "64", "--layout", "dp=4,tp=4,pp=4,mb=1", "--trace", str(trace), "--png", str(png), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert trace.exists() and png.read_bytes()[:4] == b"\x89PNG"
