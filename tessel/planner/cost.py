@@ -353,12 +353,19 @@ class CostModel:
             nb = max(1, math.ceil(grads_full / self.bucket_bytes))
             hidden = ov * min(total * (1 - 1 / nb), last_bwd * len(chunk_times[0]))
             return total - hidden, total, 2 * grads_full * (n - 1) / n
-        per_mb = reduce_scatter_time(grads_full, n, link)
+        # each micro-batch's gradients are reduce-scattered bucket by bucket as backward makes them
+        # (the last bucket waits for the end); ZeRO-3's weight gathers are prefetched under compute
+        nb = max(1, math.ceil(grads_full / self.bucket_bytes))
+        bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
+        rs = reduce_scatter_time(grads_full, n, link)
+        exposed_mb = rs - ov * min(rs * (1 - 1 / nb), bwd_stage)
+        per_mb = rs
         if lay.zero == 3:
-            per_mb += 2 * all_gather_time(grads_full, n, link)
+            ag = 2 * all_gather_time(grads_full, n, link)
+            compute = min(sum(f + b for f, b in row) for row in chunk_times)  # one micro-batch on one stage
+            exposed_mb += max(ag * (1 - ov), ag - ov * compute)
+            per_mb += ag
         per_step_gather = all_gather_time(grads_full, n, link) if lay.zero == 2 else 0.0
-        compute = min(sum(f + b for f, b in row) for row in chunk_times)  # one micro-batch on one stage
-        exposed_mb = max(per_mb * (1 - ov), per_mb - ov * compute)
         total = per_mb * lay.chunks + per_step_gather
         sent = (grads_full * (n - 1) / n) * ((3 if lay.zero == 3 else 1) * lay.chunks + (lay.zero == 2))
         return exposed_mb * lay.chunks + per_step_gather, total, sent

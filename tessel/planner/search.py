@@ -72,12 +72,12 @@ def search(cm: CostModel, world: int, global_batch: int) -> SearchResult:
 # ---- explanation -----------------------------------------------------------------
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.1f}" if x >= 2**30 else f"{x / 2**20:.0f}M"
+    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
 
 
 def plan_table(estimates: list[Estimate], title: str) -> Table:
     table = Table(title=title)
-    for col in ("#", "layout", "step s", "tokens/s", "MFU", "bubble", "mem GiB", "params", "grads", "optim", "activ"):
+    for col in ("#", "layout", "step s", "tokens/s", "MFU", "bubble", "memory", "params", "grads", "optim", "activ"):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
     for i, e in enumerate(estimates, 1):
         m = e.memory
@@ -94,13 +94,13 @@ def explain(result: SearchResult, top: int = 5) -> list[str]:
         lines = [f"no layout out of {result.evaluated} fits in memory"]
         if result.rejected:
             e = result.rejected[0]
-            lines.append(f"the smallest footprint is {e.layout.describe()} needing {_gib(e.memory_total)} GiB per device")
+            lines.append(f"the smallest footprint is {e.layout.describe()} needing {_gib(e.memory_total)} per device")
         return lines
     total = best.step_s
     parts = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(best.time.items(), key=lambda kv: -kv[1])
                       if v / total >= 0.01)
     lines = [f"winner {best.layout.describe()}: {best.step_s:.3g} s/step, {100 * best.mfu:.1f}% MFU, "
-             f"{_gib(best.memory_total)} GiB/device; its step is {parts}"]
+             f"{_gib(best.memory_total)}/device; its step is {parts}"]
     if best.placement:
         lines.append("placement (tp innermost): " + ", ".join(f"{a} groups on {where}-node links"
                                                             for a, where in best.placement.items()))
@@ -115,7 +115,7 @@ def explain(result: SearchResult, top: int = 5) -> list[str]:
     if faster_oom:
         e = min(faster_oom, key=lambda x: x.step_s)
         lines.append(f"faster but out of memory: {e.layout.describe()} ({e.step_s:.3g} s) needs "
-                     f"{_gib(e.memory_total)} GiB per device")
+                     f"{_gib(e.memory_total)} per device")
     return lines
 
 
