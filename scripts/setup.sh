@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with pinned dependencies. Idempotent; `make` calls it when needed.
 set -euo pipefail
+TORCH_PIN=""
 cd "$(dirname "$0")/.."
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # A machine with a CUDA torch keeps it: the venv sees the system packages.
@@ -9,8 +10,9 @@ else
   python3 -m venv .venv
   # Pinned: on the CPU machines this resolves to a local CPU wheel; plain `torch`
   # would pull gigabytes of CUDA packages.
-  .venv/bin/pip install -q torch==2.13.0
+  TORCH_PIN="torch==2.13.0"
 fi
-.venv/bin/pip install -q -r requirements.txt
+# one resolve for everything: each pip call costs seconds of start-up and index reads
+.venv/bin/pip install -q ${TORCH_PIN:-} -r requirements.txt
 .venv/bin/pip install -q --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import torch, tessel; print('tessel ready: torch', torch.__version__)"

@@ -92,6 +92,17 @@ def simulate(
         commands.simulate(prob, layout, trace, png, as_json)
     except ConfigError as err:
         fail(err)
+@app.command()
+def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tessel train"),
+         out: str = typer.Option("curves.png", "--out", help="PNG to write")) -> None:
+    """Plot loss, validation loss, throughput and learning rate of a run."""
+    from pathlib import Path
+
+    from tessel.observe.plots import plot_metrics
+    if not Path(metrics).is_file():
+        typer.secho(f"error: no such file: {metrics}", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.echo(plot_metrics(metrics, out))
 
 
 def main() -> None:

@@ -49,7 +49,8 @@ class ModelConfig(Strict):
     capacity_factor: float = Field(1.25, gt=0)
     aux_loss_coef: float = Field(0.01, ge=0)
     z_loss_coef: float = Field(0.0, ge=0)
-    router_jitter: float = Field(0.0, ge=0)
+    router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
+    moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
@@ -61,6 +62,8 @@ class ModelConfig(Strict):
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
+        if self.moe_random_routing and self.moe_top_k != 2:
+            raise ValueError("model.moe_random_routing needs model.moe_top_k = 2 (it drops second choices)")
         return self
 
     @property

@@ -15,7 +15,9 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, cross_entropy
+from tessel.models.moe import moe_layers, with_aux_losses
 from tessel.parallel.data import data_parallel
+from tessel.parallel.expert import moe_metrics, shard_experts
 from tessel.train.step import LocalRunner
 
 
@@ -25,11 +27,12 @@ class Plan:
     model: nn.Module
     loss_fn: Callable = cross_entropy
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
+    extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
 
 
 def _not_yet(cfg: Config) -> None:
     p = cfg.parallel
-    pending = [("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1), ("parallel.ep", p.ep > 1),
+    pending = [("parallel.pp", p.pp > 1),
                ("parallel.zero_stage", p.zero_stage > 0), ("parallel.recompute", p.recompute)]
     for name, on in pending:
         if on:
@@ -37,11 +40,28 @@ def _not_yet(cfg: Config) -> None:
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    return plan  # issue 3
+    """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
+    if mesh.size("tp") == 1:
+        return plan
+    from tessel.models.plan import GPT_TP_PLAN
+    from tessel.parallel.tensor import FullLogits, TPContext, VocabParallelLoss, apply_plan
+    if cfg.model.n_experts:
+        raise NotImplementedError("parallel.tp with MoE blocks (model.n_experts > 0) is not implemented yet")
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
+    apply_plan(plan.model, GPT_TP_PLAN, ctx)
+    plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
+    plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
+    return plan
 
 
 def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    return plan  # issue 5
+    """MoE models (any ep): aux losses join the loss, routing stats the metrics; ep > 1 shards experts."""
+    if cfg.model.n_experts == 0:
+        return plan
+    layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
+    plan.loss_fn = with_aux_losses(plan.loss_fn, plan.model)
+    plan.extra_metrics = lambda: moe_metrics(layers, mesh)
+    return plan
 
 
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -66,4 +86,4 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
                        full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len)
+                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics)

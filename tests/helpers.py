@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,9 @@ TINY = {
 }
 
 
-def tiny_config(*overrides: str, out_dir: str = "/tmp/tessel-test") -> Config:
+def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
+    # a private directory per run: concurrent test sessions must not share metrics files
+    out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")
     return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
 
 

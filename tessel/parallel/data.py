@@ -15,6 +15,11 @@ Works on any nn.Module:
     with model.no_sync():                         # accumulation micro-steps
         loss_fn(model(x0), y0).backward()
     loss_fn(model(x1), y1).backward()             # grads are averaged here
+
+Parameters sharded over one of the data axes (experts over ep, see
+tessel.parallel.expert) are summed only over the data axes that replicate
+them, and still divided by the number of data shards: the all-to-all's backward
+has already summed the contributions of the other ep ranks' tokens into them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
+from tessel.parallel.norms import shard_axes
 
 # A reducer receives a flat buffer and a group and returns a waitable work
 # handle; it sums in place. `native` is the backend's own all-reduce; the comm
@@ -44,6 +50,8 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     offsets: list[int]
+    axes: tuple[str, ...] = ()  # the mesh axes this bucket is summed over
+    group: object = None
     pending: int = 0
     work: object = None
     ready: set[int] = field(default_factory=set)
@@ -53,8 +61,16 @@ class Bucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
 
-def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Group params (already in expected gradient order) into flat buffers by dtype/device."""
+def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None,
+                  axes_of: Callable[[nn.Parameter], tuple[str, ...]] = lambda p: ()) -> list[Bucket]:
+    """Group params (already in expected gradient order) into flat buffers by dtype/device/axes.
+
+    The first bucket is small (1 MiB by default, as in DDP): its gradients are the
+    first ready, and a small bucket lets communication start early in backward.
+    `axes_of(p)` names the mesh axes p's gradient is summed over; buckets never mix them.
+    """
+    first_bucket_bytes = min(bucket_bytes, first_bucket_bytes or 2**20)
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, tuple[list, int]] = {}
 
@@ -63,15 +79,15 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[Buc
         numels = [p.numel() for p in plist]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
         buf = torch.zeros(sum(numels), dtype=key[0], device=key[1])
-        buckets.append(Bucket(plist, buf, offsets))
+        buckets.append(Bucket(plist, buf, offsets, axes=key[2]))
 
     for p in params:
-        key = (p.dtype, p.device)
+        key = (p.dtype, p.device, axes_of(p))
         plist, nbytes = open_by_key.get(key, ([], 0))
         plist.append(p)
         nbytes += p.numel() * p.element_size()
         open_by_key[key] = (plist, nbytes)
-        if nbytes >= bucket_bytes:
+        if nbytes >= (bucket_bytes if buckets else first_bucket_bytes):
             close(key)
     for key in list(open_by_key):
         close(key)
@@ -94,10 +110,11 @@ class DataParallel(nn.Module):
         if params is None:
             params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         if broadcast and self.group is not None:
-            tensors = list(module.parameters()) + list(module.buffers())
-            broadcast_tensors(tensors, src=mesh.group_ranks(self.axes)[0], group=self.group)
+            self._broadcast(module, mesh)
         # reverse order approximates the order in which gradients become ready
-        self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), axes_of=self.reduce_axes)
+        for bucket in self.buckets:
+            bucket.group = _group(mesh, bucket.axes)
         self._where: dict[int, tuple[int, int]] = {}
         for b_idx, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
@@ -106,6 +123,20 @@ class DataParallel(nn.Module):
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in params] if self.group is not None else []
+
+    def reduce_axes(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The data axes over which p is replicated (all of them unless p is sharded over one)."""
+        return tuple(a for a in self.axes if a not in shard_axes(p))
+
+    def _broadcast(self, module: nn.Module, mesh: Mesh) -> None:
+        # each tensor from the first rank of the axes that replicate it: shards stay distinct
+        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {self.axes: list(module.buffers())}
+        for p in module.parameters():
+            by_axes.setdefault(self.reduce_axes(p), []).append(p)
+        for axes, tensors in by_axes.items():
+            group = _group(mesh, axes)
+            if group is not None and tensors:
+                broadcast_tensors(tensors, src=mesh.group_ranks(axes)[0], group=group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -144,7 +175,7 @@ class DataParallel(nn.Module):
             bucket = self.buckets[self._next_to_launch]
             if len(bucket.ready) < len(bucket.params):
                 return
-            bucket.work = self.reducer(bucket.buffer, self.group)
+            bucket.work = self.reducer(bucket.buffer, bucket.group) if bucket.group is not None else None
             self._next_to_launch += 1
 
     def _finish(self) -> None:
@@ -160,12 +191,25 @@ class DataParallel(nn.Module):
                     bucket.ready.add(i)
         self._launch_ready_in_order()
         for bucket in self.buckets:
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             bucket.buffer.div_(self.group_size)
             bucket.work = None
             bucket.ready.clear()
         self._next_to_launch = 0
         self._callback_queued = False
+
+
+def _group(mesh: Mesh, axes: tuple[str, ...]):
+    """mesh.group(*axes), creating it if this combination is new (collective: the
+    layout is the same on every rank, so all ranks reach here with the same axes)."""
+    if mesh.size(*axes) == 1:
+        return None
+    try:
+        return mesh.group(*axes)
+    except KeyError:
+        mesh.build_groups([axes])
+        return mesh.group(*axes)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int, group=None) -> None:

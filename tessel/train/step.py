@@ -39,7 +39,8 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 vocab_size: int | None = None, max_seq_len: int | None = None):
+                 vocab_size: int | None = None, max_seq_len: int | None = None,
+                 extra_metrics: Callable[[], dict] | None = None):
         self.model = model
         self.loss_fn = loss_fn
         self.chunks = chunks
@@ -48,6 +49,11 @@ class LocalRunner:
         self.full_logits = full_logits or model
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self._extra_metrics = extra_metrics
+
+    def extra_metrics(self) -> dict:
+        """Layout-specific numbers for this step's metrics row (MoE load, ...); collective."""
+        return self._extra_metrics() if self._extra_metrics is not None else {}
 
     def parameters(self) -> list[nn.Parameter]:
         return list(dict.fromkeys(self.model.parameters()))

@@ -15,7 +15,7 @@ import torch.nn as nn
 from tessel.config import Config, TrainConfig
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
-from tessel.observe.metrics import MetricsLog, measure_matmul_flops, peak_memory_mb
+from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.train.data import BatchSampler, load_tokens
@@ -74,7 +74,8 @@ class Trainer:
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
         self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
-        self.n_params = count_params(model)
+        with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
+            self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = self._device_peak_flops()
         self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if rank == 0 else None
@@ -82,8 +83,7 @@ class Trainer:
 
     def _device_peak_flops(self) -> float:
         """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        per_rank = self.cfg.logging.peak_flops or measure_matmul_flops(self.mesh.device, dtype)
+        per_rank = self.cfg.logging.peak_flops or device_peak_flops(self.mesh.device, self.cfg.train.precision)
         total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -105,6 +105,9 @@ class Trainer:
         row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
                "peak_mem_mb": peak_memory_mb(self.mesh.device)}
+        extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
+        if extra is not None:
+            row.update(extra())
         return row
 
     @torch.no_grad()
@@ -142,7 +145,9 @@ class Trainer:
         files = {}
         if self.log is not None:
             self.log.close()
-            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard")}
+            from tessel.observe.plots import plot_metrics
+            files = {"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard"),
+                     "curves": str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))}
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
                        peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,

@@ -1,0 +1,32 @@
+"""How the reference GPT is split by tensor parallelism: data, not code.
+
+Module name pattern (fnmatch, whole name) -> style; the first matching pattern
+wins. tessel.parallel.tensor.STYLES says what each style does:
+
+- enter: the module's input enters the tensor-parallel region once (Megatron's
+  f; the sequence-parallel all-gather), shared by the column-parallel layers in it
+- colwise / rowwise: ColumnParallelLinear / RowParallelLinear (Megatron)
+- vocab_embedding / vocab_head: the vocabulary split over ranks, padded to a
+  multiple of tp; the head's logits stay sharded for the vocab-parallel loss
+- sequence_norm: under sequence parallelism the norm runs on 1/tp of the tokens
+  and its weight gradient is summed over tp; otherwise left as it is
+
+Attention splits its heads (q, k, v column-parallel, the output projection
+row-parallel); the SwiGLU MLP splits gate and up column-parallel, down row-
+parallel. This file must not import tessel.parallel.
+"""
+
+GPT_TP_PLAN: dict[str, str] = {
+    "tok_emb": "vocab_embedding",
+    "layers.*.attn_norm": "sequence_norm",
+    "layers.*.attn": "enter",
+    "layers.*.attn.w[qkv]": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp_norm": "sequence_norm",
+    "layers.*.mlp": "enter",
+    "layers.*.mlp.w_gate": "colwise",
+    "layers.*.mlp.w_up": "colwise",
+    "layers.*.mlp.w_down": "rowwise",
+    "norm": "sequence_norm",
+    "lm_head": "vocab_head",
+}

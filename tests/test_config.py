@@ -1,0 +1,92 @@
+"""Bad recipes are rejected before any process exists: exit 2, the field named, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import tessel.launch
+from tessel.cli import app
+from tessel.config import ConfigError, build_config, load_config, parse_override, to_toml
+
+# (overrides, the field the message must name)
+BAD = [
+    (["model.foo=1"], "model.foo"),                                   # unknown key
+    (["wat.x=1"], "wat"),                                             # unknown section
+    (['parallel.dp="two"'], "parallel.dp"),                           # wrong type
+    (["parallel.dp=1.5"], "parallel.dp"),                             # wrong type (float)
+    (["parallel.dp=0"], "parallel.dp"),                               # out of range
+    (["parallel.tp=3"], "parallel.tp"),                               # heads not divisible by tp
+    (["parallel.pp=4"], "parallel.pp"),                               # fewer layers than stages
+    (["model.n_experts=3", "parallel.ep=2"], "parallel.ep"),          # experts not divisible by ep
+    (["parallel.ep=2"], "parallel.ep"),                               # ep without experts
+    (["parallel.dp=4", "train.global_batch=6"], "train.global_batch"),  # batch vs dp x micro-batches
+    (["parallel.micro_batches=3"], "train.global_batch"),
+    (["parallel.dp=2", "runtime.nproc_per_node=3"], "runtime.nproc_per_node"),  # world != product
+    (["train.seq_len=512"], "train.seq_len"),                         # longer than the model
+    (["parallel.zero_stage=4"], "parallel.zero_stage"),
+    (['parallel.schedule="zigzag"'], "parallel.schedule"),
+    (["train.lr=-1"], "train.lr"),
+    (["train.min_lr=1.0"], "train.min_lr"),
+    (["model.d_model=65"], "model.d_model"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["parallel.virtual_stages=2"], "parallel.virtual_stages"),
+    (['data.source="bin"'], "data.path"),
+    (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
+    (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, overrides)
+    assert err.value.field == field, str(err.value)
+
+
+def test_at_least_twelve_distinct_rules():
+    assert len({field for _, field in BAD}) >= 12
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("a process was spawned for an invalid config")
+    monkeypatch.setattr(tessel.launch, "reexec", forbidden)
+    monkeypatch.setattr(subprocess, "run", forbidden)
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_cli_rejects_without_spawning(no_spawn, overrides, field):
+    args = ["train"] + [x for o in overrides for x in ("--set", o)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert field in result.output
+    assert "Traceback" not in result.output
+
+
+def test_real_cli_exit_code_and_message(tmp_path):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text("[parallel]\ntp = 3\n")
+    proc = subprocess.run([sys.executable, "-m", "tessel", "train", str(recipe)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "parallel.tp" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_missing_and_malformed_recipes(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_overrides_parse_as_toml_and_round_trip():
+    assert parse_override("parallel.dp=2") == (["parallel", "dp"], 2)
+    assert parse_override("data.source=synthetic") == (["data", "source"], "synthetic")
+    cfg = build_config({}, ["parallel.dp=2", "train.lr=0.001", "model.tie_embeddings=true"])
+    assert (cfg.parallel.dp, cfg.train.lr, cfg.model.tie_embeddings) == (2, 0.001, True)
+    import tomllib
+    assert build_config(tomllib.loads(to_toml(cfg))) == cfg
