@@ -197,7 +197,9 @@ class CostModel:
         """(forward, backward, recompute) seconds of one chunk for one micro-batch on one tp rank."""
         fwd_flops = sum(self.layer_flops[i] for i in layers) * tokens
         head = self.spec.head_fwd_flops_per_token * tokens if last else 0.0
-        speed = self.flops_per_s(tokens) * lay.tp
+        # a tp-sharded matmul does the work of an unsharded one on tokens/tp rows: price it at
+        # the speed measured for that much work per call (small calls run less efficiently)
+        speed = self.flops_per_s(max(1, tokens // lay.tp)) * lay.tp
         f, h = fwd_flops / speed, head / speed
         return f + h, 2 * (f + h), f if lay.recompute else 0.0
 
