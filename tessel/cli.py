@@ -1,4 +1,4 @@
-"""The `tessel` command: train (more subcommands join as their issues land)."""
+"""The `tessel` command: train, plan, simulate (more subcommands join as their issues land)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,56 @@ def train(
     raise typer.Exit(reexec(cfg, sys.argv[1:], max_restarts, nnodes, nproc))
 
 
+_PLAN_OPTS = dict(
+    cluster=typer.Option("a100", "--cluster", help="a100 | h100 | this (this machine, probed and cached)"),
+    world=typer.Option(None, "--world", help="devices; default the recipe's layout or one node"),
+    model=typer.Option(None, "--model", help="model preset, e.g. gpt3-175b (default: the recipe's model)"),
+    global_batch=typer.Option(None, "--global-batch", help="sequences per step (default recipe/preset)"),
+    precision=typer.Option(None, "--precision", help="fp32 | bf16"),
+    layout=typer.Option(None, "--layout", help="evaluate one layout: dp=2,tp=2,pp=2,mb=1,zero=1,v=2,..."),
+    as_json=typer.Option(False, "--json", help="print machine-readable results"),
+    refresh=typer.Option(False, "--refresh", help="re-measure this machine instead of using the cache"),
+)
+
+
+@app.command()
+def plan(
+    recipe: Optional[str] = typer.Argument(None, help="TOML recipe (its model and batch are planned)"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    cluster: str = _PLAN_OPTS["cluster"], world: Optional[int] = _PLAN_OPTS["world"],
+    model: Optional[str] = _PLAN_OPTS["model"], global_batch: Optional[int] = _PLAN_OPTS["global_batch"],
+    precision: Optional[str] = _PLAN_OPTS["precision"], layout: Optional[str] = _PLAN_OPTS["layout"],
+    as_json: bool = _PLAN_OPTS["as_json"], refresh: bool = _PLAN_OPTS["refresh"],
+    out: Optional[str] = typer.Option(None, "--out", help="write the best layout as a recipe"),
+    top: int = typer.Option(8, "--top", help="rows in the table"),
+) -> None:
+    """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
+    from tessel.planner import commands
+    try:
+        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, refresh=refresh)
+        commands.plan(prob, layout, as_json, out, top)
+    except ConfigError as err:
+        fail(err)
+
+
+@app.command()
+def simulate(
+    recipe: Optional[str] = typer.Argument(None, help="TOML recipe"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    cluster: str = _PLAN_OPTS["cluster"], world: Optional[int] = _PLAN_OPTS["world"],
+    model: Optional[str] = _PLAN_OPTS["model"], global_batch: Optional[int] = _PLAN_OPTS["global_batch"],
+    precision: Optional[str] = _PLAN_OPTS["precision"], layout: Optional[str] = _PLAN_OPTS["layout"],
+    as_json: bool = _PLAN_OPTS["as_json"], refresh: bool = _PLAN_OPTS["refresh"],
+    trace: str = typer.Option("runs/simulate/trace.json", "--trace", help="Chrome trace output"),
+    png: str = typer.Option("runs/simulate/timeline.png", "--png", help="timeline image output"),
+) -> None:
+    """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
+    from tessel.planner import commands
+    try:
+        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, refresh=refresh)
+        commands.simulate(prob, layout, trace, png, as_json)
+    except ConfigError as err:
+        fail(err)
 @app.command()
 def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tessel train"),
          out: str = typer.Option("curves.png", "--out", help="PNG to write")) -> None:

@@ -1,0 +1,379 @@
+"""The cost model: FLOPs, memory and communication of one training step under a layout.
+
+Everything is per device and per optimizer step, for tessel's reference GPT.
+Sources of each formula are cited where they are used; the hand-checkable
+pieces (collective times, activation bytes, in-flight micro-batches, ZeRO
+shards) are small functions with unit tests in tests/planner/test_cost.py.
+
+Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
+lays them out; a group is priced on the intra-node link when it fits in a node
+and on the inter-node link otherwise (tessel.planner.cluster.link_for).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from tessel.planner.cluster import Cluster, Link, link_for
+from tessel.planner.layout import Layout
+from tessel.planner.model_spec import ModelSpec
+
+ORDER = ("pp", "dp", "ep", "tp")
+ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
+
+
+# ---- alpha-beta collectives (Thakur et al. 2005; NCCL's bus-bandwidth factors) ----
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: 2(n-1) steps of nbytes/n each."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of an nbytes result: n-1 steps of nbytes/n."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+reduce_scatter_time = all_gather_time
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """Each rank keeps 1/n of its nbytes and sends the rest, one message per peer."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth
+
+
+# ---- measured compute speed --------------------------------------------------
+
+@dataclass
+class Calibration:
+    """Measured on this machine by tessel.planner.probe.profile_model; None fields fall back to the cluster."""
+    # (tokens per micro-batch, achieved FLOP/s of a full forward+backward at that size)
+    flops_points: list[tuple[int, float]] = field(default_factory=list)
+    opt_s_per_param: float | None = None  # clip + AdamW step, seconds per parameter on this rank
+    step_overhead_s: float = 0.0  # data, loss all-reduce, Python: per step, independent of the model
+
+    def achieved(self, tokens: int, fallback: float) -> float:
+        """FLOP/s at a micro-batch of `tokens`, log-linear between measured sizes, flat outside."""
+        pts = sorted(self.flops_points)
+        if not pts:
+            return fallback
+        xs = [t for t, _ in pts]
+        if tokens <= xs[0]:
+            return pts[0][1]
+        if tokens >= xs[-1]:
+            return pts[-1][1]
+        i = bisect.bisect_right(xs, tokens)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+
+
+# ---- how layers fall onto stages ----------------------------------------------
+
+def chunk_layers(n_layer: int, pp: int, v: int) -> list[list[int]]:
+    """Layers of each model chunk 0..pp*v-1, balanced, earlier chunks take the remainder.
+
+    Device s holds chunks s, s+pp, s+2pp, ... (interleaved assignment).
+    """
+    k = pp * v
+    base, extra = divmod(n_layer, k)
+    out, start = [], 0
+    for c in range(k):
+        n = base + (1 if c < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def peak_chunks_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
+    """Closed forms of schedule.peak_in_flight: GPipe m; 1F1B min(p-s, m);
+    interleaved min(2(p-s-1) + (v-1)p + 1, m v) chunks (Narayanan et al. 2021)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m * v
+    if schedule == "interleaved":
+        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+    return min(pp - stage, m)
+
+
+def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, precision: str) -> float:
+    """Bytes one block keeps for backward, for `tokens` tokens (Korthikanti et al. 2022, redone for this block).
+
+    Counted from tessel.models.gpt.Block: the residual input and the normed
+    input of each sublayer (4 d, kept in fp32, replicated across tp unless
+    sequence parallel); q, k, v before and after rotary, the attention output
+    and the wo input (4 d + 3 d_kv), the SwiGLU gate, silu(gate), up and their
+    product (4 ffn), and the attention's log-sum-exp (n_head floats); these
+    are split by tp. Under bf16 autocast the matmul inputs are also kept as
+    bf16 copies (2 d).
+    """
+    c = spec.cfg
+    a = 2 if precision == "bf16" else 4
+    d_kv = c.kv_heads * spec.head_dim
+    replicated = 4 * c.d_model * 4 + (2 * c.d_model * 2 if precision == "bf16" else 0)
+    split = (4 * c.d_model + 3 * d_kv + 4 * c.ffn_dim) * a + c.n_head * 4
+    per_token = replicated / (tp if sp else 1) + split / tp
+    return tokens * per_token
+
+
+def recompute_layer_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool) -> float:
+    """Full-layer recomputation keeps only each block's fp32 input (split by tp under SP)."""
+    return tokens * spec.cfg.d_model * 4 / (tp if sp else 1)
+
+
+def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str) -> float:
+    """Logits, their fp32 copy and the saved log-softmax (vocab split by tp), plus the final norm."""
+    a = 2 if precision == "bf16" else 4
+    return tokens * (spec.cfg.vocab_size * (a + 8) / tp + 2 * spec.cfg.d_model * 4)
+
+
+def zero_shards(stage: int, group: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) divisors under ZeRO stage 0-3 (Rajbhandari et al. 2020)."""
+    return (group if stage >= 3 else 1, group if stage >= 2 else 1, group if stage >= 1 else 1)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_s: float
+    tokens_per_s: float
+    model_flops_per_device: float  # achieved model FLOP/s per device (no recomputation counted)
+    mfu: float
+    memory: dict[str, float]  # bytes per device, worst stage: params, grads, optimizer, activations, ...
+    time: dict[str, float]  # seconds per step on the critical path, by cause
+    comm_bytes: dict[str, float]  # bytes each device sends per step, by axis
+    bubble: float
+    fits: bool
+    chunk_times: list[list[tuple[float, float]]] = field(default_factory=list)  # [stage][chunk] = (fwd, bwd)
+    p2p_s: float = 0.0
+    dp_comm_s: float = 0.0
+    stage_memory: dict[int, dict[str, float]] = field(default_factory=dict)  # stages 0 and pp-1 (all if v>1)
+    placement: dict[str, str] = field(default_factory=dict)  # axis -> "intra" / "inter" node link
+
+    @property
+    def memory_total(self) -> float:
+        return self.memory["total"]
+
+    def to_json(self) -> dict:
+        mib = {k: v / 2**20 for k, v in self.memory.items()}
+        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+                "model_flops_per_device": self.model_flops_per_device, "mfu": self.mfu,
+                "memory_mib": mib, "time_s": self.time, "comm_bytes": self.comm_bytes,
+                "bubble": self.bubble, "fits": self.fits, "placement": self.placement}
+
+
+class CostModel:
+    """Prices layouts of one model on one cluster at one global batch."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str = "bf16",
+                 calibration: Calibration | None = None, bucket_mb: float = 25.0):
+        self.spec, self.cluster, self.precision = spec, cluster, precision
+        self.cal = calibration or Calibration()
+        self.bucket_bytes = bucket_mb * 2**20
+        L = spec.cfg.n_layer
+        self.layer_flops = [spec.layer_fwd_flops_per_token(i, spec.cfg.capacity_factor) for i in range(L)]
+        self.layer_params = [spec.layer_params(i) for i in range(L)]
+        self.act_bytes = 2 if precision == "bf16" else 4
+
+    # -- compute ---------------------------------------------------------------
+    def flops_per_s(self, tokens: int) -> float:
+        return self.cal.achieved(tokens, self.cluster.flops(self.precision))
+
+    def _chunk_compute(self, layers: list[int], last: bool, lay: Layout, tokens: int) -> tuple[float, float, float]:
+        """(forward, backward, recompute) seconds of one chunk for one micro-batch on one tp rank."""
+        fwd_flops = sum(self.layer_flops[i] for i in layers) * tokens
+        head = self.spec.head_fwd_flops_per_token * tokens if last else 0.0
+        # a tp-sharded matmul does the work of an unsharded one on tokens/tp rows: price it at
+        # the speed measured for that much work per call (small calls run less efficiently)
+        speed = self.flops_per_s(max(1, tokens // lay.tp)) * lay.tp
+        f, h = fwd_flops / speed, head / speed
+        return f + h, 2 * (f + h), f if lay.recompute else 0.0
+
+    # -- communication -----------------------------------------------------------
+    def links(self, lay: Layout) -> dict[str, Link]:
+        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        return {name: link_for(self.cluster, sizes, ORDER, axes)
+                for name, axes in (("tp", ("tp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("dp", ("dp", "ep")),
+                                   ("dp_expert", ("dp",)))}
+
+    def _chunk_comm(self, layers: list[int], lay: Layout, tokens: int, links) -> tuple[float, float, dict]:
+        """(forward, backward) seconds of tp and ep collectives of one chunk for one micro-batch."""
+        c = self.spec.cfg
+        act = tokens * c.d_model * self.act_bytes
+        # Megatron: one all-reduce after attention and one after the MLP, forward and backward
+        # (Shoeybi et al. 2019); SP swaps each for an all-gather + reduce-scatter of the same volume
+        # (Korthikanti et al. 2022)
+        if lay.sp:
+            tp_one = all_gather_time(act, lay.tp, links["tp"]) + reduce_scatter_time(act, lay.tp, links["tp"])
+        else:
+            tp_one = 2 * all_reduce_time(act, lay.tp, links["tp"])
+        n_moe = sum(self.spec.is_moe(i) for i in layers)
+        a2a_bytes = tokens * c.moe_top_k * c.capacity_factor * c.d_model * self.act_bytes
+        ep_one = n_moe * 2 * all_to_all_time(a2a_bytes, lay.ep, links["ep"])  # dispatch + combine
+        fwd = len(layers) * tp_one + ep_one
+        bwd = fwd * (2 if lay.recompute else 1)  # recomputation repeats the forward's collectives
+        calls = 4 + (2 if lay.recompute else 0)  # collectives per layer: 2 forward, 2 backward, 2 recomputed
+        sent = {"tp": calls * len(layers) * 2 * act * (lay.tp - 1) / lay.tp,
+                "ep": calls * n_moe * a2a_bytes * (lay.ep - 1) / lay.ep}
+        return fwd, bwd, sent
+
+    # -- memory ----------------------------------------------------------------------
+    def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
+        """(dense, expert) parameters held by one device before ZeRO."""
+        dense = expert = 0.0
+        for k in chunks:
+            for i in all_chunks[k]:
+                d, e = self.layer_params[i]
+                dense += d
+                expert += e
+        if 0 in chunks:
+            dense += self.spec.embedding_params
+        if len(all_chunks) - 1 in chunks:
+            dense += self.spec.head_params
+        return dense / lay.tp, expert / (lay.tp * lay.ep)
+
+    def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
+        dense, expert = self._stage_params(chunks, lay, all_chunks)
+        zp, zg, zo = zero_shards(lay.zero, lay.dp * lay.ep)
+        ep_, eg, eo = zero_shards(lay.zero, lay.dp)
+        mem = {"params": 4 * (dense / zp + expert / ep_),
+               "grads": 4 * (dense / zg + expert / eg),
+               "optimizer": 8 * (dense / zo + expert / eo)}
+        per_chunk = [len(all_chunks[k]) for k in chunks]
+        layers_here = sum(per_chunk)
+        one_layer = layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision)
+        in_flight = peak_chunks_in_flight(lay.schedule, lay.pp, lay.m, stage, lay.v)
+        layers_per_chunk = layers_here / len(chunks)
+        if lay.recompute:
+            kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp, lay.sp)
+            kept += max(per_chunk) * one_layer / max(1, max(per_chunk))  # one block rebuilt at a time
+        else:
+            kept = in_flight * layers_per_chunk * one_layer
+        # backward of a block materialises gradients about as large as what it saved
+        workspace = one_layer
+        if len(all_chunks) - 1 in chunks:
+            workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
+        mem["activations"] = kept + workspace
+        transient = 0.0
+        if lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
+            transient = 2 * 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
+        elif lay.zero == 2:
+            transient = self.bucket_bytes
+        mem["buffers"] = transient
+        mem["baseline"] = self.cluster.baseline_memory
+        mem["total"] = sum(mem.values())
+        return mem
+
+    # -- the whole step ----------------------------------------------------------------
+    def estimate(self, lay: Layout) -> Estimate:
+        spec, c = self.spec, self.spec.cfg
+        tokens = lay.mb * spec.seq_len
+        links = self.links(lay)
+        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
+        last_chunk = len(all_chunks) - 1
+        p2p_bytes = tokens * c.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
+        p2p = p2p_time(p2p_bytes, links["pp"]) if lay.pp > 1 else 0.0
+        chunk_times, stage_busy, mems = [], [], {}
+        comm_sent = {"tp": 0.0, "ep": 0.0}
+        t_tp_ep = t_rc = 0.0
+        for s in range(lay.pp):
+            chunks = [s + j * lay.pp for j in range(lay.v)]
+            row = []
+            for k in chunks:
+                f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens)
+                cf, cb, sent = self._chunk_comm(all_chunks[k], lay, tokens, links)
+                row.append((f + cf, b + rc + cb))
+                if s == 0:
+                    t_tp_ep += (cf + cb) * lay.chunks
+                    t_rc += rc * lay.chunks
+                    for key in comm_sent:
+                        comm_sent[key] += sent[key] * lay.chunks
+            chunk_times.append(row)
+            stage_busy.append(sum(f + b for f, b in row))
+            if s in (0, lay.pp - 1) or lay.v > 1:
+                mems[s] = self._memory(s, chunks, lay, all_chunks, tokens)
+        memory = max(mems.values(), key=lambda mm: mm["total"])
+        # pipeline: the first micro-batch crosses every chunk, the slowest chunk paces the rest
+        chunk_max = max(f + b + 2 * p2p for row in chunk_times for f, b in row)
+        chunk_sum = sum(f + b + 2 * p2p for row in chunk_times for f, b in row) / lay.v
+        t_pipe = (lay.m * lay.v - 1) * chunk_max + chunk_sum if lay.pp > 1 else lay.m * chunk_max
+        busy = max(stage_busy) * lay.m
+        bubble = 1 - busy / t_pipe if t_pipe > 0 else 0.0
+        dp_exposed, dp_total, dp_bytes = self._dp_time(lay, links, chunk_times, memory)
+        opt = self._optimizer_time(memory)
+        t_step = lay.ga * t_pipe + dp_exposed + opt + self.cal.step_overhead_s
+        busy_compute = max(stage_busy) * lay.m * lay.ga
+        global_tokens = lay.global_batch * spec.seq_len
+        model_flops = spec.model_flops_per_token() * global_tokens / t_step / lay.world
+        peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
+        time = {"compute": busy_compute - t_tp_ep - t_rc,
+                "recompute": t_rc, "tp+ep comm": t_tp_ep,
+                "pp comm": 2 * p2p * lay.chunks * lay.v if lay.pp > 1 else 0.0,
+                "bubble": lay.ga * (t_pipe - busy), "dp comm (exposed)": dp_exposed, "optimizer": opt,
+                "overhead": self.cal.step_overhead_s}
+        comm_sent["pp"] = 2 * p2p_bytes * lay.chunks * lay.v if lay.pp > 1 else 0.0
+        comm_sent["dp"] = dp_bytes
+        fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
+        return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
+                        comm_sent, bubble, fits, chunk_times, p2p, dp_total, mems,
+                        {a: ("intra" if links[a] is self.cluster.intra else "inter") for a in ("tp", "pp", "dp", "ep")
+                         if getattr(lay, a) > 1})
+
+    def _dp_time(self, lay: Layout, links, chunk_times, memory) -> tuple[float, float, float]:
+        """(exposed seconds, total seconds, bytes sent) of gradient/parameter traffic over dp (x ep).
+
+        Plain DP and ZeRO-1 all-reduce (or reduce-scatter + all-gather, the same
+        volume) once per step, bucketed and overlapped with the last backward
+        (Li et al. 2020). ZeRO-2 reduce-scatters every micro-batch's gradients;
+        ZeRO-3 also all-gathers the weights before each forward and backward
+        (1.5x the traffic, Rajbhandari et al. 2020); per-micro-batch traffic is
+        prefetched under that micro-batch's compute.
+        """
+        n = lay.dp * lay.ep
+        if n == 1:
+            return 0.0, 0.0, 0.0
+        grads_full = memory["grads"] * (n if lay.zero >= 2 else 1)  # unsharded fp32 gradient bytes
+        link = links["dp"]
+        ov = self.cluster.overlap
+        last_bwd = max(b for row in chunk_times for _, b in row)
+        if lay.zero <= 1:
+            total = all_reduce_time(grads_full, n, link)
+            nb = max(1, math.ceil(grads_full / self.bucket_bytes))
+            hidden = ov * min(total * (1 - 1 / nb), last_bwd * len(chunk_times[0]))
+            return total - hidden, total, 2 * grads_full * (n - 1) / n
+        # each micro-batch's gradients are reduce-scattered bucket by bucket as backward makes them
+        # (the last bucket waits for the end); ZeRO-3's weight gathers are prefetched under compute
+        nb = max(1, math.ceil(grads_full / self.bucket_bytes))
+        bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
+        rs = reduce_scatter_time(grads_full, n, link)
+        exposed_mb = rs - ov * min(rs * (1 - 1 / nb), bwd_stage)
+        per_mb = rs
+        if lay.zero == 3:
+            ag = 2 * all_gather_time(grads_full, n, link)
+            compute = min(sum(f + b for f, b in row) for row in chunk_times)  # one micro-batch on one stage
+            exposed_mb += max(ag * (1 - ov), ag - ov * compute)
+            per_mb += ag
+        per_step_gather = all_gather_time(grads_full, n, link) if lay.zero == 2 else 0.0
+        total = per_mb * lay.chunks + per_step_gather
+        sent = (grads_full * (n - 1) / n) * ((3 if lay.zero == 3 else 1) * lay.chunks + (lay.zero == 2))
+        return exposed_mb * lay.chunks + per_step_gather, total, sent
+
+    def _optimizer_time(self, memory) -> float:
+        n_params = memory["optimizer"] / 8  # the shard this device updates
+        if self.cal.opt_s_per_param is not None:
+            return n_params * self.cal.opt_s_per_param
+        return n_params * ADAM_BYTES_TOUCHED / self.cluster.mem_bandwidth

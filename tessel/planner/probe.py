@@ -1,0 +1,227 @@
+"""Measure "this machine" and profile the reference model on it: the planner's calibration.
+
+Two measurements, both cached as JSON under the tessel cache directory:
+
+- `probe_this(world)`: `world` ranks started with tessel.spawn.spawn, all
+  measuring at once (so cores shared by several ranks are priced as they are
+  shared): matmul FLOP/s per rank with one thread (fp32, bf16), gloo
+  all-reduce latency and bandwidth, how much of an all-reduce hides behind
+  concurrent compute, memory bandwidth, and the resident memory a rank holds
+  before it holds any model (Python, torch, gloo, the trainer's modules).
+- `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
+  backward of the reference GPT at several micro-batch sizes, the clipped
+  AdamW step, and the trainer's per-step bookkeeping.
+
+Nothing here is fitted to published numbers: every constant is a stopwatch
+reading on this machine. torch.distributed is imported only inside the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from tessel.planner.cluster import Cluster, Link
+from tessel.planner.cost import Calibration
+
+
+def _cache_path(kind: str, key: str) -> Path:
+    root = os.environ.get("TESSEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tessel")
+    return Path(root) / "planner" / f"{kind}-{key}.json"
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rss_bytes() -> float:
+    import resource
+    import sys
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _own_session() -> None:
+    """Run this rank in its own session, as torchrun does (start_new_session=True).
+
+    Linux's autogroup scheduler (kernel.sched_autogroup_enabled) shares the
+    CPU fairly between sessions, not processes. Ranks spawned into the
+    parent's session split one share among themselves, while `tessel train`'s
+    ranks get one share each: on a loaded machine the probe would then see
+    several times less CPU than the trainer it is meant to predict.
+    """
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader
+
+
+def _probe_rank() -> dict:
+    _own_session()
+    import torch
+    import torch.distributed as dist
+
+    import tessel.cli  # noqa: F401 - the trainer's process imports these too
+    import tessel.train.trainer  # noqa: F401
+    from tessel.observe.metrics import measure_matmul_flops
+
+    n = dist.get_world_size()
+    dist.barrier()
+    baseline = _baseline_rss()  # first, before the probe's own buffers raise the peak
+    out = {"baseline": baseline, "fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
+           "bf16": measure_matmul_flops(torch.device("cpu"), torch.bfloat16)}
+    small, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
+    dist.all_reduce(big)
+    dist.barrier()
+    t_small = _median_time(lambda: dist.all_reduce(small), 30)
+    dist.barrier()
+    t_big = _median_time(lambda: dist.all_reduce(big), 7)
+    alpha = t_small / max(1, 2 * (n - 1))
+    beta_time = max(t_big - 2 * (n - 1) * alpha, 1e-9)
+    out["latency"] = alpha
+    out["bandwidth"] = 2 * (n - 1) / n * big.numel() * 4 / beta_time if n > 1 else float("inf")
+    out["overlap"] = _overlap(big, n)
+    a = torch.empty(2**23)  # 32 MiB: streams through memory, like the optimizer step
+    out["mem_bandwidth"] = 3 * a.numel() * 4 / _median_time(lambda: a.mul_(1.0000001).add_(1e-9), 5)
+    return out
+
+
+def _overlap(buf, n: int) -> float:
+    """Fraction of an all-reduce that hides behind concurrent matmuls (0: none, 1: all)."""
+    import torch
+    import torch.distributed as dist
+    if n == 1:
+        return 1.0
+    a = torch.randn(192, 192)
+
+    def compute():
+        for _ in range(40):
+            a @ a
+    t_c = _median_time(compute, 3)
+    dist.barrier()
+    t_m = _median_time(lambda: dist.all_reduce(buf), 3)
+    dist.barrier()
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+    t_b = _median_time(both, 3)
+    hidden = t_c + t_m - t_b
+    return max(0.0, min(1.0, hidden / min(t_c, t_m)))
+
+
+def _baseline_rss() -> float:
+    """Peak RSS after one training step of a negligible model: the runtime's own footprint."""
+    import torch
+    from tessel.config import ModelConfig, TrainConfig
+    from tessel.models.gpt import GPT, cross_entropy
+    from tessel.train.trainer import build_optimizer
+    model = GPT(ModelConfig(vocab_size=256, n_layer=1, n_head=2, d_model=8, max_seq_len=8))
+    opt = build_optimizer(list(model.parameters()), TrainConfig())
+    x = torch.randint(0, 256, (1, 8))
+    cross_entropy(model(x), x).backward()
+    opt.step()
+    return _rss_bytes()
+
+
+def probe_this(world: int, refresh: bool = False) -> Cluster:
+    """The cluster "this": one node of `world` ranks on this machine, measured (cached)."""
+    path = _cache_path("this", f"w{world}")
+    if path.exists() and not refresh:
+        return Cluster.from_dict(json.loads(path.read_text()))
+    from tessel.spawn import spawn
+    results = spawn(_probe_rank, world, timeout=300)
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = Link(med["bandwidth"], med["latency"])
+    cluster = Cluster("this", 1, world, {"fp32": med["fp32"], "bf16": med["bf16"]}, ram / world, link, link,
+                      mem_bandwidth=med["mem_bandwidth"], efficiency=1.0, baseline_memory=med["baseline"],
+                      overlap=med["overlap"], usable_memory=0.8, source="probe",
+                      extra={"probed_at": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cluster.to_dict(), indent=1))
+    return cluster
+
+
+# ---- profiling the reference model --------------------------------------------
+
+def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
+                  rounds: int = 5) -> dict:
+    _own_session()
+    import torch
+    import torch.distributed as dist
+
+    from tessel.config import ModelConfig, TrainConfig
+    from tessel.models.gpt import GPT, cross_entropy
+    from tessel.planner.model_spec import ModelSpec
+    from tessel.train.data import BatchSampler
+    from tessel.train.step import autocast_for
+    from tessel.train.trainer import build_optimizer
+
+    cfg = ModelConfig(**model_raw)
+    spec = ModelSpec("profile", cfg, seq_len, 1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = list(model.parameters())
+    opt = build_optimizer(params, TrainConfig())
+    dev = torch.device("cpu")
+    batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
+
+    def fwd_bwd(x):
+        with autocast_for(dev, precision):
+            loss = cross_entropy(model(x), x)
+        loss.backward()
+    for x in batches.values():
+        fwd_bwd(x)  # warm-up: allocations and kernel choice
+    # sizes take turns, round after round, so a change in the machine's load hits them all alike
+    times: dict[int, list[float]] = {mb: [] for mb in micro_batches}
+    for _ in range(rounds):
+        for mb, x in batches.items():
+            dist.barrier()
+            times[mb].append(_median_time(lambda: fwd_bwd(x), 1))
+    points = [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[mb]))
+              for mb in micro_batches]
+
+    def opt_step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    opt_step()
+    dist.barrier()
+    t_opt = _median_time(opt_step, 5)
+    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, max(micro_batches), 0)
+    scalar = torch.zeros(1)
+    dist.barrier()
+    t_over = _median_time(lambda: (sampler.next(), dist.all_reduce(scalar), dist.all_reduce(scalar)), 10)
+    return {"points": points, "opt_s_per_param": t_opt / sum(p.numel() for p in params), "overhead": t_over}
+
+
+def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int], precision: str = "fp32",
+                  refresh: bool = False) -> Calibration:
+    """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
+    raw = model_cfg.model_dump(exclude_none=True)
+    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision],
+                                  sort_keys=True).encode()).hexdigest()[:12]
+    path = _cache_path("profile", key)
+    if path.exists() and not refresh:
+        d = json.loads(path.read_text())
+    else:
+        from tessel.spawn import spawn
+        results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, timeout=600)
+        points = [(results[0]["points"][i][0], statistics.median(r["points"][i][1] for r in results))
+                  for i in range(len(results[0]["points"]))]
+        d = {"points": points, "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
+             "overhead": statistics.median(r["overhead"] for r in results)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(d, indent=1))
+    return Calibration([tuple(p) for p in d["points"]], d["opt_s_per_param"], d["overhead"])
