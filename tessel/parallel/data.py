@@ -96,7 +96,25 @@ def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
     return buckets
 
 
-class DataParallel(nn.Module):
+class GradientSyncWrapper(nn.Module):
+    """A module wrapper whose backward reduces gradients unless inside no_sync()."""
+
+    sync_gradients = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block reduces them all."""
+        old, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = old
+
+
+class DataParallel(GradientSyncWrapper):
     """Wraps a module; its gradients are averaged over `axes` of the mesh after backward."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp",),
@@ -139,18 +157,6 @@ class DataParallel(nn.Module):
             group = _group(mesh, axes)
             if group is not None and tensors:
                 broadcast_tensors(tensors, src=mesh.group_ranks(axes)[0], group=group)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside this block reduces them all."""
-        old, self.sync_gradients = self.sync_gradients, False
-        try:
-            yield
-        finally:
-            self.sync_gradients = old
 
     # ---- backward-time machinery --------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:

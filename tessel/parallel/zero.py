@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.parallel.data import broadcast_tensors, data_parallel
+from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_parallel
 from tessel.parallel.norms import shard_axes
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
                                        segments, unit_group)
@@ -94,7 +94,7 @@ class _PreBackwardGather(torch.autograd.Function):
         return None, None, grad
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(GradientSyncWrapper):
     """Wraps a module; ZeRO stage 1, 2 or 3 over `axes` of the mesh. See the module docstring."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, axes: Sequence[str] = ("dp",),
@@ -177,19 +177,6 @@ class ZeroDataParallel(nn.Module):
         for p in ps:
             per.setdefault(comm_of[id(p)], []).append(p)
         return [unit_group(group_ps, comm, index) for comm, group_ps in per.items()]
-
-    # ---- forward -------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally; the next backward outside this block reduces them."""
-        old, self.sync_gradients = self.sync_gradients, False
-        try:
-            yield
-        finally:
-            self.sync_gradients = old
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
