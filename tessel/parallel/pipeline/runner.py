@@ -100,6 +100,16 @@ class PipelineRunner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t for c in self.chunks for n, t in c.state_dict().items()}
 
+    def named_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers (live tensors) under the full model's names, for checkpoints."""
+        out = {}
+        for chunk in self.chunks:
+            for name, t in chunk.state_dict(keep_vars=True).items():
+                while name.startswith("module."):  # a data-parallel wrapper around the chunk
+                    name = name[len("module."):]
+                out[name] = t
+        return out
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         t0 = self.step_start = time.perf_counter()
         xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
