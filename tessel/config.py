@@ -213,8 +213,10 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
     _require(p.pp == 1 or m.n_experts == 0, "parallel.pp",
              "pipeline parallelism with MoE models is not supported yet (aux losses span stages)")
-    _require(p.pp == 1 or (p.tp == 1 and p.zero_stage == 0), "parallel.pp",
-             "pipeline parallelism composes with dp only so far (not with tp or zero_stage)")
+    _require(p.pp == 1 or p.zero_stage == 0, "parallel.pp",
+             "pipeline parallelism does not compose with zero_stage yet")
+    _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",
+             "is not supported with pipeline parallelism yet (stages exchange full-sequence activations)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",

@@ -32,18 +32,23 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _run_layouts(layouts: dict) -> dict:
-    return {name: train_and_collect(tiny_config(*STEPS, *run), weights=False)["losses"] for name, (run, _) in layouts.items()}
+    return {name: train_and_collect(tiny_config(*STEPS, *run), weights=False) for name, (run, _) in layouts.items()}
 
 
 def _check(layouts: dict, world: int) -> None:
     got = spawn(_run_layouts, world, layouts, timeout=600)
     for name, (_, ref_overrides) in layouts.items():
-        reference = train_and_collect(tiny_config(*STEPS, *ref_overrides))["losses"]
+        ref = train_and_collect(tiny_config(*STEPS, *ref_overrides))
+        reference = ref["losses"]
         assert len(reference) == 5
         assert reference[-1] < reference[0]  # it learns, so equality is not trivial
-        for rank, losses in enumerate(got):
-            assert_close(torch.tensor(losses[name]), torch.tensor(reference),
+        for rank, result in enumerate(got):
+            assert_close(torch.tensor(result[name]["losses"]), torch.tensor(reference),
                          msg=lambda m: f"{name} rank {rank}: {m}", **LOSS_TOL)
+            if ref["val_loss"] is not None:  # evaluation: the same tolerance as training losses
+                assert_close(result[name]["val_loss"], ref["val_loss"], **LOSS_TOL)
+            # sampling: the logits agree to ~1e-6, far below what could flip a seeded draw
+            assert result[name]["sample"] == ref["sample"], f"{name} rank {rank}: sample differs"
 
 
 def test_world4_layouts_match_single_process():
@@ -52,3 +57,16 @@ def test_world4_layouts_match_single_process():
 
 def test_world2_layouts_match_single_process():
     _check(WORLD2, 2)
+
+
+# evaluation, sampling (full-vocab logits gathered on the last stage) and tied embeddings
+# (their gradient summed between the first and last stage, per tp shard) join the comparison
+PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_tokens=8"]
+WORLD8 = {
+    "dp2_tp2_pp2": (PP_EXTRAS + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+                    PP_EXTRAS),
+}
+
+
+def test_world8_layouts_match_single_process():
+    _check(WORLD8, 8)

@@ -64,13 +64,14 @@ class PipelineRunner:
     def __init__(self, chunks: list[PipelineStage], mesh: Mesh, schedule: str, micro_batches: int,
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
                  max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
-                 reducer=None):
+                 reducer=None, gather_vocab: Callable | None = None):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
         self.device, self.precision, self.d_model = mesh.device, precision, d_model
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.schedule_name = schedule
+        self.gather_vocab = gather_vocab  # under TP the last stage's logits are vocab shards
         self.actions = build_schedule(schedule, self.p, micro_batches, self.v)[self.rank]
         self.items = batches(self.actions)
         self.links = StageLinks(mesh)
@@ -152,6 +153,8 @@ class PipelineRunner:
             logits = self._forward_only(window)
             nxt = torch.zeros((idx.size(0), 1), dtype=torch.long, device=self.device)
             if logits is not None:
+                if self.gather_vocab is not None:
+                    logits = self.gather_vocab(logits[:, -1:].contiguous())  # (B, 1, V_padded), collective over tp
                 nxt = sample_next(logits[:, -1, : self.vocab_size].cpu(), temperature, top_k, gen).to(self.device)
             idx = torch.cat([idx, self.links.broadcast_from_last(nxt)], dim=1)
         return idx
