@@ -211,8 +211,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
-    _require(p.pp == 1 or m.n_experts == 0, "parallel.pp",
-             "pipeline parallelism with MoE models is not supported yet (aux losses span stages)")
     _require(p.pp == 1 or p.zero_stage == 0, "parallel.pp",
              "pipeline parallelism does not compose with zero_stage yet")
     _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",

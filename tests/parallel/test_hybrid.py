@@ -65,6 +65,11 @@ PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_to
 WORLD8 = {
     "dp2_tp2_pp2": (PP_EXTRAS + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"],
                     PP_EXTRAS),
+    # every block MoE, so the first stage has router losses of its own to back-propagate;
+    # the reference accumulates one chunk per micro-batch of each ep shard (2 x 2)
+    "pp2_tp2_ep2_moe": (MOE + ["model.moe_every=1", "parallel.pp=2", "parallel.tp=2", "parallel.ep=2",
+                               "parallel.micro_batches=2"],
+                        MOE + ["model.moe_every=1", "train.grad_accum=4"]),
 }
 
 

@@ -41,11 +41,12 @@ def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
     return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp")))
 
 
-def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None) -> PipelineRunner:
+def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
+                    extra_metrics=None) -> PipelineRunner:
     from tessel.comm.reducer import dp_reducer
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,
                           cfg.model.d_model, t.precision, cfg.model.vocab_size, cfg.model.max_seq_len,
                           p.bucket_mb, tied=cfg.model.tie_embeddings, reducer=reducer,
-                          gather_vocab=gather_vocab)
+                          gather_vocab=gather_vocab, extra_metrics=extra_metrics)

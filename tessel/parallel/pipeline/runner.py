@@ -20,6 +20,7 @@ import torch.nn as nn
 from tessel.mesh import Mesh
 from tessel.parallel.data import DataParallel
 from tessel.parallel.norms import mark_replica
+from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
@@ -64,7 +65,8 @@ class PipelineRunner:
     def __init__(self, chunks: list[PipelineStage], mesh: Mesh, schedule: str, micro_batches: int,
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
                  max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
-                 reducer=None, gather_vocab: Callable | None = None):
+                 reducer=None, gather_vocab: Callable | None = None,
+                 extra_metrics: Callable[[], dict] | None = None):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
@@ -72,6 +74,9 @@ class PipelineRunner:
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.schedule_name = schedule
         self.gather_vocab = gather_vocab  # under TP the last stage's logits are vocab shards
+        self.aux = [StageAux(c) for c in chunks]  # MoE aux losses: each stage back-propagates its own
+        self.has_aux = any(a.layers for a in self.aux)
+        self._extra = extra_metrics  # e.g. MoE routing stats of this rank's blocks
         self.actions = build_schedule(schedule, self.p, micro_batches, self.v)[self.rank]
         self.items = batches(self.actions)
         self.links = StageLinks(mesh)
@@ -108,7 +113,8 @@ class PipelineRunner:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
         shape = (xs[0].size(0), x.size(1), self.d_model)  # known ahead: no shape messages
         total = torch.zeros((), device=self.device)
-        state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {}}
+        state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {},
+                       "aux": torch.zeros((), device=self.device)}
         self.events = []
         self.saved.peak = self.saved.live = 0
         busy = 0.0
@@ -131,6 +137,8 @@ class PipelineRunner:
         self._reduce_tied()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
         self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
+        if self.has_aux:  # every stage adds its aux losses to the loss it reports
+            return self.links.sum_over_pipeline(total + state["aux"])
         return self.links.broadcast_from_last(total)
 
     @torch.no_grad()
@@ -164,7 +172,7 @@ class PipelineRunner:
         if self._pending_metrics is not None:
             self._step_metrics(*self._pending_metrics)
             self._pending_metrics = None
-        return dict(self.metrics)
+        return {**self.metrics, **(self._extra() if self._extra is not None else {})}
 
     # ---- one action ---------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
@@ -193,9 +201,15 @@ class PipelineRunner:
             inp = state["recv"].pop(("RF", a.mb, a.chunk)).requires_grad_(True)
         with self.saved.hooks(), autocast_for(self.device, self.precision):
             out = self.chunks[a.chunk](inp)
+            aux = self.aux[a.chunk]()  # this micro-batch's router losses on this chunk
             if self._is_last(a.chunk):
                 # mean over micro-batches: each contributes 1/m of the step's loss
                 out = self.loss_fn(out, ys[a.mb]) / self.m
+                if aux is not None:
+                    out = out + aux / self.m
+            elif aux is not None:
+                out = AttachAuxLoss.apply(out, aux, 1.0 / self.m)
+                state["aux"] += aux.detach() / self.m
         state["saved"][key] = self.saved.forwarded()
         state["inputs"][key], state["outputs"][key] = inp, out
         return out.detach() if self._is_last(a.chunk) else torch.zeros((), device=self.device)
