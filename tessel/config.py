@@ -211,8 +211,10 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
-    _require(p.pp == 1 or p.zero_stage == 0, "parallel.pp",
-             "pipeline parallelism does not compose with zero_stage yet")
+    _require(p.pp == 1 or p.zero_stage < 3, "parallel.zero_stage",
+             "ZeRO-3 does not compose with pipeline parallelism yet (stages 1 and 2 do)")
+    _require(p.pp == 1 or p.zero_stage == 0 or not m.tie_embeddings, "model.tie_embeddings",
+             "tied embeddings across pipeline stages do not compose with ZeRO yet")
     _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",
              "is not supported with pipeline parallelism yet (stages exchange full-sequence activations)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")

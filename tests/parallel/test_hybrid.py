@@ -22,6 +22,9 @@ WORLD4 = {
     "tp2_ep2_moe": (MOE + ["parallel.tp=2", "parallel.ep=2"], MOE + ["train.grad_accum=2"]),
     "dp2_tp2_moe_zero1": (MOE + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
                           MOE + ["train.grad_accum=2"]),
+    # ZeRO under a pipeline: one engine over the rank's chunks, reduced after its last backward
+    "dp2_pp2_zero1": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=1"], []),
+    "dp2_pp2_zero2": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=2"], []),
 }
 
 # fp32. Sharded matmuls and all-reduces add in other orders than one process

@@ -66,7 +66,7 @@ class PipelineRunner:
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
                  max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
                  reducer=None, gather_vocab: Callable | None = None,
-                 extra_metrics: Callable[[], dict] | None = None):
+                 extra_metrics: Callable[[], dict] | None = None, zero=None, optimizer=None):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
@@ -82,10 +82,13 @@ class PipelineRunner:
         self.links = StageLinks(mesh)
         self.act_dtype = next(chunks[0].parameters()).dtype  # the residual stream's dtype
         dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
-        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs) if mesh.size("dp", "ep") > 1
-                   else None for c in chunks]
+        # ZeRO 1/2 (one engine over all chunks, reducing on this rank's last backward) or plain DP
+        self.zero, self.optimizer = zero, optimizer  # the trainer steps this optimizer (None: AdamW)
+        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs)
+                   if mesh.size("dp", "ep") > 1 and zero is None else None for c in chunks]
         last_b = {a.chunk: a for a in self.actions if a.kind == "B"}
         self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
+        self.final_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.tied_group, self.tied_param = self._setup_tied(tied)
         self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
         self.saved = SavedBytes(self.parameters())
@@ -220,6 +223,8 @@ class PipelineRunner:
         dp = self.dp[a.chunk]
         if dp is not None:
             dp.sync_gradients = sync  # reduce over dp once, on this chunk's last backward
+        if self.zero is not None:  # ZeRO reduces every chunk at once, after the rank's last backward
+            self.zero.sync_gradients = a is self.final_backward
         if self._is_last(a.chunk):
             torch.autograd.backward(out)
         else:
