@@ -3,7 +3,10 @@
 Each layout trains 5 steps from the same seed and batches as a single-process
 reference. MoE capacity is counted per forward call, so an MoE reference
 accumulates over as many chunks as the run has data shards (one chunk = one
-rank's batch) and both see the same routing decisions.
+rank's batch, or one micro-batch of it under a pipeline) and both see the
+same routing decisions. Besides the losses, every step's gradient norm is
+compared, and where the run evaluates or samples, the validation loss and the
+sampled text.
 """
 
 import torch

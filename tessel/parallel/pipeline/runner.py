@@ -6,6 +6,11 @@ mean loss on every rank, evaluate(), generate(). After the flush it finishes
 what spans stages: data-parallel reduction (one DataParallel per chunk, synced
 on that chunk's last backward, so it overlaps the pipeline's drain) and the
 sum of the tied embedding's gradients between the first and last stage.
+Under ZeRO 1/2 one engine covers all chunks and reduces after the rank's last
+backward instead. Under TP the chunks are already tensor-parallel (each rank
+pipelines with the ranks of its own dp/ep/tp coordinates) and the loss is the
+vocab-parallel one; MoE router losses are back-propagated on their own stage
+(pipeline/aux.py) and added to the reported loss over the pipeline.
 """
 
 from __future__ import annotations
