@@ -211,10 +211,12 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
-    _require(p.pp == 1 or m.n_experts == 0, "parallel.pp",
-             "pipeline parallelism with MoE models is not supported yet (aux losses span stages)")
-    _require(p.pp == 1 or (p.tp == 1 and p.zero_stage == 0), "parallel.pp",
-             "pipeline parallelism composes with dp only so far (not with tp or zero_stage)")
+    _require(p.pp == 1 or p.zero_stage < 3, "parallel.zero_stage",
+             "ZeRO-3 does not compose with pipeline parallelism yet (stages 1 and 2 do)")
+    _require(p.pp == 1 or p.zero_stage == 0 or not m.tie_embeddings, "model.tie_embeddings",
+             "tied embeddings across pipeline stages do not compose with ZeRO yet")
+    _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",
+             "is not supported with pipeline parallelism yet (stages exchange full-sequence activations)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None),
              "checkpoint.every", "checkpoints are not supported with parallel.zero_stage > 0 yet")

@@ -32,6 +32,7 @@ class Plan:
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
     optimizer: object | None = None  # a strategy that shards the optimizer (ZeRO) supplies it
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
+    gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -40,12 +41,13 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         return plan
     from tessel.models.moe import MoE
     from tessel.models.plan import gpt_tp_plan
-    from tessel.parallel.tensor import FullLogits, TPContext, VocabParallelLoss, apply_plan
+    from tessel.parallel.tensor import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
     apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
+    plan.gather_vocab = GatherVocab(ctx)
     return plan
 
 
@@ -54,7 +56,10 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.model.n_experts == 0:
         return plan
     layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
-    plan.loss_fn = with_aux_losses(plan.loss_fn, plan.model)
+    if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
+        layers = []  # the stats of this rank's blocks are chosen once the model is split
+    else:
+        plan.loss_fn = with_aux_losses(plan.loss_fn, plan.model)
     plan.extra_metrics = lambda: moe_metrics(layers, mesh)
     return plan
 
@@ -64,6 +69,9 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if mesh.size("pp") > 1:
         plan.model = pipeline_chunks(plan.model, mesh, cfg)
         plan.full_logits = None
+        if cfg.model.n_experts:  # routing stats of the MoE blocks this rank holds
+            local = moe_layers(plan.model)
+            plan.extra_metrics = lambda: moe_metrics(local, mesh)
     return plan
 
 
@@ -97,7 +105,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     plan = apply_recompute(plan, mesh, cfg)
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
-        return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg)
+        return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
+                               extra_metrics=plan.extra_metrics)
     plan = apply_data_parallel(plan, mesh, cfg)
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,

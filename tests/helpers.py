@@ -43,4 +43,5 @@ def train_and_collect(cfg: Config, weights: bool = True) -> dict:
     trainer = Trainer(cfg, mesh, model, runner, rank)
     summary = trainer.fit()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()} if weights else {}
-    return {"losses": summary.losses, "state": state}
+    return {"losses": summary.losses, "state": state, "val_loss": summary.val_loss, "sample": summary.sample,
+            "grad_norms": [row["grad_norm"] for row in trainer.history]}

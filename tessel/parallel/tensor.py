@@ -376,6 +376,17 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, targets, self.ctx, self.vocab_size)
 
 
+class GatherVocab:
+    """Vocab-sharded logits (..., V/tp) -> (..., V_padded) on every tp rank (a pipeline's last stage
+    samples from them); collective over tp."""
+
+    def __init__(self, ctx: TPContext):
+        self.ctx = ctx
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return comm.gather_last_dim(logits, self.ctx.group)
+
+
 class FullLogits:
     """model(idx) -> logits over the whole vocabulary, padding removed (for sampling).
 

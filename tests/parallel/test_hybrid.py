@@ -3,7 +3,10 @@
 Each layout trains 5 steps from the same seed and batches as a single-process
 reference. MoE capacity is counted per forward call, so an MoE reference
 accumulates over as many chunks as the run has data shards (one chunk = one
-rank's batch) and both see the same routing decisions.
+rank's batch, or one micro-batch of it under a pipeline) and both see the
+same routing decisions. Besides the losses, every step's gradient norm is
+compared, and where the run evaluates or samples, the validation loss and the
+sampled text.
 """
 
 import torch
@@ -22,6 +25,9 @@ WORLD4 = {
     "tp2_ep2_moe": (MOE + ["parallel.tp=2", "parallel.ep=2"], MOE + ["train.grad_accum=2"]),
     "dp2_tp2_moe_zero1": (MOE + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
                           MOE + ["train.grad_accum=2"]),
+    # ZeRO under a pipeline: one engine over the rank's chunks, reduced after its last backward
+    "dp2_pp2_zero1": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=1"], []),
+    "dp2_pp2_zero2": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=2"], []),
 }
 
 # fp32. Sharded matmuls and all-reduces add in other orders than one process
@@ -29,21 +35,33 @@ WORLD4 = {
 # to ~1e-6. 1e-5 leaves room for that and still catches any real mistake (a
 # lost shard or a doubled gradient moves the loss by >1e-3 within 2 steps).
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+# A gradient norm sums many more products than the loss and after a few steps the
+# weights carry the losses' ~1e-6 drift; 1e-4 relative is still far below a lost or
+# doubly counted shard (a tp or pp shard is >= 1% of the squared norm here).
+NORM_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
 def _run_layouts(layouts: dict) -> dict:
-    return {name: train_and_collect(tiny_config(*STEPS, *run), weights=False)["losses"] for name, (run, _) in layouts.items()}
+    return {name: train_and_collect(tiny_config(*STEPS, *run), weights=False) for name, (run, _) in layouts.items()}
 
 
 def _check(layouts: dict, world: int) -> None:
     got = spawn(_run_layouts, world, layouts, timeout=600)
     for name, (_, ref_overrides) in layouts.items():
-        reference = train_and_collect(tiny_config(*STEPS, *ref_overrides))["losses"]
+        ref = train_and_collect(tiny_config(*STEPS, *ref_overrides))
+        reference = ref["losses"]
         assert len(reference) == 5
         assert reference[-1] < reference[0]  # it learns, so equality is not trivial
-        for rank, losses in enumerate(got):
-            assert_close(torch.tensor(losses[name]), torch.tensor(reference),
+        for rank, result in enumerate(got):
+            assert_close(torch.tensor(result[name]["losses"]), torch.tensor(reference),
                          msg=lambda m: f"{name} rank {rank}: {m}", **LOSS_TOL)
+            # the global gradient norm (before clipping, which it drives) over every layout's shards
+            assert_close(torch.tensor(result[name]["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                         msg=lambda m: f"{name} rank {rank} grad norm: {m}", **NORM_TOL)
+            if ref["val_loss"] is not None:  # evaluation: the same tolerance as training losses
+                assert_close(result[name]["val_loss"], ref["val_loss"], **LOSS_TOL)
+            # sampling: the logits agree to ~1e-6, far below what could flip a seeded draw
+            assert result[name]["sample"] == ref["sample"], f"{name} rank {rank}: sample differs"
 
 
 def test_world4_layouts_match_single_process():
@@ -52,3 +70,21 @@ def test_world4_layouts_match_single_process():
 
 def test_world2_layouts_match_single_process():
     _check(WORLD2, 2)
+
+
+# evaluation, sampling (full-vocab logits gathered on the last stage) and tied embeddings
+# (their gradient summed between the first and last stage, per tp shard) join the comparison
+PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_tokens=8"]
+WORLD8 = {
+    "dp2_tp2_pp2": (PP_EXTRAS + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+                    PP_EXTRAS),
+    # every block MoE, so the first stage has router losses of its own to back-propagate;
+    # the reference accumulates one chunk per micro-batch of each ep shard (2 x 2)
+    "pp2_tp2_ep2_moe": (MOE + ["model.moe_every=1", "parallel.pp=2", "parallel.tp=2", "parallel.ep=2",
+                               "parallel.micro_batches=2"],
+                        MOE + ["model.moe_every=1", "train.grad_accum=4"]),
+}
+
+
+def test_world8_layouts_match_single_process():
+    _check(WORLD8, 8)

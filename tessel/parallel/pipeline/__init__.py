@@ -41,10 +41,17 @@ def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
     return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp")))
 
 
-def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config) -> PipelineRunner:
+def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
+                    extra_metrics=None) -> PipelineRunner:
     from tessel.comm.reducer import dp_reducer
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
+    zero = optimizer = None
+    if p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
+        from tessel.parallel.zero import zero_parallel
+        zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
+                                        weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
     return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,
                           cfg.model.d_model, t.precision, cfg.model.vocab_size, cfg.model.max_seq_len,
-                          p.bucket_mb, tied=cfg.model.tie_embeddings, reducer=reducer)
+                          p.bucket_mb, tied=cfg.model.tie_embeddings, reducer=reducer,
+                          gather_vocab=gather_vocab, extra_metrics=extra_metrics, zero=zero, optimizer=optimizer)

@@ -63,6 +63,12 @@ class StageLinks:
                 item.wait()
         self._pending_sends.clear()
 
+    def sum_over_pipeline(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of t over the pipeline's ranks, on each (a loss with parts on every stage)."""
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
     def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
         """The last pipeline rank's value of t on every pipeline rank (the loss, a sampled token)."""
         if self.group is not None:

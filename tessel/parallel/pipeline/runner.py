@@ -6,6 +6,11 @@ mean loss on every rank, evaluate(), generate(). After the flush it finishes
 what spans stages: data-parallel reduction (one DataParallel per chunk, synced
 on that chunk's last backward, so it overlaps the pipeline's drain) and the
 sum of the tied embedding's gradients between the first and last stage.
+Under ZeRO 1/2 one engine covers all chunks and reduces after the rank's last
+backward instead. Under TP the chunks are already tensor-parallel (each rank
+pipelines with the ranks of its own dp/ep/tp coordinates) and the loss is the
+vocab-parallel one; MoE router losses are back-propagated on their own stage
+(pipeline/aux.py) and added to the reported loss over the pipeline.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn as nn
 from tessel.mesh import Mesh
 from tessel.parallel.data import DataParallel
 from tessel.parallel.norms import mark_replica
+from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
@@ -64,22 +70,30 @@ class PipelineRunner:
     def __init__(self, chunks: list[PipelineStage], mesh: Mesh, schedule: str, micro_batches: int,
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
                  max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
-                 reducer=None):
+                 reducer=None, gather_vocab: Callable | None = None,
+                 extra_metrics: Callable[[], dict] | None = None, zero=None, optimizer=None):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
         self.device, self.precision, self.d_model = mesh.device, precision, d_model
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.schedule_name = schedule
+        self.gather_vocab = gather_vocab  # under TP the last stage's logits are vocab shards
+        self.aux = [StageAux(c) for c in chunks]  # MoE aux losses: each stage back-propagates its own
+        self.has_aux = any(a.layers for a in self.aux)
+        self._extra = extra_metrics  # e.g. MoE routing stats of this rank's blocks
         self.actions = build_schedule(schedule, self.p, micro_batches, self.v)[self.rank]
         self.items = batches(self.actions)
         self.links = StageLinks(mesh)
         self.act_dtype = next(chunks[0].parameters()).dtype  # the residual stream's dtype
         dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
-        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs) if mesh.size("dp", "ep") > 1
-                   else None for c in chunks]
+        # ZeRO 1/2 (one engine over all chunks, reducing on this rank's last backward) or plain DP
+        self.zero, self.optimizer = zero, optimizer  # the trainer steps this optimizer (None: AdamW)
+        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs)
+                   if mesh.size("dp", "ep") > 1 and zero is None else None for c in chunks]
         last_b = {a.chunk: a for a in self.actions if a.kind == "B"}
         self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
+        self.final_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.tied_group, self.tied_param = self._setup_tied(tied)
         self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
         self.saved = SavedBytes(self.parameters())
@@ -117,7 +131,8 @@ class PipelineRunner:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
         shape = (xs[0].size(0), x.size(1), self.d_model)  # known ahead: no shape messages
         total = torch.zeros((), device=self.device)
-        state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {}}
+        state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {},
+                       "aux": torch.zeros((), device=self.device)}
         self.events = []
         self.saved.peak = self.saved.live = 0
         busy = 0.0
@@ -140,6 +155,8 @@ class PipelineRunner:
         self._reduce_tied()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
         self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
+        if self.has_aux:  # every stage adds its aux losses to the loss it reports
+            return self.links.sum_over_pipeline(total + state["aux"])
         return self.links.broadcast_from_last(total)
 
     @torch.no_grad()
@@ -162,6 +179,8 @@ class PipelineRunner:
             logits = self._forward_only(window)
             nxt = torch.zeros((idx.size(0), 1), dtype=torch.long, device=self.device)
             if logits is not None:
+                if self.gather_vocab is not None:
+                    logits = self.gather_vocab(logits[:, -1:].contiguous())  # (B, 1, V_padded), collective over tp
                 nxt = sample_next(logits[:, -1, : self.vocab_size].cpu(), temperature, top_k, gen).to(self.device)
             idx = torch.cat([idx, self.links.broadcast_from_last(nxt)], dim=1)
         return idx
@@ -171,7 +190,7 @@ class PipelineRunner:
         if self._pending_metrics is not None:
             self._step_metrics(*self._pending_metrics)
             self._pending_metrics = None
-        return dict(self.metrics)
+        return {**self.metrics, **(self._extra() if self._extra is not None else {})}
 
     # ---- one action ---------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
@@ -200,9 +219,15 @@ class PipelineRunner:
             inp = state["recv"].pop(("RF", a.mb, a.chunk)).requires_grad_(True)
         with self.saved.hooks(), autocast_for(self.device, self.precision):
             out = self.chunks[a.chunk](inp)
+            aux = self.aux[a.chunk]()  # this micro-batch's router losses on this chunk
             if self._is_last(a.chunk):
                 # mean over micro-batches: each contributes 1/m of the step's loss
                 out = self.loss_fn(out, ys[a.mb]) / self.m
+                if aux is not None:
+                    out = out + aux / self.m
+            elif aux is not None:
+                out = AttachAuxLoss.apply(out, aux, 1.0 / self.m)
+                state["aux"] += aux.detach() / self.m
         state["saved"][key] = self.saved.forwarded()
         state["inputs"][key], state["outputs"][key] = inp, out
         return out.detach() if self._is_last(a.chunk) else torch.zeros((), device=self.device)
@@ -213,6 +238,8 @@ class PipelineRunner:
         dp = self.dp[a.chunk]
         if dp is not None:
             dp.sync_gradients = sync  # reduce over dp once, on this chunk's last backward
+        if self.zero is not None:  # ZeRO reduces every chunk at once, after the rank's last backward
+            self.zero.sync_gradients = a is self.final_backward
         if self._is_last(a.chunk):
             torch.autograd.backward(out)
         else:

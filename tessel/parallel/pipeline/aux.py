@@ -1,0 +1,44 @@
+"""MoE auxiliary losses under pipeline parallelism: each stage back-propagates its own.
+
+The router losses of an MoE block are scalars made on the stage that holds the
+block, but the training loss is formed on the last stage. Instead of shipping
+them down the pipeline, a stage ties its aux losses to its output activation
+with an identity whose backward also seeds d(step loss)/d(aux) = scale into the
+aux loss (Megatron-LM's MoEAuxLossAutoScaler does the same). The gradient then
+reaches the router on the stage where it lives, inside the stage's own backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tessel.models.moe import moe_layers
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """forward: x -> x (aux rides along); backward: dx = dy, d(aux) = scale.
+
+    Megatron-LM, moe_utils.MoEAuxLossAutoScaler (Shoeybi et al. 2019 code base)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class StageAux:
+    """The sum of one chunk's MoE aux losses from its latest forward (None: no MoE block)."""
+
+    def __init__(self, chunk: nn.Module):
+        self.layers = moe_layers(chunk)
+
+    def __call__(self) -> torch.Tensor | None:
+        losses = [m.aux_loss for m in self.layers if m.aux_loss is not None]
+        return torch.stack([a.float() for a in losses]).sum() if losses else None
