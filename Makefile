@@ -13,7 +13,7 @@ test: setup
 	$(PY) -m pytest
 
 demo: setup
-	$(PY) -m tessel train recipes/demo.toml
+	$(PY) -m tessel train recipes/hybrid_demo.toml
 
 clean:
 	rm -rf .venv runs
