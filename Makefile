@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test demo clean
 
 setup: .venv/.ready
 
