@@ -83,11 +83,32 @@ class LocalRunner:
     def generate(self, prompt: torch.Tensor, new_tokens: int, seed: int, temperature: float = 0.8,
                  top_k: int | None = 40) -> torch.Tensor:
         """Every rank runs this with the same seed, so collective forwards (TP) stay in step."""
-        gen = torch.Generator().manual_seed(seed)
-        idx = prompt.to(self.device)
-        for _ in range(new_tokens):
-            window = idx[:, -self.max_seq_len:] if self.max_seq_len else idx
+        def last_logits(window: torch.Tensor) -> torch.Tensor:
             with autocast_for(self.device, self.precision):
-                logits = self.full_logits(window)[:, -1, : self.vocab_size]
-            idx = torch.cat([idx, sample_next(logits.cpu(), temperature, top_k, gen).to(self.device)], dim=1)
-        return idx
+                return self.full_logits(window)[:, -1, : self.vocab_size]
+        return generate_tokens(prompt.to(self.device), new_tokens, seed, self.max_seq_len, last_logits,
+                               temperature=temperature, top_k=top_k)
+
+
+def generate_tokens(prompt: torch.Tensor, new_tokens: int, seed: int, max_seq_len: int | None,
+                    last_logits: Callable[[torch.Tensor], torch.Tensor | None],
+                    share: Callable[[torch.Tensor], torch.Tensor] = lambda ids: ids,
+                    temperature: float = 0.8, top_k: int | None = 40) -> torch.Tensor:
+    """The sampling loop of every runner.
+
+    last_logits(window) gives the (B, V) logits of the last position, or None on
+    a rank that holds no output head (a pipeline stage before the last);
+    share(ids) makes every rank agree on the sampled ids (the pipeline
+    broadcasts the last stage's). Sampling runs on the CPU generator, so the
+    same seed gives the same text on every device.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    idx = prompt
+    for _ in range(new_tokens):
+        window = idx[:, -max_seq_len:] if max_seq_len else idx
+        logits = last_logits(window)
+        nxt = torch.zeros((idx.size(0), 1), dtype=torch.long, device=idx.device)
+        if logits is not None:
+            nxt = sample_next(logits.cpu(), temperature, top_k, gen).to(idx.device)
+        idx = torch.cat([idx, share(nxt)], dim=1)
+    return idx

@@ -29,7 +29,7 @@ from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
-from tessel.train.step import autocast_for, sample_next
+from tessel.train.step import autocast_for, generate_tokens
 
 
 class SavedBytes:
@@ -172,18 +172,15 @@ class PipelineRunner:
     def generate(self, prompt: torch.Tensor, new_tokens: int, seed: int, temperature: float = 0.8,
                  top_k: int | None = 40) -> torch.Tensor:
         """Every pipeline rank runs this loop; the last samples and broadcasts each token."""
-        gen = torch.Generator().manual_seed(seed)
-        idx = prompt.to(self.device)
-        for _ in range(new_tokens):
-            window = idx[:, -self.max_seq_len:] if self.max_seq_len else idx
+        def last_logits(window: torch.Tensor) -> torch.Tensor | None:
             logits = self._forward_only(window)
-            nxt = torch.zeros((idx.size(0), 1), dtype=torch.long, device=self.device)
-            if logits is not None:
-                if self.gather_vocab is not None:
-                    logits = self.gather_vocab(logits[:, -1:].contiguous())  # (B, 1, V_padded), collective over tp
-                nxt = sample_next(logits[:, -1, : self.vocab_size].cpu(), temperature, top_k, gen).to(self.device)
-            idx = torch.cat([idx, self.links.broadcast_from_last(nxt)], dim=1)
-        return idx
+            if logits is None:
+                return None
+            if self.gather_vocab is not None:
+                logits = self.gather_vocab(logits[:, -1:].contiguous())  # (B, 1, V_padded), collective over tp
+            return logits[:, -1, : self.vocab_size]
+        return generate_tokens(prompt.to(self.device), new_tokens, seed, self.max_seq_len, last_logits,
+                               share=self.links.broadcast_from_last, temperature=temperature, top_k=top_k)
 
     def extra_metrics(self) -> dict[str, float]:
         """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
