@@ -21,7 +21,7 @@ from tessel.parallel.expert import moe_metrics, shard_experts
 from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
 from tessel.parallel.zero import zero_parallel
-from tessel.train.step import LocalRunner
+from tessel.parallel.step import LocalRunner
 
 
 @dataclass
@@ -97,7 +97,7 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: Config):
-    """Returns a runner (see tessel.train.step) that owns the parallelized model."""
+    """Returns a runner (see tessel.parallel.step) that owns the parallelized model."""
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)

@@ -165,7 +165,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     from tessel.models.gpt import GPT, cross_entropy
     from tessel.planner.model_spec import ModelSpec
     from tessel.train.data import BatchSampler
-    from tessel.train.step import autocast_for
+    from tessel.parallel.step import autocast_for
     from tessel.train.trainer import build_optimizer
 
     cfg = ModelConfig(**model_raw)

@@ -90,7 +90,7 @@ def _check(results, configs, refs):
 
 
 def _eval_and_sample_reference(extra, m):
-    from tessel.train.step import LocalRunner
+    from tessel.parallel.step import LocalRunner
     from tessel.models.gpt import cross_entropy
     cfg = tiny_config(f"train.steps={STEPS}", f"parallel.micro_batches={m}", *extra)
     ref = _reference(extra, m)

@@ -1,6 +1,6 @@
 """PipelineRunner: executes a schedule's action lists on this rank's model chunks.
 
-It has the methods of tessel.train.step.LocalRunner, so the trainer does not
+It has the methods of tessel.parallel.step.LocalRunner, so the trainer does not
 know a pipeline is there: parameters(), forward_backward(x, y) -> the step's
 mean loss on every rank, evaluate(), generate(). After the flush it finishes
 what spans stages: data-parallel reduction (one DataParallel per chunk, synced
@@ -29,7 +29,7 @@ from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
-from tessel.train.step import autocast_for, generate_tokens
+from tessel.parallel.step import autocast_for, generate_tokens
 
 
 class SavedBytes:
