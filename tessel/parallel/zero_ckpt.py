@@ -22,12 +22,14 @@ and pp with ZeRO are rejected in tessel.config for checkpoints).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from tessel.parallel.zero_flat import FlatGroup
+from tessel.parallel.zero_flat import FlatGroup, all_gather
 
 MODEL, OPTIM = "model/", "optim/"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -58,19 +60,16 @@ def segment_offsets(optimizer, groups: list[FlatGroup]) -> list[tuple[nn.Paramet
 def _gather(g: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
     """(numel/N,) owned piece -> (numel,) whole flat tensor, same on every rank of the group."""
     full = torch.empty(shard.numel() * g.comm.world, dtype=shard.dtype, device=shard.device)
-    if g.comm.group is None:
-        full.copy_(shard)
-    else:
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=g.comm.group)
+    all_gather(full, shard.contiguous(), g.comm.group, async_op=False)
     return full
 
 
-def _global_step(segs) -> torch.Tensor | None:
+def _global_step(segs, device) -> torch.Tensor | None:
     """AdamW's step (the same for every segment); None before the first step, on every rank alike."""
     local = max((float(opt_state["step"]) for _, opt_state in segs if "step" in opt_state), default=-1.0)
-    t = torch.tensor([local], dtype=torch.float64)
+    t = torch.tensor([local], dtype=torch.float64, device=device)  # on the device: NCCL needs it
     if dist.is_initialized():
-        # a rank may own no segment at all: agree on the value over every rank (gloo-safe on CPU)
+        # a rank may own no segment at all: agree on the value over every rank
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return None if t.item() < 0 else torch.tensor(t.item(), dtype=torch.float32)
 
@@ -81,7 +80,7 @@ def checkpoint_tensors(optimizer) -> dict[str, torch.Tensor]:
     engine, groups = optimizer.engine, optimizer.engine.groups
     names = param_names(engine)
     segs = segment_offsets(optimizer, groups)
-    step = _global_step([(s, optimizer.state.get(s, {})) for s, _, _ in segs])
+    step = _global_step([(s, optimizer.state.get(s, {})) for s, _, _ in segs], groups[0].shard.device)
     out: dict[str, torch.Tensor] = {}
     for gi, g in enumerate(groups):
         flats = {"param": _gather(g, g.shard)}
@@ -128,7 +127,9 @@ def load_checkpoint_tensors(optimizer, reader, metadata) -> None:
                     targets[f"{OPTIM}{n}/{key}"] = torch.zeros(md.size, dtype=md.properties.dtype,
                                                               device="cpu" if key == "step" else g.shard.device)
     # every rank reads what it needs on its own: whole tensors, no collective
-    dcp.load(targets, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=reader, no_dist=True)
     has_optim = any(k.startswith(OPTIM) for k in targets)
     flats = []
     for g in groups:
