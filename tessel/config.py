@@ -218,8 +218,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",
              "is not supported with pipeline parallelism yet (stages exchange full-sequence activations)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
-    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None),
-             "checkpoint.every", "checkpoints are not supported with parallel.zero_stage > 0 yet")
+    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
+             or (p.tp == 1 and p.ep == 1 and p.pp == 1), "checkpoint.every",
+             "checkpoints with parallel.zero_stage > 0 support data-parallel layouts only (tp = ep = pp = 1)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")

@@ -35,7 +35,7 @@ BAD = [
     (['data.source="bin"'], "data.path"),
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
-    (["parallel.dp=2", "parallel.zero_stage=3", "checkpoint.every=10"], "checkpoint.every"),
+    (["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"], "parallel.zero_stage"),  # pp x ZeRO-3
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "model.tie_embeddings=true"],
      "model.tie_embeddings"),                                         # tied across stages under ZeRO
@@ -95,3 +95,10 @@ def test_overrides_parse_as_toml_and_round_trip():
     assert (cfg.parallel.dp, cfg.train.lr, cfg.model.tie_embeddings) == (2, 0.001, True)
     import tomllib
     assert build_config(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_zero_checkpoints_allowed_on_data_parallel_layouts():
+    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero_ckpt) on dp-only layouts
+    for stage in (1, 2, 3):
+        cfg = build_config({}, ["parallel.dp=2", f"parallel.zero_stage={stage}", "checkpoint.every=10"])
+        assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage

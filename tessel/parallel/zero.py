@@ -59,6 +59,7 @@ import torch.nn as nn
 
 from tessel.mesh import Mesh
 from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_parallel
+from tessel.parallel import zero_ckpt
 from tessel.parallel.norms import shard_axes
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
                                        segments, unit_group)
@@ -424,6 +425,16 @@ class ZeroAdamW(torch.optim.AdamW):
 
     def grad_params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    # ---- checkpoints (tessel.train.logical's hook): logical whole tensors, see zero_ckpt --------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return zero_ckpt.checkpoint_tensors(self)
+
+    def checkpoint_model_names(self) -> set[str]:
+        return zero_ckpt.model_names(self)
+
+    def load_checkpoint_tensors(self, reader, metadata) -> None:
+        zero_ckpt.load_checkpoint_tensors(self, reader, metadata)
 
 
 def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999),

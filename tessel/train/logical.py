@@ -16,8 +16,10 @@ dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
 - Optimizer state is keyed by parameter name (`optim/<name>/<key>`), not by
   index, and is sharded like its parameter.
 - Strategies whose state does not follow mark_sharded (flat ZeRO buffers)
-  provide `checkpoint_tensors()` / `load_checkpoint_tensors(d)` on the runner
-  or optimizer, returning/accepting logical tensors by the same keys.
+  provide `checkpoint_tensors()` on the optimizer (logical tensors by the same
+  keys; it may override model/ keys) and `load_checkpoint_tensors(reader,
+  metadata)`, run after the rest is loaded; model/ keys listed by its optional
+  `checkpoint_model_names()` are left to it (tessel.parallel.zero_ckpt).
 """
 
 from __future__ import annotations
@@ -178,15 +180,19 @@ def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dic
     """Targets for DCP.load, and how to put each back. `saved`: fqn -> TensorStorageMetadata."""
     named = model_tensors(runner)
     targets, put_back = {}, []
+    owned = getattr(optimizer, "checkpoint_model_names", None)
+    owned = owned() if owned is not None else set()
     for k, v in named.items():
         fqn = f"model/{k}"
+        if k in owned:
+            continue  # the strategy loads it (its storage may be sharded: ZeRO-3)
         if fqn not in saved:
             raise KeyError(f"the checkpoint has no '{k}' (its model differs from this one)")
         targets[fqn] = view.empty_like_logical(v, k)
         put_back.append((fqn, lambda t, v=v: copy_local_(v, t)))
-    if getattr(optimizer, "checkpoint_tensors", None) is not None:
-        return targets, put_back  # the strategy loads its own optimizer state (load_checkpoint_tensors)
-    for name, p in _unique(named).items():
+    # a strategy with its own hook loads its optimizer state itself (load_checkpoint_tensors)
+    custom = getattr(optimizer, "checkpoint_tensors", None) is not None
+    for name, p in ({} if custom else _unique(named)).items():
         prefix = f"{OPTIM_PREFIX}{name}/"
         for fqn in (f for f in saved if f.startswith(prefix)):
             md = saved[fqn]
