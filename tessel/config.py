@@ -100,6 +100,10 @@ class ParallelConfig(Strict):
         return self.pp * self.dp * self.ep * self.tp
 
     @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+
+    @property
     def batch_shards(self) -> int:
         """Ranks that see different data: dp and ep both split the batch."""
         return self.dp * self.ep

@@ -82,7 +82,7 @@ def train_rank(cfg: Config):
         cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
     check_layout(cfg, world_size=dist.get_world_size())
     p = cfg.parallel
-    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order, device=device)
+    mesh = make_mesh(p.axis_sizes, order=p.rank_order, device=device)
     rank = dist.get_rank()
     if rank == 0:
         print(mesh.describe(), flush=True)

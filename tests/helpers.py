@@ -28,19 +28,27 @@ def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
 
 
+def build_trainer(cfg: Config, init_seed: int | None = None):
+    """What `tessel train` builds on each rank, on the current process group (or alone).
+
+    Returns (trainer, model, runner, mesh); init_seed overrides the weights' seed.
+    """
+    p = cfg.parallel
+    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
+    torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
+    model = GPT(cfg.model)
+    runner = parallelize(model, mesh, cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Trainer(cfg, mesh, model, runner, rank), model, runner, mesh
+
+
 def train_and_collect(cfg: Config, weights: bool = True) -> dict:
     """Train with cfg on the current process group (or alone); return losses and full weights.
 
     weights=False returns losses only: under ZeRO-3 the module's own parameters
     are freed between steps, and only the sharded optimizer holds their values.
     """
-    p = cfg.parallel
-    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    trainer = Trainer(cfg, mesh, model, runner, rank)
+    trainer, model, _, _ = build_trainer(cfg)
     summary = trainer.fit()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()} if weights else {}
     return {"losses": summary.losses, "state": state, "val_loss": summary.val_loss, "sample": summary.sample,

@@ -13,13 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel.mesh import make_mesh
-from tessel.models.gpt import GPT
 from tessel.parallel.norms import shard_dims
-from tessel.parallelize import parallelize
 from tessel.spawn import spawn
-from tessel.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config
 
 MOE = ["model.n_experts=4", "model.moe_every=1", "model.aux_loss_coef=0.01", "model.z_loss_coef=0.001",
        "train.steps=3"]
@@ -58,12 +54,7 @@ def _full(t: torch.Tensor, p: torch.Tensor, mesh) -> torch.Tensor:
 
 def _train(overrides) -> dict:
     cfg = tiny_config(*overrides)
-    p = cfg.parallel
-    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    trainer = Trainer(cfg, mesh, model, runner, dist.get_rank() if dist.is_initialized() else 0)
+    trainer, model, _, mesh = build_trainer(cfg)
     named = list(model.named_parameters())
     grads = []  # after reduction and clipping, as the optimizer sees them
     trainer.optimizer.register_step_pre_hook(

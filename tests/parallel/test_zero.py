@@ -12,10 +12,8 @@ from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
 from tessel.parallel.norms import clip_grad_norm_, mark_sharded
 from tessel.parallel.zero import state_bytes, zero_parallel
-from tessel.parallelize import parallelize
 from tessel.spawn import spawn
-from tessel.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config
 
 # 5 steps, two accumulation micro-steps (no_sync), tiny buckets so that several
 # reductions are in flight, and (fp32) a clip far below the gradient norm so that
@@ -57,12 +55,7 @@ BF16_BULK, BF16_MAX = 5e-3, 4e-2
 
 
 def _collect(cfg) -> dict:
-    p = cfg.parallel
-    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    trainer = Trainer(cfg, mesh, model, runner, dist.get_rank() if dist.is_initialized() else 0)
+    trainer, model, runner, _ = build_trainer(cfg)
     summary = trainer.fit()
     gathered = getattr(runner.model, "gathered", contextlib.nullcontext)
     with gathered():  # stage 3: parameters are whole only inside this block

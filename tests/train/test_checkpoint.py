@@ -16,15 +16,12 @@ from torch.testing import assert_close
 
 from tessel.config import Config
 from tessel.mesh import make_mesh
-from tessel.models.gpt import GPT
 from tessel.parallel.norms import mark_sharded
-from tessel.parallelize import parallelize
 from tessel.spawn import spawn
 from tessel.train.checkpoint import CheckpointError, CheckpointManager, commit, latest_valid, verify
 from tessel.train.logical import LOGICAL_SHAPE_ATTR
 from tessel.train.safe_dcp import METADATA_FILE, UnsafeCheckpointError
-from tessel.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config
 
 # Layouts are recipe overrides; a strategy joins the matrix by adding its own.
 # Saved in data, tensor x data, pipeline and ZeRO-2 layouts; loaded in tensor,
@@ -43,13 +40,7 @@ NEXT_LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _fit(cfg: Config, init_seed: int | None = None) -> list[float]:
-    p = cfg.parallel
-    mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
-    model = GPT(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Trainer(cfg, mesh, model, runner, rank).fit().losses
+    return build_trainer(cfg, init_seed)[0].fit().losses
 
 
 def _common(root: Path, name: str) -> list[str]:
@@ -161,11 +152,8 @@ def test_sharded_parameter_saved_logical_and_resharded(tmp_path):
 # ---- integrity: truncation, flipped bytes, fallback ---------------------------------------
 def _tiny_state(seed: int):
     cfg = tiny_config("fault.heartbeat_s=0")
-    mesh = make_mesh({})
-    torch.manual_seed(seed)
-    model = GPT(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    return cfg, mesh, model, runner, Trainer(cfg, mesh, model, runner)
+    trainer, model, runner, mesh = build_trainer(cfg, init_seed=seed)
+    return cfg, mesh, model, runner, trainer
 
 
 def _shard_file(ckpt: Path) -> Path:

@@ -17,17 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel.mesh import make_mesh
-from tessel.models.gpt import GPT
-from tessel.parallelize import parallelize
 from tessel.spawn import spawn
 from tessel.train.elastic import replan
 from tessel.train.fault import parse_faults, straggler_report
-from tessel.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -146,10 +141,7 @@ def _nan_run(root: str, fault: str) -> dict:
     cfg = tiny_config("parallel.dp=2", "train.steps=8", "fault.heartbeat_s=0", "fault.nan_tolerance=2",
                       "checkpoint.every=4",
                       f'checkpoint.dir="{root}"', f'logging.out_dir="{root}/logs"')
-    mesh = make_mesh({"dp": 2})
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    trainer = Trainer(cfg, mesh, model, parallelize(model, mesh, cfg), dist.get_rank())
+    trainer, model, _, _ = build_trainer(cfg)
     trainer.fit()
     return {"rows": [(r["loss"], r["skipped"], r.get("rolled_back_to")) for r in trainer.history],
             "weights": {k: v.clone() for k, v in model.state_dict().items()}}
