@@ -215,12 +215,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
-    _require(p.pp == 1 or p.zero_stage < 3, "parallel.zero_stage",
-             "ZeRO-3 does not compose with pipeline parallelism yet (stages 1 and 2 do)")
-    _require(p.pp == 1 or p.zero_stage == 0 or not m.tie_embeddings, "model.tie_embeddings",
-             "tied embeddings across pipeline stages do not compose with ZeRO yet")
-    _require(p.pp == 1 or not p.sequence_parallel, "parallel.sequence_parallel",
-             "is not supported with pipeline parallelism yet (stages exchange full-sequence activations)")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
              or (p.tp == 1 and p.ep == 1 and p.pp == 1), "checkpoint.every",
@@ -229,8 +223,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
     _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs tp > 1")
-    _require(not (p.sequence_parallel and m.n_experts), "parallel.sequence_parallel",
-             "is not supported with MoE blocks yet (MoE runs replicated over tp)")
     if p.sequence_parallel:
         _require(t.seq_len % p.tp == 0, "train.seq_len", f"({t.seq_len}) must be divisible by tp ({p.tp}) "
                  "under sequence parallelism")

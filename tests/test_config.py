@@ -36,10 +36,6 @@ BAD = [
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
     (["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"], "parallel.zero_stage"),  # pp x ZeRO-3
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "model.tie_embeddings=true"],
-     "model.tie_embeddings"),                                         # tied across stages under ZeRO
-    (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
 ]
 
 

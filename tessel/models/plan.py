@@ -35,8 +35,8 @@ GPT_TP_PLAN: dict[str, str] = {
 def gpt_tp_plan(moe_blocks: list[int], n_layer: int) -> dict[str, str]:
     """GPT_TP_PLAN with the MoE blocks' feed-forward replicated over tp (first match wins).
 
-    Experts are split over the ep axis, not tp; without sequence parallelism the
-    MoE input is the same on every tp rank, so each rank computes it whole.
+    Experts are split over the ep axis, not tp; the MoE input is the same on every
+    tp rank (under sequence parallelism once gathered), so each rank computes it whole.
     """
     plan = {f"layers.{i}.mlp": "replicate" for i in moe_blocks}
     dense = [k for k in GPT_TP_PLAN if k.startswith("layers.*.mlp")]

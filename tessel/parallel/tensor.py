@@ -301,12 +301,26 @@ def _sequence_norm(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
     return SequenceParallelNorm(module, ctx) if ctx.sequence_parallel else module
 
 
+def _replicate(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    """Computed whole on every tp rank: input, output and parameter gradients are replicated,
+    so the gradients need no tp reduction (MoE blocks: experts split over ep, not tp).
+
+    Under sequence parallelism the input arrives sequence-sharded: it is all-gathered
+    (backward: this rank's slice of the already whole gradient) and the output split
+    again (backward: all-gather). Every rank then routes the same tokens as without
+    SP, so MoE capacity and aux losses stay those of the whole micro-batch.
+    """
+    if ctx.sequence_parallel:
+        module.register_forward_pre_hook(
+            lambda mod, args: (comm.gather_seq_to_replica(args[0], ctx.seq_dim, ctx.group), *args[1:]))
+        module.register_forward_hook(lambda mod, args, out: comm.scatter_seq(out, ctx.seq_dim, ctx.group))
+    return module
+
+
 STYLES: dict[str, Callable[[nn.Module, TPContext, dict], nn.Module]] = {
     "enter": _enter_region, "colwise": _colwise, "rowwise": _rowwise,
     "vocab_embedding": _vocab_embedding, "vocab_head": _vocab_head, "sequence_norm": _sequence_norm,
-    # computed whole on every tp rank: its input and output are replicated, and so are its
-    # gradients, which therefore need no tp reduction (MoE blocks under tp without SP)
-    "replicate": lambda module, ctx, memo: module,
+    "replicate": _replicate,
 }
 
 

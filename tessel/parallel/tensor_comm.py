@@ -203,6 +203,28 @@ class ScatterSeq(torch.autograd.Function):
         return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
+class GatherSeqToReplica(torch.autograd.Function):
+    """All-gather along the sequence dim forward, keep this rank's slice of the
+    gradient backward: Megatron's gather_from_sequence_parallel_region with
+    tensor_parallel_output_grad=False.
+
+    For a module that every tp rank computes whole and alike on the gathered
+    sequence (an MoE block under sequence parallelism): each rank's input
+    gradient is then already the full one, so it is sliced, not summed. Its
+    output goes back through ScatterSeq, whose all-gather backward gives every
+    rank the whole output gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_dim(grad, ctx.dim, ctx.group), None, None
+
+
 def copy_to_tp(x, group):
     return x if group is None else CopyToTP.apply(x, group)
 
@@ -229,3 +251,7 @@ def reduce_scatter_seq(x, dim, group):
 
 def scatter_seq(x, dim, group):
     return x if group is None else ScatterSeq.apply(x, dim, group)
+
+
+def gather_seq_to_replica(x, dim, group):
+    return x if group is None else GatherSeqToReplica.apply(x, dim, group)

@@ -377,6 +377,15 @@ class ZeroDataParallel(GradientSyncWrapper):
                 for p in g.params:
                     p.grad = None
 
+    def reduce_gradients(self) -> None:
+        """Reduce now, outside backward, what backward accumulated with sync_gradients = False.
+
+        A pipeline whose first and last stages share the tied embedding sums the two
+        full gradients between stages first (that needs every stage's backward done),
+        then calls this, so the owners receive the tied sum (tessel.parallel.pipeline)."""
+        self.sync_gradients = True
+        self._finish()
+
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.parallel.data import Bucket, build_buckets
-from tessel.parallel.norms import mark_sharded, shard_axes
+from tessel.parallel.norms import REPLICA_ATTR, mark_replica, mark_sharded, shard_axes
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,8 @@ def segments(groups: Sequence[FlatGroup], decay: Callable[[nn.Parameter], bool]
     Each segment aliases the owned parameter shard, and its gradient the gradient
     shard, so the optimizer updates the flat buffers in place. A segment is marked
     sharded over its group's axes and over those its parameters were already
-    sharded on (tp, ep), so the global gradient norm adds the pieces up."""
+    sharded on (tp, ep), so the global gradient norm adds the pieces up; a piece of
+    a replica (tessel.parallel.norms.mark_replica) is a replica too."""
     out: tuple[list, list] = ([], [])
     for g in groups:
         pieces = []  # (start, end, key) in flat coordinates, clipped to the owned shard
@@ -145,14 +146,16 @@ def segments(groups: Sequence[FlatGroup], decay: Callable[[nn.Parameter], bool]
             a, b = max(g.lo, off), min(g.hi, off + p.numel())
             if a >= b:
                 continue
-            key = (bool(decay(p)), shard_axes(p))
+            key = (bool(decay(p)), shard_axes(p), getattr(p, REPLICA_ATTR, False))
             if pieces and pieces[-1][2] == key and pieces[-1][1] == a:
                 pieces[-1] = (pieces[-1][0], b, key)
             else:
                 pieces.append((a, b, key))
-        for a, b, (dec, axes) in pieces:
+        for a, b, (dec, axes, replica) in pieces:
             seg = nn.Parameter(g.shard[a - g.lo: b - g.lo], requires_grad=False)
             seg.grad = g.grad_shard[a - g.lo: b - g.lo]
             mark_sharded(seg, *g.comm.axes, *axes)
+            if replica:  # a copy another pipeline stage counts (the last stage's tied head)
+                mark_replica(seg)
             out[0 if dec else 1].append(seg)
     return out

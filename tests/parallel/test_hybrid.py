@@ -17,6 +17,11 @@ from tests.helpers import tiny_config, train_and_collect
 
 STEPS = ["train.steps=5"]
 MOE = ["model.n_experts=4", "model.moe_every=2", "model.moe_top_k=2", "model.capacity_factor=1.0"]
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+# evaluation, sampling (full-vocab logits gathered on the last stage) and tied embeddings
+# (their gradient summed between the first and last stage, per tp shard) join the comparison
+PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_tokens=8"]
+DP2_PP2 = ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2"]
 
 # name -> (overrides of the parallel run, overrides of its single-process reference)
 WORLD2 = {"dp2_zero3": (["parallel.dp=2", "parallel.zero_stage=3"], [])}
@@ -25,9 +30,17 @@ WORLD4 = {
     "tp2_ep2_moe": (MOE + ["parallel.tp=2", "parallel.ep=2"], MOE + ["train.grad_accum=2"]),
     "dp2_tp2_moe_zero1": (MOE + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
                           MOE + ["train.grad_accum=2"]),
-    # ZeRO under a pipeline: one engine over the rank's chunks, reduced after its last backward
-    "dp2_pp2_zero1": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=1"], []),
-    "dp2_pp2_zero2": (["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=2"], []),
+    # ZeRO under a pipeline: one engine over the rank's chunks, reduced after its last backward;
+    # with tied embeddings (PP_EXTRAS) stages 2 and 3 reduce after the flush, once the
+    # embedding's and the head's gradients are summed; ZeRO-3 gathers each stage once a step
+    "dp2_pp2_zero1_tied": (PP_EXTRAS + DP2_PP2 + ["parallel.zero_stage=1"], PP_EXTRAS),
+    "dp2_pp2_zero2": (DP2_PP2 + ["parallel.zero_stage=2"], []),
+    "dp2_pp2_zero2_tied": (PP_EXTRAS + DP2_PP2 + ["parallel.zero_stage=2"], PP_EXTRAS),
+    "dp2_pp2_zero3_tied": (PP_EXTRAS + DP2_PP2 + ["parallel.zero_stage=3"], PP_EXTRAS),
+    # sequence parallelism under a pipeline: stages exchange (B, T/tp, C) per rank
+    "pp2_tp2_sp": (PP_EXTRAS + SP + ["parallel.pp=2", "parallel.micro_batches=2"], PP_EXTRAS),
+    # MoE under sequence parallelism: each tp rank gathers the sequence and routes it whole
+    "tp2_ep2_sp_moe": (MOE + SP + ["parallel.ep=2"], MOE + ["train.grad_accum=2"]),
 }
 
 # fp32. Sharded matmuls and all-reduces add in other orders than one process
@@ -47,8 +60,12 @@ def _run_layouts(layouts: dict) -> dict:
 
 def _check(layouts: dict, world: int) -> None:
     got = spawn(_run_layouts, world, layouts, timeout=600)
+    refs: dict[tuple, dict] = {}  # layouts that share a reference train it once
     for name, (_, ref_overrides) in layouts.items():
-        ref = train_and_collect(tiny_config(*STEPS, *ref_overrides))
+        key = tuple(ref_overrides)
+        if key not in refs:
+            refs[key] = train_and_collect(tiny_config(*STEPS, *ref_overrides))
+        ref = refs[key]
         reference = ref["losses"]
         assert len(reference) == 5
         assert reference[-1] < reference[0]  # it learns, so equality is not trivial
@@ -72,9 +89,6 @@ def test_world2_layouts_match_single_process():
     _check(WORLD2, 2)
 
 
-# evaluation, sampling (full-vocab logits gathered on the last stage) and tied embeddings
-# (their gradient summed between the first and last stage, per tp shard) join the comparison
-PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_tokens=8"]
 WORLD8 = {
     "dp2_tp2_pp2": (PP_EXTRAS + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"],
                     PP_EXTRAS),

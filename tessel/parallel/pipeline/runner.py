@@ -6,8 +6,10 @@ mean loss on every rank, evaluate(), generate(). After the flush it finishes
 what spans stages: data-parallel reduction (one DataParallel per chunk, synced
 on that chunk's last backward, so it overlaps the pipeline's drain) and the
 sum of the tied embedding's gradients between the first and last stage.
-Under ZeRO 1/2 one engine covers all chunks and reduces after the rank's last
-backward instead. Under TP the chunks are already tensor-parallel (each rank
+Under ZeRO one engine covers all chunks and reduces after the rank's last
+backward instead (or after the flush, once the tied embedding's gradients are
+summed); under ZeRO-3 the chunks' parameters are whole for the whole step
+(pipeline/zero3.py). Under TP the chunks are already tensor-parallel (each rank
 pipelines with the ranks of its own dp/ep/tp coordinates) and the loss is the
 vocab-parallel one; MoE router losses are back-propagated on their own stage
 (pipeline/aux.py) and added to the reported loss over the pipeline.
@@ -15,6 +17,7 @@ vocab-parallel one; MoE router losses are back-propagated on their own stage
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -71,8 +74,11 @@ class PipelineRunner:
                  loss_fn: Callable, d_model: int, precision: str = "fp32", vocab_size: int | None = None,
                  max_seq_len: int | None = None, bucket_mb: float = 25.0, tied: bool = False,
                  reducer=None, gather_vocab: Callable | None = None,
-                 extra_metrics: Callable[[], dict] | None = None, zero=None, optimizer=None):
+                 extra_metrics: Callable[[], dict] | None = None, zero=None, optimizer=None,
+                 seq_shards: int = 1):
         self.chunks, self.mesh, self.loss_fn = chunks, mesh, loss_fn
+        # sequence parallelism: stages exchange (B, T/tp, C), each tp rank its own tokens
+        self.seq_shards = seq_shards
         self.p, self.v, self.m = mesh.size("pp"), len(chunks), micro_batches
         self.rank = mesh.coord("pp")
         self.device, self.precision, self.d_model = mesh.device, precision, d_model
@@ -95,6 +101,10 @@ class PipelineRunner:
         self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
         self.final_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.tied_group, self.tied_param = self._setup_tied(tied)
+        # ZeRO-2/3 on a rank with a tied copy: reduce-scatter after the flush, once the copies
+        # are summed. Stage 1 need not wait: its gradients stay whole, and summing the two
+        # stages' dp-averaged copies afterwards gives the average of the sums.
+        self.zero_after_flush = zero is not None and zero.stage > 1 and self.tied_param is not None
         self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
         self.saved = SavedBytes(self.parameters())
         self.metrics: dict[str, float] = {}
@@ -125,11 +135,28 @@ class PipelineRunner:
         return out
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._params_whole():
+            return self._forward_backward(x, y)
+
+    @contextlib.contextmanager
+    def _params_whole(self):
+        """ZeRO-3: every chunk's parameters whole for a step or an evaluation (pipeline/zero3.py)."""
+        whole = getattr(self.zero, "step_gathered", None)
+        if whole is None:
+            yield
+            return
+        with whole():
+            # gathered storages are new: keep them out of the saved-activation count
+            self.saved.param_ptrs = {p.untyped_storage().data_ptr() for p in self.parameters()}
+            yield
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         t0 = self.step_start = time.perf_counter()
         xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
         if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
-        shape = (xs[0].size(0), x.size(1), self.d_model)  # known ahead: no shape messages
+        # known ahead: no shape messages; under sequence parallelism each rank's tokens
+        shape = (xs[0].size(0), x.size(1) // self.seq_shards, self.d_model)
         total = torch.zeros((), device=self.device)
         state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {},
                        "aux": torch.zeros((), device=self.device)}
@@ -153,6 +180,8 @@ class PipelineRunner:
             self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
         self.links.wait_sends()
         self._reduce_tied()
+        if self.zero_after_flush:
+            self.zero.reduce_gradients()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
         self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
         if self.has_aux:  # every stage adds its aux losses to the loss it reports
@@ -161,7 +190,8 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = self._forward_only(x.to(self.device))
+        with self._params_whole():
+            out = self._forward_only(x.to(self.device))
         loss = torch.zeros((), device=self.device)
         if out is not None:
             with autocast_for(self.device, self.precision):
@@ -173,14 +203,29 @@ class PipelineRunner:
                  top_k: int | None = 40) -> torch.Tensor:
         """Every pipeline rank runs this loop; the last samples and broadcasts each token."""
         def last_logits(window: torch.Tensor) -> torch.Tensor | None:
+            window, last = self._split_window(window)
             logits = self._forward_only(window)
             if logits is None:
                 return None
+            logits = logits[:, last: last + 1].contiguous()
             if self.gather_vocab is not None:
-                logits = self.gather_vocab(logits[:, -1:].contiguous())  # (B, 1, V_padded), collective over tp
+                logits = self.gather_vocab(logits)  # (B, 1, V_padded), collective over tp
             return logits[:, -1, : self.vocab_size]
-        return generate_tokens(prompt.to(self.device), new_tokens, seed, self.max_seq_len, last_logits,
-                               share=self.links.broadcast_from_last, temperature=temperature, top_k=top_k)
+        with self._params_whole():
+            return generate_tokens(prompt.to(self.device), new_tokens, seed, self.max_seq_len, last_logits,
+                                   share=self.links.broadcast_from_last, temperature=temperature, top_k=top_k)
+
+    def _split_window(self, idx: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A window whose length sequence parallelism can split, and the position of its last token.
+
+        Padded on the right (causal attention: the padding cannot change earlier
+        logits), or trimmed on the left where padding would pass max_seq_len."""
+        T, n = idx.size(1), self.seq_shards
+        if n == 1 or T % n == 0:
+            return idx, T - 1
+        if self.max_seq_len is None or T + n - T % n <= self.max_seq_len:
+            return torch.nn.functional.pad(idx, (0, n - T % n)), T - 1
+        return idx[:, T % n:], T - T % n - 1
 
     def extra_metrics(self) -> dict[str, float]:
         """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
@@ -236,7 +281,7 @@ class PipelineRunner:
         if dp is not None:
             dp.sync_gradients = sync  # reduce over dp once, on this chunk's last backward
         if self.zero is not None:  # ZeRO reduces every chunk at once, after the rank's last backward
-            self.zero.sync_gradients = a is self.final_backward
+            self.zero.sync_gradients = a is self.final_backward and not self.zero_after_flush
         if self._is_last(a.chunk):
             torch.autograd.backward(out)
         else:
@@ -346,7 +391,7 @@ class PipelineRunner:
 
     def _forward_only(self, idx: torch.Tensor) -> torch.Tensor | None:
         """One micro-batch down every virtual stage; the last stage's output (None elsewhere)."""
-        shape = (idx.size(0), idx.size(1), self.d_model)
+        shape = (idx.size(0), idx.size(1) // self.seq_shards, self.d_model)
         out = None
         for c, chunk in enumerate(self.chunks):
             s = self._stage(c)
@@ -361,3 +406,4 @@ class PipelineRunner:
                 out = None
         self.links.wait_sends()
         return out
+
