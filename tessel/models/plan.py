@@ -39,7 +39,8 @@ def gpt_tp_plan(moe_blocks: list[int], n_layer: int) -> dict[str, str]:
     tp rank (under sequence parallelism once gathered), so each rank computes it whole.
     """
     plan = {f"layers.{i}.mlp": "replicate" for i in moe_blocks}
-    dense = [k for k in GPT_TP_PLAN if k.startswith("layers.*.mlp")]
+    # the dense feed-forward's own patterns; not mlp_norm, which MoE blocks keep (sequence_norm)
+    dense = [k for k in GPT_TP_PLAN if k == "layers.*.mlp" or k.startswith("layers.*.mlp.")]
     for key, style in GPT_TP_PLAN.items():
         if key in dense and len(moe_blocks) == n_layer:
             continue  # no dense feed-forward left for these patterns to match

@@ -263,6 +263,15 @@ def test_plan_is_data_and_is_checked():
         match_plan(model, {"lm_head": "diagonal"})
 
 
+def test_moe_plan_keeps_sequence_parallel_norms():
+    """An all-MoE model: the feed-forward is replicated, its norm still sequence-parallel
+    (a plain norm on 1/tp of the tokens would leave its weight gradient partial)."""
+    from tessel.models.plan import gpt_tp_plan
+    model = GPT(tiny_config("model.n_experts=2").model)
+    styles = match_plan(model, gpt_tp_plan([0, 1], 2))
+    assert styles["layers.0.mlp"] == "replicate" and styles["layers.1.mlp_norm"] == "sequence_norm"
+
+
 def test_full_logits_pads_or_trims_prompts_under_sequence_parallelism():
     from tessel.parallel.tensor import FullLogits
     seen = []

@@ -135,12 +135,14 @@ class PipelineRunner:
         return out
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self._params_whole():
+        with self.gathered():
             return self._forward_backward(x, y)
 
     @contextlib.contextmanager
-    def _params_whole(self):
-        """ZeRO-3: every chunk's parameters whole for a step or an evaluation (pipeline/zero3.py)."""
+    def gathered(self):
+        """Every chunk's parameters whole for the duration: a step, an evaluation, a weight check.
+
+        Only ZeRO-3 shards them at rest (pipeline/zero3.py); otherwise a no-op."""
         whole = getattr(self.zero, "step_gathered", None)
         if whole is None:
             yield
@@ -190,7 +192,7 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self._params_whole():
+        with self.gathered():
             out = self._forward_only(x.to(self.device))
         loss = torch.zeros((), device=self.device)
         if out is not None:
@@ -211,7 +213,7 @@ class PipelineRunner:
             if self.gather_vocab is not None:
                 logits = self.gather_vocab(logits)  # (B, 1, V_padded), collective over tp
             return logits[:, -1, : self.vocab_size]
-        with self._params_whole():
+        with self.gathered():
             return generate_tokens(prompt.to(self.device), new_tokens, seed, self.max_seq_len, last_logits,
                                    share=self.links.broadcast_from_last, temperature=temperature, top_k=top_k)
 
