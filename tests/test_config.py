@@ -35,7 +35,7 @@ BAD = [
     (['data.source="bin"'], "data.path"),
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
-    (["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
+    (["parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
 ]
 
 

@@ -442,8 +442,8 @@ class ZeroAdamW(torch.optim.AdamW):
     def checkpoint_model_names(self) -> set[str]:
         return zero_ckpt.model_names(self)
 
-    def load_checkpoint_tensors(self, reader, metadata) -> None:
-        zero_ckpt.load_checkpoint_tensors(self, reader, metadata)
+    def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
+        zero_ckpt.load_checkpoint_tensors(self, reader, metadata, localize)
 
 
 def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999),

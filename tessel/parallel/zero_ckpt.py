@@ -16,8 +16,11 @@ for AdamW, under the full model's parameter names.
 Whole-tensor gathering means each rank briefly holds one group's whole state
 on save and the whole model's state on load: fine at tessel's scale, but a
 rank-local DTensor/chunked layout would be needed for models that do not fit
-one rank. Only parameters of the data-parallel ZeRO axes are handled (tp, ep
-and pp with ZeRO are rejected in tessel.config for checkpoints).
+one rank. A parameter that is itself a tp shard is saved as that shard, whole
+over the ZeRO axes; tessel.train.logical makes it a DTensor over tp and, on
+load, cuts this rank's piece from the logical tensor (`localize`). ZeRO with ep
+or pp is still rejected for checkpoints in tessel.config (pipeline chunks would
+need their names mapped back to the full model's).
 """
 
 from __future__ import annotations
@@ -109,8 +112,11 @@ def model_names(optimizer) -> set[str]:
 
 
 @torch.no_grad()
-def load_checkpoint_tensors(optimizer, reader, metadata) -> None:
-    """Read logical tensors (any saved layout) and copy this rank's slices into the flat shards."""
+def load_checkpoint_tensors(optimizer, reader, metadata, localize=None) -> None:
+    """Read logical tensors (any saved layout) and copy this rank's slices into the flat shards.
+
+    localize(whole, param) cuts the piece a tp-sharded parameter holds on this rank
+    (tessel.train.logical.LogicalView.local_slice); None: parameters are whole over tp."""
     engine, groups = optimizer.engine, optimizer.engine.groups
     names = param_names(engine)
     saved = metadata.state_dict_metadata
@@ -120,7 +126,8 @@ def load_checkpoint_tensors(optimizer, reader, metadata) -> None:
             n = names[id(p)][0]
             if MODEL + n not in saved:
                 raise KeyError(f"the checkpoint has no '{n}' (its model differs from this one)")
-            targets[MODEL + n] = torch.zeros(p.shape, dtype=p.dtype, device=g.shard.device)
+            md = saved[MODEL + n]  # the logical size: of a tp shard, the whole tensor
+            targets[MODEL + n] = torch.zeros(md.size, dtype=p.dtype, device=g.shard.device)
             for key in ("step",) + MOMENTS:
                 if f"{OPTIM}{n}/{key}" in saved:
                     md = saved[f"{OPTIM}{n}/{key}"]
@@ -131,16 +138,20 @@ def load_checkpoint_tensors(optimizer, reader, metadata) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, storage_reader=reader, no_dist=True)
     has_optim = any(k.startswith(OPTIM) for k in targets)
+
+    def local(whole: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        return whole if localize is None or whole.shape == p.shape else localize(whole, p)
+
     flats = []
     for g in groups:
         flat = {k: torch.zeros(g.shard.numel() * g.comm.world, dtype=g.shard.dtype, device=g.shard.device)
                 for k in ("param",) + (MOMENTS if has_optim else ())}
         for p, start in zip(g.params, g.offsets):
             n = names[id(p)][0]
-            flat["param"][start: start + p.numel()].copy_(targets[MODEL + n].reshape(-1))
+            flat["param"][start: start + p.numel()].copy_(local(targets[MODEL + n], p).reshape(-1))
             for key in MOMENTS if has_optim else ():
                 if f"{OPTIM}{n}/{key}" in targets:  # a parameter a plain AdamW never stepped has none
-                    flat[key][start: start + p.numel()].copy_(targets[f"{OPTIM}{n}/{key}"].reshape(-1))
+                    flat[key][start: start + p.numel()].copy_(local(targets[f"{OPTIM}{n}/{key}"], p).reshape(-1))
         if engine.stage == 3:
             g.shard.copy_(flat["param"][g.lo: g.hi])  # the parameters are gathered from it on use
         else:

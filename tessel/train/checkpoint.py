@@ -226,8 +226,8 @@ class CheckpointManager:
         for fqn, apply in put_back:
             apply(targets[fqn])
         custom = getattr(optimizer, "load_checkpoint_tensors", None)
-        if custom is not None:
-            custom(SafeReader(path), md)
+        if custom is not None:  # it reads logical tensors; localize cuts this rank's tp/ep shard
+            custom(SafeReader(path), md, localize=self.view.local_slice)
         return manifest
 
     def _barrier(self) -> None:

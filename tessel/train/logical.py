@@ -19,7 +19,10 @@ dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
   provide `checkpoint_tensors()` on the optimizer (logical tensors by the same
   keys; it may override model/ keys) and `load_checkpoint_tensors(reader,
   metadata)`, run after the rest is loaded; model/ keys listed by its optional
-  `checkpoint_model_names()` are left to it (tessel.parallel.zero_ckpt).
+  `checkpoint_model_names()` are left to it (tessel.parallel.zero_ckpt). Its
+  tensors are whole over its own axes (dp) but may be tp or ep shards, shaped
+  like their parameter: those become DTensors here like any marked parameter,
+  and on load `LogicalView.local_slice` cuts a rank's shard from the whole.
 """
 
 from __future__ import annotations
@@ -121,6 +124,24 @@ class LogicalView:
             local = local.narrow(d, 0, max(0, min(per, shape[d] - start)))
         return local
 
+    def local_slice(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the logical tensor `full`, in `like`'s local layout (DTensor's
+        ceil-chunks; rows past the logical size, vocabulary padding, are zeros)."""
+        dims = shard_dims(like)
+        out = full
+        for a in shard_axes(like):
+            if a not in self.axes:
+                continue
+            d, per = dims[a], like.size(dims[a])
+            start = min(self.mesh.coord(a) * per, out.size(d))
+            piece = out.narrow(d, start, min(per, out.size(d) - start))
+            if piece.size(d) < per:
+                pad = list(piece.shape)
+                pad[d] = per - piece.size(d)
+                piece = torch.cat([piece, piece.new_zeros(pad)], dim=d)
+            out = piece
+        return out
+
     def empty_like_logical(self, like: torch.Tensor, name: str, dtype=None) -> torch.Tensor:
         """A load target with `like`'s local layout (a DTensor when sharded)."""
         return self.to_logical(torch.zeros_like(like, dtype=dtype or like.dtype), like, name).detach()
@@ -165,7 +186,7 @@ def save_state(runner, optimizer, view: LogicalView) -> dict[str, torch.Tensor]:
     state = {f"model/{k}": view.to_logical(v, v, k) for k, v in named.items()}
     custom = getattr(optimizer, "checkpoint_tensors", None)
     if custom is not None:
-        state.update(custom())
+        state.update({k: _custom_logical(view, named, k, t) for k, t in custom().items()})
     else:
         for key, (value, p) in optimizer_tensors(optimizer, named).items():
             state[key] = view.to_logical(value, p, key) if value.shape == p.shape else value.detach()
@@ -174,6 +195,21 @@ def save_state(runner, optimizer, view: LogicalView) -> dict[str, torch.Tensor]:
     if view.mesh.device.type == "cuda":
         state[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state(view.mesh.device)
     return state
+
+
+def _custom_logical(view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
+    """A strategy hook's tensor (model/<name> or optim/<name>/<key>) shaped like its parameter:
+    a DTensor over the axes that parameter is marked sharded on (tp, ep); as it is otherwise."""
+    if key.startswith("model/"):
+        name = key[len("model/"):]
+    elif key.startswith(OPTIM_PREFIX):
+        name = key[len(OPTIM_PREFIX):].rsplit("/", 1)[0]
+    else:
+        return t
+    p = named.get(name)
+    if p is None or tuple(t.shape) != tuple(p.shape):
+        return t
+    return view.to_logical(t, p, key)
 
 
 def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dict, list]:

@@ -24,14 +24,17 @@ from tessel.train.safe_dcp import METADATA_FILE, UnsafeCheckpointError
 from tests.helpers import build_trainer, tiny_config
 
 # Layouts are recipe overrides; a strategy joins the matrix by adding its own.
-# Saved in data, tensor x data, pipeline and ZeRO-2 layouts; loaded in tensor,
-# wider data, pipeline x data and ZeRO-1 / ZeRO-3 layouts (ZeRO saves and loads
-# logical whole tensors through its optimizer's hook, tessel.parallel.zero_ckpt).
+# Saved in data, tensor x data, pipeline, ZeRO-2 and tensor x ZeRO-2 layouts; loaded
+# in tensor, wider data, pipeline x data, ZeRO-1 and tensor x ZeRO-3 layouts (ZeRO
+# saves and loads logical whole tensors through its optimizer's hook,
+# tessel.parallel.zero_ckpt; tessel.train.logical puts a tp shard's whole tensor
+# together on save and cuts this rank's piece on load).
 SAVE_LAYOUTS = {"dp1": [], "dp2tp2": ["parallel.dp=2", "parallel.tp=2"], "pp2": ["parallel.pp=2"],
-                "dp2zero2": ["parallel.dp=2", "parallel.zero_stage=2"]}
+                "dp2zero2": ["parallel.dp=2", "parallel.zero_stage=2"],
+                "dp2tp2zero2": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"]}
 LOAD_LAYOUTS = {"tp2": ["parallel.tp=2"], "dp4": ["parallel.dp=4"], "pp2dp2": ["parallel.pp=2", "parallel.dp=2"],
-                "dp2zero3": ["parallel.dp=2", "parallel.zero_stage=3"],
-                "dp2zero1": ["parallel.dp=2", "parallel.zero_stage=1"]}
+                "dp2zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
+                "dp2tp2zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"]}
 SAVE_AT = 3  # checkpoint after 3 steps; the "next step" is step 3
 # fp32. Layouts differ only in how the gradient sum is ordered (all-reduce over
 # dp, accumulation over micro-batches): the loss after 3 AdamW steps moves by
