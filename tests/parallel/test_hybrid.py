@@ -68,6 +68,8 @@ def _train(cfg) -> dict:
     summary = trainer.fit()
     out = {"losses": summary.losses, "val_loss": summary.val_loss, "sample": summary.sample,
            "grad_norms": [row["grad_norm"] for row in trainer.history]}
+    if getattr(getattr(runner, "zero", None), "stage", 0) == 3:  # at rest only the shards remain
+        out["rest_bytes"] = sum(p.untyped_storage().nbytes() for p in runner.parameters())
     if hasattr(runner, "named_parameters"):  # a pipeline: this rank's stage under the full model's names
         with runner.gathered():
             out["stage"] = {n: p.detach().clone() for n, p in runner.named_parameters().items()
@@ -100,6 +102,7 @@ def _check(layouts: dict, world: int) -> None:
                 assert_close(result[name]["val_loss"], ref["val_loss"], **LOSS_TOL)
             # sampling: the logits agree to ~1e-6, far below what could flip a seeded draw
             assert result[name]["sample"] == ref["sample"], f"{name} rank {rank}: sample differs"
+            assert result[name].get("rest_bytes", 0) == 0, f"{name}: ZeRO-3 left whole parameters after the step"
             for n, w in result[name].get("stage", {}).items():
                 assert_close(w, ref["state"][n], msg=lambda m: f"{name} rank {rank} {n}: {m}", **WEIGHT_TOL)
 

@@ -408,4 +408,3 @@ class PipelineRunner:
                 out = None
         self.links.wait_sends()
         return out
-

@@ -23,25 +23,26 @@ fp32 weights and AdamW:
     during a step:            + 4Psi_s whole params + 4Psi_s accumulated gradients
 
 so the peak of a step is that of ZeRO-2 under the same pipeline (which also
-accumulates whole gradients across micro-batches) less the 4Psi_s(N-1)/N of
-parameters that ZeRO-2 keeps whole at rest. What stage 3 buys here is the
-memory between steps (evaluation, checkpoints, other work on the device) and
-the optimizer's shard; what it costs is one all-gather of the stage per step.
-A design that keeps the step's peak at 4Psi_s/N would regather per micro-batch
-and reduce-scatter per micro-batch: m times the traffic.
+keeps whole parameters and accumulates whole gradients across micro-batches)
+plus the 4Psi_s/N parameter shard, while between steps it holds 4Psi_s(N-1)/N
+bytes less than ZeRO-2. What stage 3 buys under a pipeline is that memory
+between steps (evaluation, checkpoints, other work on the device); what it
+costs is one all-gather of the stage per step. Keeping the step's peak near
+4Psi_s/N instead would take a gather before every micro-batch's forward and
+backward and a reduce-scatter after every backward: about 3m times the traffic.
 
-Tied embeddings (any stage): the embedding's gradient lives on the first stage
-and the head's on the last, and the two must be summed before the owners
-reduce. Under stages 2 and 3 the owners keep only a shard, cut differently on the two
-stages, so the sum must come first. A reduction inside the last stage's
-backward cannot wait for the first stage (that stage still needs the last
-stage's gradients), so ranks holding a tied copy reduce after the flush
+Tied embeddings (any ZeRO stage): the embedding's gradient lives on the first
+stage and the head's on the last, and each stage must step on their sum. Under
+stages 2 and 3 the owners keep only a shard, cut differently on the two stages,
+so the sum must come before the reduce-scatter. A reduction inside the last
+stage's backward cannot wait for the first stage (that stage still needs the
+last stage's gradients), so ranks holding a tied copy reduce after the flush
 instead: backward only accumulates, the pipeline sums the tied gradient between
 the two stages, then `ZeroDataParallel.reduce_gradients` sends every gradient
-to its owner. Stage 1 keeps whole (dp-averaged) gradients, which the pipeline
-sums after the reduction as without ZeRO. The last stage's copy is marked a
-replica, and so are the optimizer segments cut from it, so the global gradient
-norm counts the tied weight once.
+to its owner (the runner, tessel.parallel.pipeline.runner). Stage 1 keeps whole
+(dp-averaged) gradients, which the pipeline sums after the reduction as without
+ZeRO. The last stage's copy is marked a replica, and so are the optimizer
+segments cut from it, so the global gradient norm counts the tied weight once.
 """
 
 from __future__ import annotations
@@ -81,4 +82,3 @@ class PipelineZero3(ZeroDataParallel):
     def reshard_all(self) -> None:
         if not self._hold:  # each micro-batch's backward ends here; the step's end frees
             super().reshard_all()
-
