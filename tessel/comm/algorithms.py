@@ -34,6 +34,7 @@ import torch.distributed as dist
 PIECE_BYTES = 1 << 20  # ~1 MiB pieces: big enough to amortize a message, small enough to pipeline
 SEGMENT_BYTES = 2 << 20  # hierarchical all-reduce pipeline segment (ramped: see segment_sizes)
 MAX_SEGMENTS = 16
+RS_AHEAD = 2  # segments whose intra-node reduce-scatter is in flight ahead of the one being added
 TAG_INTRA_RS, TAG_INTER, TAG_INTRA_AG = 11, 12, 13  # one tag per pipelined phase (gloo matches by tag)
 
 
@@ -318,7 +319,9 @@ class _HierStages:
         1. every receive of every phase and segment is announced up front: gloo moves a
            message only after the receiver has announced its buffer, and that announcement
            would otherwise queue behind data on the loaded reverse direction of the slow link;
-        2. every intra-node reduce-scatter message is sent at once (they depend on nothing);
+        2. intra-node reduce-scatter messages go RS_AHEAD segments ahead of the one being added
+           (they depend on nothing; sending them all at once would spend the CPU on loopback
+           copies just when the first part should leave for the slow link);
         3. segment by segment, the local contributions are added and the part leaves for the
            other node: the slow link starts after one small segment and never waits;
         4. segment by segment, as parts come back, they are added and sent to the local ranks.
@@ -335,9 +338,12 @@ class _HierStages:
         inter_buf = [torch.empty_like(m) for m in mine]
         inter_recv = [exchange(None, other, b, other, g, TAG_INTER)[1] for b in inter_buf]
         ag_recv = [exchange(None, me, c[idx[r]], r, g, TAG_INTRA_AG)[1] for c in cuts for r in peers]
-        sends = [w for c in cuts for r in peers for w in exchange(c[idx[r]], r, None, me, g, TAG_INTRA_RS)[0]]
+        rs_send = lambda c: [w for r in peers for w in exchange(c[idx[r]], r, None, me, g, TAG_INTRA_RS)[0]]  # noqa: E731
+        sends = [w for c in cuts[:RS_AHEAD] for w in rs_send(c)]
         inter_sent = []
-        for m, recvs, bufs in zip(mine, rs_recv, rs_buf):
+        for k, (m, recvs, bufs) in enumerate(zip(mine, rs_recv, rs_buf)):
+            if k + RS_AHEAD < len(cuts):
+                sends += rs_send(cuts[k + RS_AHEAD])
             for works, buf in zip(recvs, bufs):
                 _wait(works)
                 m.add_(buf)
