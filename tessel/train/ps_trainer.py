@@ -137,8 +137,10 @@ class _Worker:
         if self.log is not None:
             self.log.close()
             from tessel.observe.plots import plot_metrics
-            files = {"metrics": str(self.log.path), "curves": str(plot_metrics(self.log.path,
-                                                                               Path(self.log.dir) / "curves.png"))}
+            files = {"metrics": str(self.log.path)}
+            if self.cfg.logging.tensorboard:
+                files["tensorboard"] = str(Path(self.log.dir) / "tensorboard")
+            files["curves"] = str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))
             t = self.cfg.train
             if t.sample_tokens:
                 prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % self.cfg.model.vocab_size
