@@ -1,12 +1,25 @@
 """Hierarchical vs flat ring all-reduce on an emulated 2-node x 2-rank cluster (1 Gbit/s between nodes).
 
-    sudo PYTHONPATH=. python benchmarks/allreduce_topology.py [--rate 1gbit] [--iters 7]
+    sudo PYTHONPATH=. python benchmarks/allreduce_topology.py [--rate 1gbit] [--iters 7] [--runs 3]
 
 Runs on the multi-node emulator (tessel.comm.emulator: network namespaces,
-tbf-shaped veths, one torchrun per node). Every size times tessel's flat ring,
-tessel's hierarchical all-reduce and gloo's own all-reduce (the PyTorch peer),
-interleaved per iteration so machine noise hits all three alike; medians of the
-slowest rank. The last line is the flat-ring / hierarchical time ratio at 16 MiB.
+tbf-shaped veths, one torchrun per node). Every size times tessel's flat ring
+(ranks in order: 0 1 | 2 3, so the ring crosses between nodes twice, the
+fewest any ring can), tessel's hierarchical all-reduce and gloo's own
+all-reduce (the PyTorch peer), interleaved per iteration so machine noise hits
+all three alike; time of the slowest rank. `--runs` repeats the whole
+measurement on fresh emulators; each run's medians are printed, then the
+medians over all iterations of all runs (and the best, the fastest iteration:
+a loaded machine only ever slows an iteration down).
+
+Uplink use: bytes each node must push through its uplink to the other node,
+over the time, against the line rate. The flat ring pushes 2(n-1)/n S = 1.5 S
+(the rank whose ring successor is on the other node sends that much);
+hierarchical pushes S (each of the L local ranks sends its S/L part);
+gloo's all-reduce is counted as a ring in rank order (1.5 S). TCP/IP and
+Ethernet headers take ~4.4% of the line (1448 payload bytes per 1514-byte
+frame), so ~96% is the most a payload measure can show.
+The last line is the flat-ring / hierarchical time ratio at 16 MiB.
 """
 
 from __future__ import annotations
@@ -20,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES_MB = (1, 4, 16)
+SIZES_MB = (1, 4, 16, 64)
+UPLINK_BYTES = {"ring": 1.5, "hierarchical": 1.0, "native": 1.5}  # x S per node uplink, 2 nodes x 2 ranks
 ALGOS = ("ring", "hierarchical", "native")
 
 
@@ -46,6 +60,7 @@ def worker(out: str, iters: int) -> None:
         times = {a: [] for a in ALGOS}
         for it in range(iters + 1):  # the first round warms connections up
             for algo in ALGOS:
+                buf.fill_(float(dist.get_rank() + 1))
                 dist.barrier()
                 t0 = time.perf_counter()
                 run[algo](buf)
@@ -53,52 +68,89 @@ def worker(out: str, iters: int) -> None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if it:
                     times[algo].append(t.item())
-        # every call summed 4 equal buffers: exactly 4**calls everywhere (powers of 4 are exact in fp32)
-        assert torch.equal(buf, torch.full_like(buf, 4.0 ** ((iters + 1) * len(ALGOS)))), "wrong sum"
-        results[mb] = {a: statistics.median(v) for a, v in times.items()}
+                assert torch.equal(buf, torch.full_like(buf, 10.0)), f"{algo}: wrong sum"  # 1+2+3+4, exact
+        results[mb] = times
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"nodes": nodes, "results": results}))
     shutdown_and_exit(0)
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate syntax (SI units, as tc reads them): 1gbit -> 1e9, 100mbit -> 1e8."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, mult in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * mult
+    raise ValueError(f"rate {rate!r}: expected e.g. 1gbit or 500mbit")
+
+
+def one_run(rate: str, iters: int) -> dict:
+    from tessel.comm.emulator import Emulator
+    out = Path(tempfile.mkdtemp(prefix="tessel-bench-")) / "allreduce.json"
+    with Emulator(nodes=2, nproc_per_node=2, rate=rate) as emu:
+        runs = emu.run([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--iters", str(iters)],
+                       timeout=900)
+    if any(r.returncode for r in runs) or not out.exists():
+        for r in runs:
+            print(f"--- node {r.node} exit {r.returncode}\n{r.log[-4000:]}", file=sys.stderr)
+        raise SystemExit(1)
+    return json.loads(out.read_text())
+
+
+def report(all_times: dict, rate: str, n: int = 4) -> None:
+    line = rate_bits(rate)
+    print(f"{'size':>8} {'algorithm':>13} {'time(ms)':>10} {'algbw(Gbit/s)':>14} {'busbw(Gbit/s)':>14} "
+          f"{'uplink use':>11} {'best(ms)':>9} {'best use':>9}")
+    for mb, row in all_times.items():
+        for algo, ts in row.items():
+            t, best, size = statistics.median(ts), min(ts), int(mb) * 2**20
+            algbw = size * 8 / t / 1e9
+            use = lambda x: UPLINK_BYTES[algo] * size * 8 / x / line  # noqa: E731
+            print(f"{mb + 'MiB':>8} {algo:>13} {t * 1e3:>10.1f} {algbw:>14.3f} {algbw * 2 * (n - 1) / n:>14.3f} "
+                  f"{use(t):>10.0%} {best * 1e3:>9.1f} {use(best):>8.0%}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=1, help="fresh emulators, each timing --iters rounds")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         worker(args.out, args.iters)
         return 0
-    from tessel.comm.emulator import Emulator, cleanup_stale, require_root
+    from tessel.comm.emulator import cleanup_stale, require_root
     why = require_root()
     if why:
         print(f"skipped: {why}")
         return 1
     cleanup_stale()
-    out = Path(tempfile.mkdtemp(prefix="tessel-bench-")) / "allreduce.json"
-    with Emulator(nodes=2, nproc_per_node=2, rate=args.rate) as emu:
-        runs = emu.run([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--iters", str(args.iters)],
-                       timeout=900)
-    if any(r.returncode for r in runs) or not out.exists():
-        for r in runs:
-            print(f"--- node {r.node} exit {r.returncode}\n{r.log[-4000:]}", file=sys.stderr)
-        return 1
-    data = json.loads(out.read_text())
-    n = 4
-    print(f"emulated cluster: nodes {data['nodes']}, inter-node links tbf {args.rate} each way; "
-          f"median of {args.iters} (slowest rank); the machine is shared, timings are noisy")
-    print(f"{'size':>8} {'algorithm':>13} {'time(ms)':>10} {'busbw(Gbit/s)':>14}")
-    for mb, row in data["results"].items():
-        for algo, t in row.items():
-            busbw = int(mb) * 2**20 * 8 / t / 1e9 * 2 * (n - 1) / n
-            print(f"{mb + 'MiB':>8} {algo:>13} {t * 1e3:>10.1f} {busbw:>14.3f}")
-    for mb, row in data["results"].items():
-        print(f"{mb}MiB: ring/hierarchical {row['ring'] / row['hierarchical']:.2f}x, "
-              f"native(gloo)/hierarchical {row['native'] / row['hierarchical']:.2f}x")
-    row = data["results"][str(SIZES_MB[-1])]
-    print(f"flat ring / hierarchical time at 16 MiB: {row['ring'] / row['hierarchical']:.2f}x")
+    merged: dict = {}
+    key = str(SIZES_MB[-2])  # 16 MiB
+    per_run = []
+    for k in range(args.runs):
+        data = one_run(args.rate, args.iters)
+        meds = {a: statistics.median(ts) for a, ts in data["results"][key].items()}
+        per_run.append(meds["ring"] / meds["hierarchical"])
+        print(f"run {k}: nodes {data['nodes']}; 16MiB medians (ms) "
+              + ", ".join(f"{a} {t * 1e3:.1f}" for a, t in meds.items())
+              + f"; ring/hierarchical {per_run[-1]:.2f}x", flush=True)
+        for mb, row in data["results"].items():
+            for algo, ts in row.items():
+                merged.setdefault(mb, {}).setdefault(algo, []).extend(ts)
+    print(f"emulated cluster: 2 nodes x 2 ranks, inter-node links tbf {args.rate} each way; medians of "
+          f"{args.runs} run(s) x {args.iters} iterations (slowest rank); the machine is shared, timings are noisy")
+    report(merged, args.rate)
+    for mb, row in merged.items():
+        ring, hier, native = (statistics.median(row[a]) for a in ALGOS)
+        print(f"{mb}MiB: ring/hierarchical {ring / hier:.2f}x, native(gloo)/hierarchical {native / hier:.2f}x")
+    print(f"per-run ring/hierarchical at 16 MiB: {', '.join(f'{r:.2f}x' for r in per_run)}; best (min) times: "
+          f"{min(merged[key]['ring']) / min(merged[key]['hierarchical']):.2f}x")
+    row = merged[key]
+    print(f"flat ring / hierarchical time at 16 MiB: "
+          f"{statistics.median(row['ring']) / statistics.median(row['hierarchical']):.2f}x")
     return 0
 
 

@@ -93,11 +93,17 @@ class ParallelConfig(Strict):
     recompute: bool = False
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for data parallelism")
     dp_algorithm: Literal["native", "ring", "hierarchical"] = "native"
+    dp_arch: Literal["allreduce", "ps"] = Field(
+        "allreduce", description="data-parallel architecture: gradient all-reduce, or a parameter server")
+    ps_mode: Literal["bsp", "asp", "ssp"] = Field("bsp", description="parameter-server consistency")
+    ps_staleness: int = Field(0, ge=0, description="ssp: steps a worker may run ahead of the slowest")
+    ps_servers: int = Field(1, ge=1, description="server ranks added after the dp worker ranks")
     rank_order: list[Literal["pp", "dp", "ep", "tp"]] = Field(default_factory=lambda: list(AXES))
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        servers = self.ps_servers if self.dp_arch == "ps" else 0  # ranks dp .. dp+ps_servers-1
+        return self.pp * self.dp * self.ep * self.tp + servers
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -196,7 +202,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if world_size is not None:
         _require(p.world_size == world_size, "parallel",
-                 f"pp*dp*ep*tp = {p.world_size} but the world size is {world_size}")
+                 f"pp*dp*ep*tp (+ ps_servers) = {p.world_size} but the world size is {world_size}")
+    _check_ps(cfg)
     _require(sorted(p.rank_order) == sorted(AXES), "parallel.rank_order",
              f"must be a permutation of {list(AXES)}")
     _require(m.n_head % p.tp == 0, "parallel.tp", f"model.n_head ({m.n_head}) is not divisible by tp ({p.tp})")
@@ -248,7 +255,26 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
-                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp = {p.world_size}")
+                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp (+ ps_servers) "
+                 f"= {p.world_size}")
+
+
+def _check_ps(cfg: Config) -> None:
+    """A parameter server (tessel.train.ps_trainer) serves a whole replicated model to dp workers."""
+    p = cfg.parallel
+    if p.dp_arch != "ps":
+        _require(p.ps_mode == "bsp" and p.ps_staleness == 0, "parallel.ps_mode",
+                 "ps_mode and ps_staleness apply only with parallel.dp_arch = 'ps'")
+        return
+    for axis in ("tp", "pp", "ep"):
+        _require(getattr(p, axis) == 1, f"parallel.{axis}", "must be 1 with parallel.dp_arch = 'ps' "
+                 "(workers hold the whole model)")
+    _require(p.zero_stage == 0, "parallel.zero_stage", "must be 0 with parallel.dp_arch = 'ps' "
+             "(the servers shard the optimizer state)")
+    _require(p.ps_mode == "ssp" or p.ps_staleness == 0, "parallel.ps_staleness", "applies only to ps_mode = 'ssp'")
+    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None, "checkpoint.every",
+             "checkpoints are not supported with parallel.dp_arch = 'ps' yet")
+    _require(not cfg.runtime.elastic, "runtime.elastic", "is not supported with parallel.dp_arch = 'ps'")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

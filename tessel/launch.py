@@ -81,6 +81,9 @@ def train_rank(cfg: Config):
         from tessel.train.elastic import replan_for_world
         cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
     check_layout(cfg, world_size=dist.get_world_size())
+    if cfg.parallel.dp_arch == "ps":  # no mesh: the servers are ranks outside the dp layout
+        from tessel.train.ps_trainer import train_rank_ps
+        return train_rank_ps(cfg, device)
     p = cfg.parallel
     mesh = make_mesh(p.axis_sizes, order=p.rank_order, device=device)
     rank = dist.get_rank()

@@ -98,6 +98,8 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     """Returns a runner (see tessel.parallel.step) that owns the parallelized model."""
+    if cfg.parallel.dp_arch == "ps":
+        raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.comm import algorithms as A
+from tessel.comm import all_to_all as X
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ALGORITHMS = {
@@ -74,8 +75,8 @@ def make_call(op: str, algorithm: str, size: int, nodes, dev, dtype=torch.float3
             (lambda: A.ring_reduce_scatter(small, big))
     ins = [torch.full((per,), float(rank), dtype=dtype, device=dev) for _ in range(n)]
     outs = [torch.empty(per, dtype=dtype, device=dev) for _ in range(n)]
-    return (lambda: A.native_all_to_all(outs, ins)) if algorithm == "native" else \
-        (lambda: A.hierarchical_all_to_all(outs, ins, nodes))
+    return (lambda: X.native_all_to_all(outs, ins)) if algorithm == "native" else \
+        (lambda: X.hierarchical_all_to_all(outs, ins, nodes))
 
 
 def time_call(call: Callable[[], object], iters: int, warmup: int, dev) -> float:

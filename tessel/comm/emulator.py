@@ -11,6 +11,21 @@ Traffic between ranks of one node stays on that namespace's loopback
 `tc` tbf (token bucket: the kernel here has no netem, so there is rate but no
 added delay). One torchrun per node joins a c10d rendezvous hosted by node 0.
 
+Shaping (each inter-node direction crosses two tbf qdiscs in series, node
+egress and switch port, both with the same settings):
+- rate 1gbit: the line rate (tc's SI units: 10^9 bit/s, counted on whole
+  Ethernet frames, so TCP payload tops out near 96% of it);
+- burst 256 KiB (~2 ms at 1 Gbit/s): on a loaded machine the qdisc watchdog
+  wakes late, and tokens beyond the bucket are lost, so a bucket of a timer
+  slack or two keeps the rate; it lets at most 256 KiB through at once after
+  an idle spell (<2% of a 16 MiB all-reduce, for any algorithm alike);
+- latency 50ms: the queue bound (limit = rate x latency + burst, ~6.5 MB),
+  a deep switch buffer. Measured during the all-reduce benchmark: no drops,
+  backlog under 0.6 MB, TCP round trips 2-12 ms, because the namespaces
+  inherit the host's BBR congestion control, which paces to the bottleneck
+  rather than filling the queue. So the bound never bites and no algorithm
+  is favoured by it.
+
 Cleanup always runs (context exit, atexit, SIGTERM): every process group we
 started is killed, then the namespaces are deleted (which deletes their veths
 and the bridge). `cleanup_stale()` removes leftovers of emulators whose owner

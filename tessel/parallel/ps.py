@@ -8,9 +8,18 @@ their own data and push them; servers apply the optimizer.
 Sharding (PS-Lite key ranges): the model's parameters, in registration order,
 are one flat key space of N elements; server k owns the contiguous range
 [k*N/S, (k+1)*N/S) (balanced by size to within one element; one parameter may
-span two servers). A server's shard is a single flat tensor, so any
-elementwise optimizer (SGD, Adam, AdamW, ...) applies to it unchanged;
-optimizers that need whole-tensor norms (LAMB, Shampoo) would not.
+span two servers). A server's shard is a single flat tensor; the optimizer
+sees it as one Parameter per model parameter it overlaps (sharing its memory,
+each tagged `ps_source_dim`, the dimension of the parameter it came from, so
+weight decay can skip vectors as the trainer's AdamW does). Any elementwise
+optimizer (SGD, Adam, AdamW, ...) applies unchanged; optimizers that need
+whole-tensor norms (LAMB, Shampoo) would not.
+
+Gradient clipping (`grad_clip`): BSP clips the averaged gradient by its global
+norm (the servers sum their squares: what all-reduce DP does); ASP and SSP
+apply one worker's gradient at a time, so the worker clips its own before
+pushing. `lr_at(step)` sets the learning rate of every update: step = updates
+under BSP, updates / workers under ASP and SSP (one pass of all workers).
 
 Modes, as the servers enforce them (clock[w] = pushes received from worker w):
 - `bsp`: bulk synchronous. A server averages the step-c gradients of every
@@ -82,7 +91,8 @@ class ServerStats:
 class ParameterServer:
     def __init__(self, model: nn.Module, servers: Sequence[int], workers: Sequence[int], mode: str = "bsp",
                  staleness: int = 0, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-                 group=None, broadcast: bool = True):
+                 group=None, broadcast: bool = True, grad_clip: float = 0.0,
+                 lr_at: Callable[[int], float] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if staleness < 0:
@@ -102,10 +112,27 @@ class ParameterServer:
         self.ranges = shard_ranges(self.total, len(self.servers))
         self.step_count = 0
         self.last_header: dict[int, list[int]] = {}
+        self.grad_clip, self.lr_at = grad_clip, lr_at
+        # BSP clips over all servers' shards: their squared norms are summed in a servers' group
+        # (new_group is collective: every rank makes it, in the same order)
+        self.server_group = dist.new_group(self.servers) if grad_clip > 0 and len(self.servers) > 1 else None
         if self.is_server:
             lo, hi = self.ranges[self.servers.index(self.rank)]
-            self.shard = nn.Parameter(self.flat_params()[lo:hi].clone())
-            self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))([self.shard])
+            self.shard = self.flat_params()[lo:hi].clone()
+            self.pieces = self._pieces(lo, hi)
+            self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(self.pieces)
+
+    def _pieces(self, lo: int, hi: int) -> list[nn.Parameter]:
+        """The shard as one Parameter per model parameter it overlaps, sharing the shard's memory."""
+        pieces, off = [], 0
+        for p in self.params:
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                piece = nn.Parameter(self.shard[a - lo: b - lo])  # a view: updates land in the shard
+                piece.ps_source_dim = p.dim()
+                pieces.append(piece)
+            off += p.numel()
+        return pieces
 
     # ---- flat views of the model -------------------------------------------
     def flat_params(self) -> torch.Tensor:
@@ -151,15 +178,25 @@ class ParameterServer:
 
     def step(self, compute_loss: Callable[[nn.Module], torch.Tensor]) -> float:
         """One worker step: (first time: pull), loss, backward, push, and pull the answer."""
+        self.begin_step()
+        loss = compute_loss(self.model)
+        loss.backward()
+        self.push()
+        return float(loss.detach())
+
+    def begin_step(self) -> None:
+        """Before a step's backward: the weights of the first pull, and no old gradients."""
         if self.step_count == 0 and not self.last_header:
             self.pull()
         for p in self.params:
             p.grad = None
-        loss = compute_loss(self.model)
-        loss.backward()
+
+    def push(self) -> None:
+        """Push this step's gradients (in p.grad) and load the weights the servers answer with."""
+        if self.grad_clip > 0 and self.mode != "bsp":  # ASP/SSP: the update is this worker's gradient
+            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.grad_clip)
         self._exchange(PUSH, self.flat_grads())
         self.step_count += 1
-        return float(loss.detach())
 
     def observed_staleness(self) -> int:
         """How far ahead of the slowest worker the servers let this worker start its next step."""
@@ -233,10 +270,25 @@ class _ServerLoop:
         else:
             self._apply(grad)
 
-    def _apply(self, grad: torch.Tensor) -> None:
-        self.ps.shard.grad = grad.to(self.ps.shard.dtype)
-        self.ps.optimizer.step()
-        self.ps.shard.grad = None
+    def _apply(self, grad: torch.Tensor, clip: bool = False) -> None:
+        ps = self.ps
+        grad = grad.to(ps.shard.dtype)
+        if clip and ps.grad_clip > 0:  # BSP: the global norm of the averaged gradient
+            sq = grad.double().pow(2).sum()
+            if ps.server_group is not None:
+                dist.all_reduce(sq, group=ps.server_group)
+            grad = grad * (ps.grad_clip / (sq.sqrt().float() + 1e-6)).clamp(max=1.0)
+        if ps.lr_at is not None:
+            step = self.stats.updates if ps.mode == "bsp" else self.stats.updates // len(ps.workers)
+            for g in ps.optimizer.param_groups:
+                g["lr"] = ps.lr_at(step)
+        off = 0
+        for piece in ps.pieces:
+            piece.grad = grad[off: off + piece.numel()]
+            off += piece.numel()
+        ps.optimizer.step()
+        for piece in ps.pieces:
+            piece.grad = None
         self.stats.updates += 1
 
     def _min_clock(self) -> int:
@@ -250,11 +302,18 @@ class _ServerLoop:
             total = grads[0].clone()
             for g in grads[1:]:
                 total += g
-            self._apply(total / len(grads))
+            self._apply(total / len(grads), clip=True)
             self.bsp_grads.clear()
-        if self.ps.mode == "bsp" and self.bsp_grads:
-            return  # a barrier is open: nobody moves on
         low = self._min_clock()
+        if self.ps.mode == "bsp" and self.bsp_grads:
+            # a barrier is open: those who pushed wait for it; a worker that only pulled (its first
+            # weights, before it pushed this step) gets the weights of this step now, or it would
+            # never push and the barrier never close
+            target = max(self.clock[v] for v in self.bsp_grads)
+            for w in sorted(self.waiting):
+                if self.clock[w] < target:
+                    self._answer(w, low)
+            return
         for w in sorted(self.waiting):
             if self.clock[w] - low <= self.ps.s:
                 self._answer(w, low)

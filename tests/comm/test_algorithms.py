@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from tessel.comm import algorithms as A
+from tessel.comm import all_to_all as X
 from tessel.comm import bench as B
 from tessel.spawn import spawn
 
@@ -34,11 +35,22 @@ def _all_reduce_cases(nodes):
                 dist.all_reduce(want, group=group)
                 ring = A.ring_all_reduce(x.clone(), group, piece_bytes=PIECE)
                 hier = A.hierarchical_all_reduce(x.clone(), nodes, group, piece_bytes=PIECE)
-                # tiny segments: the three phases run as a threaded pipeline over many segments
+                # tiny segments: many segments in flight at once
                 piped = A.hierarchical_all_reduce(x.clone(), nodes, group, piece_bytes=PIECE, segment_bytes=256)
                 out.append((gname, n, str(dtype), want, ring, hier))
                 out.append((gname + "-pipelined", n, str(dtype), want, ring, piped))
+                if group is None:  # the threaded pipeline used for more than two nodes, run on two
+                    out.append((gname + "-threads", n, str(dtype), want, ring, _threaded(x.clone(), nodes)))
     return out
+
+
+def _threaded(x, nodes):
+    me = dist.get_rank()
+    local = next(n for n in nodes if me in n)
+    stages = A._HierStages(local, [n[local.index(me)] for n in nodes], None, PIECE, pipelined=True)
+    sizes = A.segment_sizes(x.numel(), 3)
+    stages._run_threads([x.narrow(0, o, z) for o, z in zip(A.offsets_of(sizes), sizes)])
+    return x
 
 
 def _rs_ag_cases():
@@ -70,7 +82,7 @@ def _a2a_cases(nodes):
         dist.all_to_all_single(flat_want, torch.cat([t.reshape(-1) for t in inputs]),
                                [t.numel() for t in want], [t.numel() for t in inputs])
         want = [p.view_as(t) for p, t in zip(flat_want.split([t.numel() for t in want]), want)]
-        A.hierarchical_all_to_all(got, inputs, nodes)
+        X.hierarchical_all_to_all(got, inputs, nodes)
         out.append((want, got))
     return out
 

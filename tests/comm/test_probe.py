@@ -42,7 +42,8 @@ def test_probe_recovers_emulated_nodes(tmp_path):
     # 200 Mbit/s between nodes: far below loopback even on a loaded machine, so the gap is clear
     emu = Emulator(nodes=2, nproc_per_node=2, rate="200mbit")
     with emu:
-        runs = emu.run(["-m", "tessel", "probe", "--out", str(out), "--size-mb", "1", "--reps", "3"], timeout=240)
+        # best of 5 per direction: a loaded machine stalls some repetitions, rarely all of them
+        runs = emu.run(["-m", "tessel", "probe", "--out", str(out), "--size-mb", "1", "--reps", "5"], timeout=300)
         assert all(r.returncode == 0 for r in runs), "\n".join(r.log[-3000:] for r in runs)
     topo = Topology.load(out)
     # ground truth: the node each rank says it ran on (the probe infers from bandwidth alone)
@@ -51,7 +52,10 @@ def test_probe_recovers_emulated_nodes(tmp_path):
         truth.setdefault(host.rsplit("/", 1)[1], []).append(rank)
     assert sorted(truth.values()) == topo.nodes, format_topology(topo)
     assert len(topo.nodes) == 2
-    assert topo.inter_gbps < 0.3 < 2 * 0.3 < topo.intra_gbps  # the shaping is what it measured
+    # the shaping is what it measured: a 1 MiB message through tbf at 200 Mbit/s whose bucket
+    # lets 256 KiB pass at once takes >= 768 KiB / 200 Mbit/s, i.e. <= 0.27 Gbit/s; loopback
+    # measures 10-17 Gbit/s on this machine even at a load average of 20
+    assert topo.inter_gbps < 0.3 < 2 * 0.3 < topo.intra_gbps
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert emu.name not in left  # namespaces (and with them veths and the bridge) are gone
 

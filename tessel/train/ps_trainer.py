@@ -1,0 +1,153 @@
+"""`tessel train` with parallel.dp_arch = "ps": dp workers and ps_servers parameter servers.
+
+Ranks 0 .. dp-1 are workers. Each holds the whole model, takes its shard of
+every global batch (the same shards as all-reduce DP), runs forward and
+backward through the same LocalRunner (grad_accum chunks, precision), pushes
+its gradients and loads the weights the servers answer with
+(tessel.parallel.ps). Ranks dp .. dp+ps_servers-1 are servers: they own key
+ranges of the parameters and apply the trainer's optimizer there: AdamW
+without decay on vectors, warm-up then cosine learning rate, gradient
+clipping. Under BSP that is the arithmetic of all-reduce DP; ASP and SSP let
+workers run ahead (SSP by at most parallel.ps_staleness steps).
+
+There is no device mesh: the servers are ranks outside the dp layout, and
+workers talk to servers only. The logged loss is the mean over workers under
+BSP (they move in lockstep anyway) and worker 0's own under ASP and SSP
+(averaging would make them wait for each other). Validation and sampling run
+on worker 0's copy of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.config import Config, TrainConfig
+from tessel.models.gpt import GPT, count_params, cross_entropy, flops_per_token
+from tessel.models.moe import with_aux_losses
+from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
+from tessel.observe.progress import Progress
+from tessel.parallel.ps import ParameterServer
+from tessel.parallel.step import LocalRunner
+from tessel.train.data import BatchSampler, load_tokens
+from tessel.train.trainer import Summary, lr_at
+
+log = logging.getLogger("tessel.ps")
+
+
+def server_optimizer(pieces: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
+    """The trainer's AdamW (build_optimizer) on a server's pieces: no decay on vectors."""
+    decay = [q for q in pieces if q.ps_source_dim >= 2]
+    no_decay = [q for q in pieces if q.ps_source_dim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def roles(cfg: Config) -> tuple[list[int], list[int]]:
+    """(workers, servers): workers first, so rank 0 (which reports) is a worker."""
+    p = cfg.parallel
+    return list(range(p.dp)), list(range(p.dp, p.dp + p.ps_servers))
+
+
+def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
+    """One rank of a parameter-server run; a worker returns its Summary, a server None."""
+    p, t = cfg.parallel, cfg.train
+    workers, servers = roles(cfg)
+    torch.manual_seed(t.seed)  # the same initial weights everywhere (the servers' copy is broadcast too)
+    model = GPT(cfg.model).to(device)
+    worker_group = dist.new_group(workers)  # collective: every rank makes it
+    ps = ParameterServer(model, servers, workers, p.ps_mode, p.ps_staleness,
+                         optimizer=lambda pieces: server_optimizer(pieces, t), grad_clip=t.grad_clip,
+                         lr_at=lambda step: lr_at(step, t))
+    if ps.is_server:
+        stats = ps.serve()
+        log.info("ps server %d: %d updates, pushes %s, dead %s, max staleness %d", stats.rank, stats.updates,
+                 stats.pushes, stats.dead, stats.max_staleness)
+        return None
+    return _Worker(cfg, model, ps, worker_group, device).fit()
+
+
+class _Worker:
+    def __init__(self, cfg: Config, model: GPT, ps: ParameterServer, group, device: torch.device):
+        self.cfg, self.ps, self.group, self.device = cfg, ps, group, device
+        t, p = cfg.train, cfg.parallel
+        self.rank = dist.get_rank()
+        loss_fn = with_aux_losses(cross_entropy, model) if cfg.model.n_experts else cross_entropy
+        self.runner = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision,
+                                  vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
+        tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
+        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, self.rank, p.dp)
+        # worker 0 validates alone, on the whole global batch (all-reduce DP averages the dp shards' means)
+        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1)
+        self.lead = self.rank == 0
+        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if self.lead else None
+        with torch.device("meta"):
+            self.n_params = count_params(GPT(cfg.model))
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        per_rank = cfg.logging.peak_flops or device_peak_flops(device, t.precision)
+        self.peak_flops = per_rank * p.dp  # the servers do no model flops
+        self.history: list[dict] = []
+
+    def step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        x, y = self.sampler.next()
+        self.ps.begin_step()
+        loss = self.runner.forward_backward(x, y).float()
+        self.ps.push()  # the servers' answer: the weights for the next step
+        if self.cfg.parallel.ps_mode == "bsp" and self.group is not None and self.cfg.parallel.dp > 1:
+            dist.all_reduce(loss, group=self.group)
+            loss = loss / self.cfg.parallel.dp
+        elapsed = time.perf_counter() - t0
+        tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
+        return {"loss": loss.item(), "lr": lr_at(step, self.cfg.train), "step_time_s": elapsed,
+                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
+                "peak_mem_mb": peak_memory_mb(self.device), "staleness": self.ps.observed_staleness()}
+
+    def fit(self) -> Summary:
+        t = self.cfg.train
+        progress = Progress(t.steps, enabled=self.lead and self.cfg.logging.progress)
+        val_loss = None
+        with progress:
+            for step in range(t.steps):
+                row = self.step(step)
+                if self.lead and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                    val_loss = row["val_loss"] = self.evaluate()  # worker 0's weights, no collective
+                self.history.append(row)
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
+                    self.log.log(step, row)
+                progress.update(step, row)
+        self.ps.finish()
+        return self.summary(val_loss)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        losses = [self.runner.evaluate(*self.val_sampler.batch_at(i)) for i in range(self.cfg.train.eval_batches)]
+        return torch.stack(losses).mean().item()
+
+    def summary(self, val_loss: float | None) -> Summary:
+        steady = self.history[min(2, len(self.history) - 1):]
+        files, sample = {}, ""
+        if self.log is not None:
+            self.log.close()
+            from tessel.observe.plots import plot_metrics
+            files = {"metrics": str(self.log.path)}
+            if self.cfg.logging.tensorboard:
+                files["tensorboard"] = str(Path(self.log.dir) / "tensorboard")
+            files["curves"] = str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))
+            t = self.cfg.train
+            if t.sample_tokens:
+                prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % self.cfg.model.vocab_size
+                out = self.runner.generate(prompt, t.sample_tokens, seed=t.seed)
+                sample = bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
+        return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
+                       tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+                       mfu=statistics.median(r["mfu"] for r in steady),
+                       peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
+                       sample=sample, files=files)
