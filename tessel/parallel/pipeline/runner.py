@@ -170,6 +170,10 @@ class PipelineRunner:
         self.saved.peak = self.saved.live = 0
         busy = 0.0
         self._posted = 0
+        # under gloo the loss comes from the last rank as a message posted now and sent when that
+        # rank is done, so no rank ends its step in a synchronous broadcast (torch keeps the loss
+        # on the last stage only; the trainer wants it everywhere)
+        loss_in = self.links.expect_from_last() if self.prepost and not self.has_aux else None
         if self.prepost:
             self._post_receives(RECV_LOOKAHEAD, state)
         for item in self.items:
@@ -189,13 +193,19 @@ class PipelineRunner:
             end = time.perf_counter()
             busy += end - start
             self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
+        if self.prepost and not self.has_aux and self.rank == self.p - 1:
+            self.links.send_to_all(total)
         self.links.wait_sends()
         self._reduce_tied()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
         self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
         if self.has_aux:  # every stage adds its aux losses to the loss it reports
             return self.links.sum_over_pipeline(total + state["aux"])
-        return self.links.broadcast_from_last(total)
+        if loss_in is not None:
+            buf, work = loss_in
+            work.wait()
+            return buf
+        return total if self.prepost else self.links.broadcast_from_last(total)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
