@@ -16,7 +16,6 @@ vocab-parallel one; MoE router losses are back-propagated on their own stage
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Callable
 
 import torch
@@ -27,6 +26,7 @@ from tessel.mesh import Mesh
 from tessel.parallel.data import DataParallel
 from tessel.parallel.norms import mark_replica
 from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
+from tessel.parallel.pipeline.clock import StepClock
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
@@ -128,12 +128,11 @@ class PipelineRunner:
         self.last_backward = set(last_b.values())  # where each chunk's DP reduction fires
         self.final_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.tied_group, self.tied_param = self._setup_tied(tied)
-        self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
+        self.clock = StepClock(self.device)  # the last step's events (kind, mb, chunk, start_s, end_s)
         self.saved = SavedBytes(self.parameters(), [bool(a.layers) for a in self.aux])
         self.metrics: dict[str, float] = {}
-        self._pending_metrics: tuple | None = None
+        self._pending_metrics = False  # the last step's bubble is not worked out yet
         self.timeline = True  # write_timeline draws the last step (tests switch it off for speed)
-        self.step_start = 0.0
         self.shared_clock = self._same_host()
 
     # ---- LocalRunner's interface ------------------------------------------------
@@ -158,7 +157,7 @@ class PipelineRunner:
         return out
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t0 = self.step_start = time.perf_counter()
+        self.clock.start()
         xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
         if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
@@ -166,9 +165,7 @@ class PipelineRunner:
         total = torch.zeros((), device=self.device)
         state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {},
                        "aux": torch.zeros((), device=self.device)}
-        self.events = []
         self.saved.peak = self.saved.live = 0
-        busy = 0.0
         self._posted = 0
         # under gloo the loss comes from the last rank as a message posted now and sent when that
         # rank is done, so no rank ends its step in a synchronous broadcast (torch keeps the loss
@@ -179,26 +176,23 @@ class PipelineRunner:
         for item in self.items:
             a = item[0]
             if a.kind not in COMPUTE:
-                self._communicate(item, state, t0)
+                self._communicate(item, state)
                 continue
-            self._await_input(a, state, t0)
-            start = time.perf_counter()
+            self._await_input(a, state)
+            start = self.clock.stamp()
             if a.kind == "F":
                 loss = self._forward(a, xs, ys, state)
                 if loss is not None:
                     total += loss
             else:
                 self._backward(a, state, sync=a in self.last_backward)
-            self._sync_device()
-            end = time.perf_counter()
-            busy += end - start
-            self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
+            self.clock.add(a.kind, a.mb, a.chunk, start, self.clock.stamp())
         if self.prepost and not self.has_aux and self.rank == self.p - 1:
             self.links.send_to_all(total)
         self.links.wait_sends()
         self._reduce_tied()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
-        self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
+        self._pending_metrics = True
         if self.has_aux:  # every stage adds its aux losses to the loss it reports
             return self.links.sum_over_pipeline(total + state["aux"])
         if loss_in is not None:
@@ -232,9 +226,9 @@ class PipelineRunner:
 
     def extra_metrics(self) -> dict[str, float]:
         """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
-        if self._pending_metrics is not None:
-            self._step_metrics(*self._pending_metrics)
-            self._pending_metrics = None
+        if self._pending_metrics:
+            self._step_metrics()
+            self._pending_metrics = False
         return {**self.metrics, **(self._extra() if self._extra is not None else {})}
 
     # ---- one action ---------------------------------------------------------------
@@ -244,7 +238,7 @@ class PipelineRunner:
     def _is_last(self, chunk: int) -> bool:
         return self._stage(chunk) == self.p * self.v - 1
 
-    def _await_input(self, a: Action, state, t0: float) -> None:
+    def _await_input(self, a: Action, state) -> None:
         """Wait for the activation (F) or gradient (B) this compute needs; the wait is a recv event."""
         kind = "RF" if a.kind == "F" else "RB"
         pos = self.recv_pos.get((kind, a.mb, a.chunk))
@@ -253,10 +247,10 @@ class PipelineRunner:
         if self.prepost:  # keep the next receives posted while this one is waited on
             self._post_receives(pos + 1 + RECV_LOOKAHEAD, state)
         buf, work = state["recv"][(kind, a.mb, a.chunk)]
-        start = time.perf_counter()  # the event is the time blocked, not the time since posting
+        start = self.clock.stamp()  # the event is the time blocked, not the time since posting
         work.wait()
         state["recv"][(kind, a.mb, a.chunk)] = buf
-        self.events.append((kind, a.mb, a.chunk, start - t0, time.perf_counter() - t0))
+        self.clock.add(kind, a.mb, a.chunk, start, self.clock.stamp())
 
     def _post_receives(self, upto: int, state) -> None:
         """Post this step's receives up to position `upto` of the rank's receive order."""
@@ -307,7 +301,7 @@ class PipelineRunner:
             state["inputs"].pop(key)  # token ids: nothing to send back
         self.saved.released(state["saved"].pop(key))
 
-    def _communicate(self, item: list[Action], state, t0: float) -> None:
+    def _communicate(self, item: list[Action], state) -> None:
         sends, recvs = [], []
         for a in item:
             key = (a.mb, a.chunk)
@@ -317,19 +311,14 @@ class PipelineRunner:
                 sends.append((a.peer, state["inputs"].pop(key).grad))
             elif not self.prepost:
                 recvs.append((a.peer, self._shape, self.act_dtype))
-        start = time.perf_counter()
+        start = self.clock.stamp()
         handles = self.links.exchange(sends, recvs)
         for a, (buf, work) in zip([a for a in item if a.kind in RECVS and not self.prepost], handles):
             state["recv"][(a.kind, a.mb, a.chunk)] = (buf, work)
-        end = time.perf_counter()
+        end = self.clock.stamp()
         for a in item:
             if a.kind not in RECVS:  # a receive's event closes when its wait does
-                self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
-
-    def _sync_device(self) -> None:
-        # timestamps must close when the device is done, not when the kernel was queued
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+                self.clock.add(a.kind, a.mb, a.chunk, start, end)
 
     # ---- what spans stages -------------------------------------------------------------
     def _setup_tied(self, tied: bool):
@@ -364,7 +353,16 @@ class PipelineRunner:
                 self.tied_param.grad = torch.zeros_like(self.tied_param)
             dist.all_reduce(self.tied_param.grad, group=self.tied_group)
 
-    def _step_metrics(self, busy: float, end: float, saved_peak: int) -> None:
+    @property
+    def events(self) -> list[tuple]:
+        """The last step's (kind, micro-batch, chunk, start_s, end_s), seconds from its start."""
+        return self.clock.events()
+
+    @property
+    def step_start(self) -> float:
+        return self.clock.t0
+
+    def _step_metrics(self) -> None:
         """bubble = 1 - (compute time summed over the pipeline) / (p * step span).
 
         The span is from the earliest step start to the latest end of a compute
@@ -372,6 +370,8 @@ class PipelineRunner:
         Across hosts each rank counts from its own start, which is close: the
         previous step ended in collectives over all ranks (gradient norm, loss).
         """
+        compute = [(s, e) for k, _, _, s, e in self.events if k in COMPUTE]
+        busy, end, saved_peak = sum(e - s for s, e in compute), max(e for _, e in compute), self.saved.peak
         busy_sum = torch.tensor([busy], dtype=torch.float64, device=self.device)
         # with one clock for all ranks (one host) the span runs from the earliest start to the
         # latest end; otherwise each rank counts from its own start
