@@ -113,7 +113,7 @@ class PipelineRunner:
         # schedule's order (the order messages on each link are matched in), and a stage
         # finds its input already there. Under NCCL a posted receive would hold up the sends
         # queued behind it on the same stream, so receives stay in the schedule's batches.
-        self.prepost = mesh.device.type != "cuda"
+        self.prepost = self.links.group is not None and dist.get_backend(self.links.group) == "gloo"
         self.recv_order = [a for a in self.actions if a.kind in RECVS]
         self.recv_pos = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(self.recv_order)}
         self._posted = 0
