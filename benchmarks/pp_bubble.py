@@ -11,6 +11,14 @@ than the other already raises the bubble by 15%. Each action computes a lot
 costs on 2 shared cores (a few ms: the sender is often preempted when it wakes
 the receiver), a cost the formula counts as zero.
 
+Read the numbers with this machine in mind: its 2 vCPUs do not act as two
+independent devices. A rank computing alone (pipeline fill and drain) runs
+about twice as fast as when both ranks compute at once (measured: the first
+forward of a GPipe step 0.42 s, the next three, overlapped, 0.86-1.0 s), so
+the fill and drain the formula charges shrink, and the measured bubble can
+fall below theory. With other jobs on the machine it varies by +-30% from run
+to run: run it several times and quote medians.
+
 The bubble of a step is 1 - (forward/backward time summed over stages) /
 (p * step span), measured by the runner from its own timestamps
 (tessel.parallel.pipeline.runner). Theory: (p-1)/(m+p-1) for GPipe and 1F1B,
