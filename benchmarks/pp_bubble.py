@@ -2,16 +2,33 @@
 
     PYTHONPATH=. python benchmarks/pp_bubble.py --pp 2 --micro-batches 4 8 --steps 6
 
-A balanced model: every stage holds the same number of blocks, the vocabulary
-is small so the embedding and output head cost little next to a block. The
-bubble of a step is 1 - (compute time summed over stages) / (p * step span),
-measured by the runner from its own timestamps (tessel.parallel.pipeline.runner).
-Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved
-with v virtual stages. Also printed: the bytes of activations saved for
-backward at the peak of a step on the most loaded rank, and "sim": the bubble
-the schedule would have with the step's measured forward/backward times per
-rank and free messages (schedules.simulate), which separates stage imbalance
-and B/F ratio (in sim) from message latency and OS scheduling (measured - sim).
+A balanced model: every stage holds the same number of blocks, and the
+vocabulary is small (64) so the embedding (first stage) and the output head
+and loss (last stage) cost about 1% of a stage's blocks: with integer blocks per
+stage that extra work cannot be balanced away, and at m=8 a stage 5% heavier
+than the other already raises the bubble by 15%. Each action computes a lot
+(d_model 256, 4 sequences of 128 tokens per micro-batch) next to what a message
+costs on 2 shared cores (a few ms: the sender is often preempted when it wakes
+the receiver), a cost the formula counts as zero.
+
+Read the numbers with this machine in mind: its 2 vCPUs do not act as two
+independent devices. A rank computing alone (pipeline fill and drain) runs
+about twice as fast as when both ranks compute at once (measured: the first
+forward of a GPipe step 0.42 s, the next three, overlapped, 0.86-1.0 s), so
+the fill and drain the formula charges shrink, and the measured bubble can
+fall below theory. With other jobs on the machine it varies by +-30% from run
+to run: run it several times and quote medians.
+
+The bubble of a step is 1 - (forward/backward time summed over stages) /
+(p * step span), measured by the runner from its own timestamps
+(tessel.parallel.pipeline.runner). Theory: (p-1)/(m+p-1) for GPipe and 1F1B,
+(p-1)/(v*m+p-1) for interleaved with v virtual stages. Configurations take
+turns step by step, so a change of load on the machine hits all alike. Also
+printed: the mean forward/backward ms of each rank (the balance), the bytes
+of activations saved for backward at the peak of a step on the most loaded
+rank, and "sim": the bubble the schedule would have with the step's measured
+compute times and free messages (schedules.simulate), which separates stage
+imbalance (in sim) from message cost and OS scheduling (measured - sim).
 The last line gives measured/theory per configuration.
 """
 
@@ -23,47 +40,57 @@ import statistics
 import torch
 import torch.distributed as dist
 
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
-def _bench(args) -> list[tuple]:
+
+def _runner(p: int, name: str, v: int, m: int, args):
     from tessel.config import build_config
     from tessel.mesh import make_mesh
     from tessel.models.gpt import GPT
     from tessel.parallelize import parallelize
+    raw = {"model": {"vocab_size": args.vocab, "n_layer": args.layers, "n_head": 4, "d_model": args.d_model,
+                     "max_seq_len": args.seq},
+           "parallel": {"pp": p, "schedule": name, "virtual_stages": v, "micro_batches": m},
+           "train": {"global_batch": args.batch, "seq_len": args.seq}, "data": {"source": "synthetic"}}
+    cfg = build_config(raw)
+    torch.manual_seed(0)
+    runner = parallelize(GPT(cfg.model), make_mesh({"pp": p}), cfg)
+    runner.timeline = False
+    return runner
+
+
+def _bench(args) -> list[tuple]:
     p = dist.get_world_size()
-    mesh = make_mesh({"pp": p})
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (args.batch, args.seq), generator=g)
-    y = torch.randint(0, 256, (args.batch, args.seq), generator=g)
-    rows = []
-    for m in args.micro_batches:
-        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-            raw = {"model": {"vocab_size": 256, "n_layer": args.layers, "n_head": 4, "d_model": args.d_model,
-                             "max_seq_len": args.seq},
-                   "parallel": {"pp": p, "schedule": name, "virtual_stages": v, "micro_batches": m},
-                   "train": {"global_batch": args.batch, "seq_len": args.seq}, "data": {"source": "synthetic"}}
-            cfg = build_config(raw)
-            torch.manual_seed(0)
-            runner = parallelize(GPT(cfg.model), mesh, cfg)
-            bubbles, peaks, sims = [], [], []
-            for step in range(args.warmup + args.steps):
-                dist.barrier()  # every rank starts the step together, as after an optimizer step
-                runner.forward_backward(x, y)
-                for q in runner.parameters():
-                    q.grad = None
-                if step >= args.warmup:
-                    bubbles.append(runner.extra_metrics()["bubble"])
-                    peaks.append(runner.extra_metrics()["act_peak_mb"])
-                    sims.append(_simulated(runner, name, p, m, v))
-            rows.append((name, v, m, statistics.median(bubbles), statistics.median(sims), max(peaks)))
-    return rows
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    configs = [(name, v, m) for m in args.micro_batches for name, v in SCHEDULES]
+    runners = [_runner(p, name, v, m, args) for name, v, m in configs]
+    samples: list[dict] = [{"bubble": [], "sim": [], "peak": [], "fb": []} for _ in configs]
+    for step in range(args.warmup + args.steps):
+        for (name, v, m), runner, s in zip(configs, runners, samples):
+            dist.barrier()  # every rank starts the step together, as after an optimizer step
+            runner.forward_backward(x, y)
+            for q in runner.parameters():
+                q.grad = None
+            metrics = runner.extra_metrics()  # collective
+            if step >= args.warmup:
+                sim, fb = _simulated(runner, name, p, m, v)
+                s["bubble"].append(metrics["bubble"])
+                s["peak"].append(metrics["act_peak_mb"])
+                s["sim"].append(sim)
+                s["fb"].append(fb)
+    return [(name, v, m, statistics.median(s["bubble"]), statistics.median(s["sim"]), max(s["peak"]),
+             [tuple(statistics.median(f[r][k] for f in s["fb"]) for k in (0, 1)) for r in range(p)])
+            for (name, v, m), s in zip(configs, samples)]
 
 
-def _simulated(runner, name: str, p: int, m: int, v: int) -> float:
-    """The bubble this schedule would have with this step's measured compute times and free messages."""
+def _simulated(runner, name: str, p: int, m: int, v: int) -> tuple[float, list[tuple[float, float]]]:
+    """The bubble with this step's measured compute times and free messages; each rank's mean F, B ms."""
     from tessel.parallel.pipeline.schedules import bubble_fraction, build_schedule, simulate
     per_rank: list = [None] * p
     dist.all_gather_object(per_rank, runner.events)
-    times = {}
+    times: dict = {}
     for r, events in enumerate(per_rank):
         for kind, mb, chunk, start, end in events:
             if kind in ("F", "B"):
@@ -71,7 +98,9 @@ def _simulated(runner, name: str, p: int, m: int, v: int) -> float:
     mean = {k: statistics.mean(t) for k, t in times.items()}
     timeline = simulate(build_schedule(name, p, m, v), v, strict=False,
                         cost=lambda r, a: mean[(r, a.kind, a.chunk)])
-    return bubble_fraction(timeline)
+    # a rank's F (B) time for one micro-batch over all of its chunks
+    fb = [tuple(1e3 * sum(mean[(r, k, c)] for c in range(v)) for k in ("F", "B")) for r in range(p)]
+    return bubble_fraction(timeline), fb
 
 
 def main() -> None:
@@ -79,24 +108,27 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     from tessel.spawn import spawn
     rows = spawn(_bench, args.pp, args, timeout=3600)[0]
     p = args.pp
-    print(f"pp={p} batch={args.batch}x{args.seq} d_model={args.d_model} layers={args.layers}; "
+    print(f"pp={p} batch={args.batch}x{args.seq} d_model={args.d_model} layers={args.layers} vocab={args.vocab}; "
           f"median over {args.steps} steps (gloo, CPU, one thread per rank)")
-    print(f"{'schedule':<15} {'m':>3} {'measured':>9} {'theory':>7} {'meas/theory':>12} {'sim(measured F/B)':>18} "
-          f"{'act peak MiB':>13}")
+    print(f"{'schedule':<15} {'m':>3} {'measured':>9} {'theory':>7} {'meas/theory':>12} {'sim':>6} "
+          f"{'act peak MiB':>13}  F/B ms per micro-batch, by rank")
     ratios = []
-    for name, v, m, bubble, sim, peak in rows:
+    for name, v, m, bubble, sim, peak, fb in rows:
         theory = (p - 1) / (v * m + p - 1)
         label = name if v == 1 else f"{name} v={v}"
-        print(f"{label:<15} {m:>3} {bubble:9.3f} {theory:7.3f} {bubble / theory:12.2f} {sim:18.3f} {peak:13.2f}")
+        balance = "  ".join(f"{f:.0f}/{b:.0f}" for f, b in fb)
+        print(f"{label:<15} {m:>3} {bubble:9.3f} {theory:7.3f} {bubble / theory:12.2f} {sim:6.3f} {peak:13.2f}  "
+              f"{balance}")
         ratios.append(f"{label} m={m} {bubble / theory:.2f}")
     print("bubble measured/theory: " + "  ".join(ratios))
 

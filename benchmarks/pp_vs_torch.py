@@ -1,12 +1,16 @@
 """tessel's pipeline schedules vs torch.distributed.pipelining on the same model, stages and micro-batches.
 
-    PYTHONPATH=. python benchmarks/pp_vs_torch.py --pp 2 --micro-batches 8 --steps 12
+    PYTHONPATH=. python benchmarks/pp_vs_torch.py --pp 2 --micro-batches 8 --steps 20
 
 For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages) both
 libraries run the same chunks of one GPT (built from one seed, cut by tessel's
 partitioner), the same batch and micro-batch count, on gloo with one thread
-per rank. Steps alternate between the two so load changes on the machine hit
-both alike. A step's time is the slowest rank's, after a barrier. Prints
+per rank. Steps alternate between the two, and which goes first alternates
+too, so load changes on the machine hit both alike. Both sides compute the
+same loss (mean cross-entropy of each micro-batch, averaged over the
+micro-batches: torch scales the summed gradients by 1/m, tessel the loss) and
+both set gradients to None after each step; tessel also hands the loss to
+every pipeline rank, torch keeps it on the last stage. A step's time is the slowest rank's, after a barrier. Prints
 medians per schedule, the ratio of medians and the median of per-step paired
 ratios, and, last, the paired ratios tessel/torch (lower is better for tessel).
 """
@@ -93,7 +97,11 @@ def _bench(args) -> dict:
 
         t_ours, t_theirs = [], []
         for i in range(args.warmup + args.steps):
-            a, b = _timed(step_ours), _timed(step_theirs)
+            # alternate who goes first (ABBA), so neither side always runs on the other's leftovers
+            if i % 2 == 0:
+                a, b = _timed(step_ours), _timed(step_theirs)
+            else:
+                b, a = _timed(step_theirs), _timed(step_ours)
             if i >= args.warmup:
                 t_ours.append(a)
                 t_theirs.append(b)
@@ -110,7 +118,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
     args = ap.parse_args()

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from tessel.mesh import Mesh
 
+SCALAR_TAG = 7  # the step's loss, last rank -> the others (activations and gradients use tag 0)
+
 
 class StageLinks:
     """This rank's links to the other ranks of its pipeline (its coordinates on dp/ep/tp fixed)."""
@@ -62,6 +64,24 @@ class StageLinks:
             if not isinstance(item, torch.Tensor):
                 item.wait()
         self._pending_sends.clear()
+
+    def expect_from_last(self) -> tuple[torch.Tensor, object] | None:
+        """Post now the receive of the fp32 scalar the last rank sends later with `send_to_all`.
+
+        Under its own tag (a gloo slot of its own), so it never queues behind
+        or ahead of the activations and gradients on the same link. gloo only:
+        NCCL has no tags. None on the last rank (or without a pipeline).
+        """
+        if self.group is None or dist.get_rank() == self.ranks[-1]:
+            return None
+        buf = torch.empty((), dtype=torch.float32, device=self.device)
+        return buf, dist.irecv(buf, self.ranks[-1], group=self.group, tag=SCALAR_TAG)
+
+    def send_to_all(self, t: torch.Tensor) -> None:
+        """The last rank's half of `expect_from_last`; waited on with the other sends."""
+        t = t.detach().float()
+        for peer in self.ranks[:-1]:
+            self._pending_sends += [t, dist.isend(t, peer, group=self.group, tag=SCALAR_TAG)]
 
     def sum_over_pipeline(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of t over the pipeline's ranks, on each (a loss with parts on every stage)."""

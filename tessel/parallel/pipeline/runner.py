@@ -18,7 +18,6 @@ vocab-parallel one; MoE router losses are back-propagated on their own stage
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Callable
 
 import torch
@@ -29,10 +28,14 @@ from tessel.mesh import Mesh
 from tessel.parallel.data import DataParallel
 from tessel.parallel.norms import mark_replica
 from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
+from tessel.parallel.pipeline.clock import StepClock
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
 from tessel.parallel.step import autocast_for, generate_tokens
+
+
+RECV_LOOKAHEAD = 2  # receives posted ahead of need under gloo (each holds one activation buffer)
 
 
 class SavedBytes:
@@ -40,12 +43,20 @@ class SavedBytes:
 
     A saved-tensor hook sees each tensor a forward stores for its backward;
     parameters are left out (they are not activations), and a storage is
-    counted once per micro-batch however many ops save views of it.
+    counted once per micro-batch however many ops save views of it. The hook
+    is a Python call per saved tensor (about a hundred per block forward and
+    as many unpacks), a few percent of a step on small stages, so it runs only
+    where the answer can change: a dense chunk saves the same bytes for every
+    micro-batch of one input shape, and is measured once per (chunk, shape)
+    and counted from that cache afterwards. Chunks whose saved bytes depend on
+    the data (MoE dispatch) are measured on every forward.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], dynamic: list[bool]):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.dynamic = dynamic  # per chunk: measure every forward
         self.live = self.peak = 0
+        self._cache: dict[tuple, int] = {}
         self._seen: set[int] = set()
         self._bytes = 0
 
@@ -56,17 +67,27 @@ class SavedBytes:
             self._bytes += t.untyped_storage().nbytes()
         return t
 
-    def hooks(self):
+    def hooks(self, key: tuple):
+        """The context of one forward of chunk key[0]: the hook, or nothing when the bytes are known."""
+        if key in self._cache and not self.dynamic[key[0]]:
+            return contextlib.nullcontext()
         self._seen, self._bytes = set(), 0
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
-    def forwarded(self) -> int:
-        self.live += self._bytes
+    def forwarded(self, key: tuple) -> int:
+        if key not in self._cache or self.dynamic[key[0]]:
+            self._cache[key] = self._bytes
+        nbytes = self._cache[key]
+        self.live += nbytes
         self.peak = max(self.peak, self.live)
-        return self._bytes
+        return nbytes
 
     def released(self, nbytes: int) -> None:
         self.live -= nbytes
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class PipelineRunner:
@@ -91,6 +112,17 @@ class PipelineRunner:
         self.actions = build_schedule(schedule, self.p, micro_batches, self.v)[self.rank]
         self.items = batches(self.actions)
         self.links = StageLinks(mesh)
+        # gloo moves a message only once its receive is posted (the sender waits for the
+        # receiver's ready note), so a receive posted just before it is needed costs a round
+        # trip of wake-ups. There, receives are posted RECV_LOOKAHEAD ahead of need, in the
+        # schedule's order (the order messages on each link are matched in), and a stage
+        # finds its input already there. Under NCCL a posted receive would hold up the sends
+        # queued behind it on the same stream, so receives stay in the schedule's batches.
+        self.prepost = self.links.group is not None and dist.get_backend(self.links.group) == "gloo"
+        self.recv_order = [a for a in self.actions if a.kind in RECVS]
+        self.recv_pos = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(self.recv_order)}
+        self._posted = 0
+        self._shape: tuple[int, ...] = ()
         self.act_dtype = next(chunks[0].parameters()).dtype  # the residual stream's dtype
         dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
         # ZeRO 1/2 (one engine over all chunks, reducing on this rank's last backward) or plain DP
@@ -105,12 +137,11 @@ class PipelineRunner:
         # are summed. Stage 1 need not wait: its gradients stay whole, and summing the two
         # stages' dp-averaged copies afterwards gives the average of the sums.
         self.zero_after_flush = zero is not None and zero.stage > 1 and self.tied_param is not None
-        self.events: list[tuple] = []  # last step: (kind, mb, chunk, start, end) seconds from step start
-        self.saved = SavedBytes(self.parameters())
+        self.clock = StepClock(self.device)  # the last step's events (kind, mb, chunk, start_s, end_s)
+        self.saved = SavedBytes(self.parameters(), [bool(a.layers) for a in self.aux])
         self.metrics: dict[str, float] = {}
-        self._pending_metrics: tuple | None = None
+        self._pending_metrics = False  # the last step's bubble is not worked out yet
         self.timeline = True  # write_timeline draws the last step (tests switch it off for speed)
-        self.step_start = 0.0
         self.shared_clock = self._same_host()
 
     # ---- LocalRunner's interface ------------------------------------------------
@@ -153,42 +184,52 @@ class PipelineRunner:
             yield
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t0 = self.step_start = time.perf_counter()
+        self.clock.start()
         xs, ys = x.to(self.device).chunk(self.m), y.to(self.device).chunk(self.m)
         if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
         # known ahead: no shape messages; under sequence parallelism each rank's tokens
-        shape = (xs[0].size(0), x.size(1) // self.seq_shards, self.d_model)
+        self._shape = (xs[0].size(0), x.size(1) // self.seq_shards, self.d_model)
         total = torch.zeros((), device=self.device)
         state: dict = {"inputs": {}, "outputs": {}, "recv": {}, "saved": {},
                        "aux": torch.zeros((), device=self.device)}
-        self.events = []
         self.saved.peak = self.saved.live = 0
-        busy = 0.0
+        self._posted = 0
+        # under gloo the loss comes from the last rank as a message posted now and sent when that
+        # rank is done, so no rank ends its step in a synchronous broadcast (torch keeps the loss
+        # on the last stage only; the trainer wants it everywhere)
+        loss_in = self.links.expect_from_last() if self.prepost and not self.has_aux else None
+        if self.prepost:
+            self._post_receives(RECV_LOOKAHEAD, state)
         for item in self.items:
             a = item[0]
             if a.kind not in COMPUTE:
-                self._communicate(item, shape, state, t0)
+                self._communicate(item, state)
                 continue
-            self._await_input(a, state, t0)
-            start = time.perf_counter()
+            self._await_input(a, state)
+            start = self.clock.stamp()
             if a.kind == "F":
-                total += self._forward(a, xs, ys, state)
+                loss = self._forward(a, xs, ys, state)
+                if loss is not None:
+                    total += loss
             else:
                 self._backward(a, state, sync=a in self.last_backward)
-            self._sync_device()
-            end = time.perf_counter()
-            busy += end - start
-            self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
+            self.clock.add(a.kind, a.mb, a.chunk, start, self.clock.stamp())
+        if self.prepost and not self.has_aux and self.rank == self.p - 1:
+            self.links.send_to_all(total)
         self.links.wait_sends()
         self._reduce_tied()
         if self.zero_after_flush:
             self.zero.reduce_gradients()
         # the bubble is worked out when asked for (extra_metrics), so a step costs no extra collective
-        self._pending_metrics = (busy, max(e for k, *_, e in self.events if k in COMPUTE), self.saved.peak)
+        self._pending_metrics = True
         if self.has_aux:  # every stage adds its aux losses to the loss it reports
             return self.links.sum_over_pipeline(total + state["aux"])
-        return self.links.broadcast_from_last(total)
+        if loss_in is not None:
+            buf, work = loss_in
+            work.wait()
+            return buf
+        return total if self.prepost else self.links.broadcast_from_last(total)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -231,9 +272,9 @@ class PipelineRunner:
 
     def extra_metrics(self) -> dict[str, float]:
         """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
-        if self._pending_metrics is not None:
-            self._step_metrics(*self._pending_metrics)
-            self._pending_metrics = None
+        if self._pending_metrics:
+            self._step_metrics()
+            self._pending_metrics = False
         return {**self.metrics, **(self._extra() if self._extra is not None else {})}
 
     # ---- one action ---------------------------------------------------------------
@@ -243,25 +284,39 @@ class PipelineRunner:
     def _is_last(self, chunk: int) -> bool:
         return self._stage(chunk) == self.p * self.v - 1
 
-    def _await_input(self, a: Action, state, t0: float) -> None:
+    def _await_input(self, a: Action, state) -> None:
         """Wait for the activation (F) or gradient (B) this compute needs; the wait is a recv event."""
         kind = "RF" if a.kind == "F" else "RB"
-        entry = state["recv"].get((kind, a.mb, a.chunk))
-        if entry is None:
+        pos = self.recv_pos.get((kind, a.mb, a.chunk))
+        if pos is None:
             return  # first stage's forward, last stage's backward: nothing to receive
-        buf, work = entry
-        start = time.perf_counter()  # the event is the time blocked, not the time since posting
+        if self.prepost:  # keep the next receives posted while this one is waited on
+            self._post_receives(pos + 1 + RECV_LOOKAHEAD, state)
+        buf, work = state["recv"][(kind, a.mb, a.chunk)]
+        start = self.clock.stamp()  # the event is the time blocked, not the time since posting
         work.wait()
         state["recv"][(kind, a.mb, a.chunk)] = buf
-        self.events.append((kind, a.mb, a.chunk, start - t0, time.perf_counter() - t0))
+        self.clock.add(kind, a.mb, a.chunk, start, self.clock.stamp())
 
-    def _forward(self, a: Action, xs, ys, state) -> torch.Tensor:
+    def _post_receives(self, upto: int, state) -> None:
+        """Post this step's receives up to position `upto` of the rank's receive order."""
+        upto = min(upto, len(self.recv_order))
+        if self._posted >= upto:
+            return
+        todo = self.recv_order[self._posted:upto]
+        handles = self.links.exchange([], [(a.peer, self._shape, self.act_dtype) for a in todo])
+        for a, handle in zip(todo, handles):
+            state["recv"][(a.kind, a.mb, a.chunk)] = handle
+        self._posted = upto
+
+    def _forward(self, a: Action, xs, ys, state) -> torch.Tensor | None:
         key = (a.mb, a.chunk)
         if self._stage(a.chunk) == 0:
             inp = xs[a.mb]
         else:
             inp = state["recv"].pop(("RF", a.mb, a.chunk)).requires_grad_(True)
-        with self.saved.hooks(), autocast_for(self.device, self.precision):
+        shape_key = (a.chunk, tuple(inp.shape), inp.dtype)
+        with self.saved.hooks(shape_key), autocast_for(self.device, self.precision):
             out = self.chunks[a.chunk](inp)
             aux = self.aux[a.chunk]()  # this micro-batch's router losses on this chunk
             if self._is_last(a.chunk):
@@ -272,9 +327,9 @@ class PipelineRunner:
             elif aux is not None:
                 out = AttachAuxLoss.apply(out, aux, 1.0 / self.m)
                 state["aux"] += aux.detach() / self.m
-        state["saved"][key] = self.saved.forwarded()
+        state["saved"][key] = self.saved.forwarded(shape_key)
         state["inputs"][key], state["outputs"][key] = inp, out
-        return out.detach() if self._is_last(a.chunk) else torch.zeros((), device=self.device)
+        return out.detach() if self._is_last(a.chunk) else None
 
     def _backward(self, a: Action, state, sync: bool) -> None:
         key = (a.mb, a.chunk)
@@ -292,7 +347,7 @@ class PipelineRunner:
             state["inputs"].pop(key)  # token ids: nothing to send back
         self.saved.released(state["saved"].pop(key))
 
-    def _communicate(self, item: list[Action], shape, state, t0: float) -> None:
+    def _communicate(self, item: list[Action], state) -> None:
         sends, recvs = [], []
         for a in item:
             key = (a.mb, a.chunk)
@@ -300,21 +355,16 @@ class PipelineRunner:
                 sends.append((a.peer, state["outputs"][key].detach()))
             elif a.kind == "SB":
                 sends.append((a.peer, state["inputs"].pop(key).grad))
-            else:
-                recvs.append((a.peer, shape, self.act_dtype))
-        start = time.perf_counter()
+            elif not self.prepost:
+                recvs.append((a.peer, self._shape, self.act_dtype))
+        start = self.clock.stamp()
         handles = self.links.exchange(sends, recvs)
-        for a, (buf, work) in zip([a for a in item if a.kind in RECVS], handles):
+        for a, (buf, work) in zip([a for a in item if a.kind in RECVS and not self.prepost], handles):
             state["recv"][(a.kind, a.mb, a.chunk)] = (buf, work)
-        end = time.perf_counter()
+        end = self.clock.stamp()
         for a in item:
             if a.kind not in RECVS:  # a receive's event closes when its wait does
-                self.events.append((a.kind, a.mb, a.chunk, start - t0, end - t0))
-
-    def _sync_device(self) -> None:
-        # timestamps must close when the device is done, not when the kernel was queued
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+                self.clock.add(a.kind, a.mb, a.chunk, start, end)
 
     # ---- what spans stages -------------------------------------------------------------
     def _setup_tied(self, tied: bool):
@@ -349,7 +399,16 @@ class PipelineRunner:
                 self.tied_param.grad = torch.zeros_like(self.tied_param)
             dist.all_reduce(self.tied_param.grad, group=self.tied_group)
 
-    def _step_metrics(self, busy: float, end: float, saved_peak: int) -> None:
+    @property
+    def events(self) -> list[tuple]:
+        """The last step's (kind, micro-batch, chunk, start_s, end_s), seconds from its start."""
+        return self.clock.events()
+
+    @property
+    def step_start(self) -> float:
+        return self.clock.t0
+
+    def _step_metrics(self) -> None:
         """bubble = 1 - (compute time summed over the pipeline) / (p * step span).
 
         The span is from the earliest step start to the latest end of a compute
@@ -357,6 +416,8 @@ class PipelineRunner:
         Across hosts each rank counts from its own start, which is close: the
         previous step ended in collectives over all ranks (gradient norm, loss).
         """
+        compute = [(s, e) for k, _, _, s, e in self.events if k in COMPUTE]
+        busy, end, saved_peak = sum(e - s for s, e in compute), max(e for _, e in compute), self.saved.peak
         busy_sum = torch.tensor([busy], dtype=torch.float64, device=self.device)
         # with one clock for all ranks (one host) the span runs from the earliest start to the
         # latest end; otherwise each rank counts from its own start
