@@ -115,8 +115,8 @@ def ep_block_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capaci
 
 
 def bucket_sizes(grad_bytes: float, bucket_bytes: float, first_bytes: float = 2**20) -> list[tuple[float, int]]:
-    """(size, how many) of the gradient buckets tessel.parallel.data.build_buckets cuts (first 1 MiB,
-    then bucket_bytes each).
+    """(size, how many) of the gradient buckets tessel.parallel.data.build_buckets cuts: a bucket
+    closes once it holds its limit (first 1 MiB, then bucket_bytes); what is left forms the last.
 
     Parameters are whole, so real buckets overshoot their limit by up to one
     parameter; at the granularity of a cost model that does not matter.
@@ -127,8 +127,9 @@ def bucket_sizes(grad_bytes: float, bucket_bytes: float, first_bytes: float = 2*
     if grad_bytes <= first:
         return [(grad_bytes, 1)]
     rest = grad_bytes - first
-    n = math.ceil(rest / bucket_bytes)
-    return [(first, 1), (rest / n, n)]
+    full = math.floor(rest / bucket_bytes)
+    tail = rest - full * bucket_bytes
+    return [(first, 1)] + ([(bucket_bytes, full)] if full else []) + ([(tail, 1)] if tail > 0 else [])
 
 
 def merged(calls: list[Call]) -> list[Call]:
