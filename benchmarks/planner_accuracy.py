@@ -41,7 +41,7 @@ from tessel.planner.probe import probe_this, profile_model
 WORLD = 4
 BASE = {
     "model": {"vocab_size": 256, "n_layer": 4, "n_head": 4, "d_model": 256, "max_seq_len": 64},
-    "train": {"steps": 9, "global_batch": 16, "seq_len": 64, "warmup_steps": 2, "eval_every": 0,
+    "train": {"steps": 16, "global_batch": 16, "seq_len": 64, "warmup_steps": 2, "eval_every": 0,
               "sample_tokens": 0},
     "data": {"source": "synthetic"},
     "logging": {"progress": False, "tensorboard": False, "peak_flops": 1e9},
@@ -103,12 +103,14 @@ def calibrate(base, refresh: bool):
     return cluster, cal
 
 
-def run_pass(base, spec, args, pass_no: int) -> list[dict]:
+def run_pass(base, spec, args, pass_no: str, reverse: bool) -> list[dict]:
     cluster, cal = calibrate(base, refresh=not args.cached)
     cm = CostModel(spec, cluster, "fp32", cal, base.parallel.bucket_mb)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tessel-plan-acc-") as tmp:
-        for text in CASES:
+        # every other pass runs the layouts in reverse, so a drift of the load over a pass
+        # does not always favour the same layouts
+        for text in (CASES[::-1] if reverse else CASES):
             if args.only and args.only not in text:
                 continue
             lay = parse_layout(text, GLOBAL_BATCH)
@@ -140,8 +142,9 @@ def main() -> None:
         base = build_config(BASE)
         spec = from_config(base.model, base.train.seq_len, base.train.global_batch, "bench")
         rows = []
+        stamp = time.strftime("%H%M%S")
         for p in range(args.repeat):
-            rows += run_pass(base, spec, args, p)
+            rows += run_pass(base, spec, args, f"{stamp}-{p}", reverse=p % 2 == 1)
             if args.save:
                 Path(args.save).write_text(json.dumps(rows, indent=1))
     report(rows)
@@ -160,7 +163,7 @@ def _line(r: dict) -> str:
 def _medians(rows: list[dict]) -> list[dict]:
     """Per layout: the median over passes of the prediction and of the measurement."""
     out = []
-    for case in dict.fromkeys(r["case"] for r in rows):
+    for case in [c for c in CASES if any(r["case"] == c for r in rows)]:
         done = [r for r in rows if r["case"] == case and "step_s" in r]
         if not done:
             out.append(next(r for r in rows if r["case"] == case))
@@ -183,9 +186,9 @@ def _summary(done: list[dict]) -> tuple[float, float, str]:
 
 
 def report(rows: list[dict]) -> None:
-    passes = sorted({r["pass"] for r in rows})
+    passes = sorted({str(r["pass"]) for r in rows})
     for p in passes:
-        done = [r for r in rows if r["pass"] == p and "step_s" in r]
+        done = [r for r in rows if str(r["pass"]) == p and "step_s" in r]
         if done:
             err, mem, top = _summary(done)
             print(f"pass {p}: {len(done)} layouts, median |step-time error| {100 * err:.1f}%, "

@@ -5,6 +5,11 @@ Sources of each formula are cited where they are used; the hand-checkable
 pieces (collective times, activation bytes, in-flight micro-batches, ZeRO
 shards) are small functions with unit tests in tests/planner/test_cost.py.
 
+Communication is priced call by call: tessel.planner.traffic lists the
+collectives tessel's layers, data-parallel wrappers and pipeline issue, and
+each call costs the probe's measured fit for its op and group size on "this"
+machine, or the ring alpha-beta formula below on a preset cluster.
+
 Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
 lays them out; a group is priced on the intra-node link when it fits in a node
 and on the inter-node link otherwise (tessel.planner.cluster.link_for).

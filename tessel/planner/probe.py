@@ -5,11 +5,14 @@ Two measurements, both cached as JSON under the tessel cache directory:
 - `probe_this(world)`: `world` ranks started with tessel.spawn.spawn, all
   measuring at once (so cores shared by several ranks are priced as they are
   shared): matmul FLOP/s per rank with one thread (fp32, bf16), gloo
-  all-reduce latency and bandwidth, how much of an all-reduce hides behind
+  all-reduce latency and bandwidth, a fit alpha + beta * bytes for each
+  collective the trainer uses (all-reduce, all-gather, reduce-scatter,
+  all-to-all, p2p) and each group size, how much of an all-reduce hides behind
   concurrent compute, memory bandwidth, and the resident memory a rank holds
   before it holds any model (Python, torch, gloo, the trainer's modules).
 - `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
-  backward of the reference GPT at several micro-batch sizes, the clipped
+  backward of the reference GPT at several micro-batch sizes, whole and as one
+  rank of each tensor-parallel degree holds it (communication left out), the clipped
   AdamW step, and the trainer's per-step bookkeeping.
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
@@ -323,3 +326,4 @@ def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int],
         path.write_text(json.dumps(d, indent=1))
     tp_points = {int(tp): [tuple(p) for p in pts] for tp, pts in d["points"].items()}
     return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points)
+
