@@ -239,12 +239,10 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     import torch
     import torch.distributed as dist
 
-    from tessel.config import ModelConfig, TrainConfig
+    from tessel.config import ModelConfig
     from tessel.models.gpt import GPT
     from tessel.planner.model_spec import ModelSpec
-    from tessel.train.data import BatchSampler
     from tessel.parallel.step import autocast_for
-    from tessel.train.trainer import build_optimizer
 
     cfg = ModelConfig(**model_raw)
     spec = ModelSpec("profile", cfg, seq_len, 1)
@@ -273,7 +271,20 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[tp, mb]))
                    for mb in micro_batches] for tp in tp_sizes}
 
-    params = list(models[1][0].parameters())
+    t_opt, t_over = _time_step_rest(models[1][0], seq_len, max(micro_batches))
+    n_params = sum(p.numel() for p in models[1][0].parameters())
+    return {"points": points, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
+
+
+def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
+    """(clip + AdamW step, per-step bookkeeping) seconds of the whole model on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from tessel.config import TrainConfig
+    from tessel.train.data import BatchSampler
+    from tessel.train.trainer import build_optimizer
+    params = list(model.parameters())
     opt = build_optimizer(params, TrainConfig())
 
     def opt_step():
@@ -283,7 +294,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     opt_step()
     dist.barrier()
     t_opt = _median_time(opt_step, 5)
-    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, max(micro_batches), 0)
+    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, mb, 0)
     scalar = torch.zeros(1)
     keys: list = [None] * dist.get_world_size()
 
@@ -295,8 +306,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
         dist.all_gather_object(keys, [()])
         dist.all_reduce(scalar)
     dist.barrier()
-    t_over = _median_time(bookkeeping, 10)
-    return {"points": points, "opt_s_per_param": t_opt / sum(p.numel() for p in params), "overhead": t_over}
+    return t_opt, _median_time(bookkeeping, 10)
 
 
 def _tp_sizes(cfg, world: int) -> list[int]:
