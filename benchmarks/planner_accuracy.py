@@ -1,16 +1,23 @@
 """How well does the planner predict the real trainer? 4 ranks on this machine.
 
-For each layout: the planner's prediction (cluster "this", probed, and the
-reference GPT profiled at this size on 4 concurrent ranks) against a real run
-of `python -m tessel train` with the layout's --set overrides: median
-step_time_s after the first steps, and rank 0's peak_mem_mb (process RSS on
-CPU, which the planner models as the probed runtime baseline + parameters,
-gradients, optimizer state and activations). Layouts that the trainer cannot
-run yet are reported as such. The "peer" of this benchmark is the measurement:
-the last line is the median ratio predicted/measured step time.
+For each layout: the planner's prediction (cluster "this", probed: per-op
+collective fits; the reference GPT profiled at this size and at each tp shape
+on 4 concurrent ranks) against a real run of `python -m tessel train` with the
+layout's --set overrides: median step_time_s after the first steps, and rank
+0's peak_mem_mb (process RSS on CPU, which the planner models as the probed
+runtime baseline + parameters, gradients, optimizer state and activations).
+Nothing the planner uses comes from these runs: the calibration is the probe
+and the profile, measured before the runs of each pass.
 
-    PYTHONPATH=$PWD python benchmarks/planner_accuracy.py            # re-measures the calibration
-    PYTHONPATH=$PWD python benchmarks/planner_accuracy.py --cached   # reuses the cached probe/profile
+The machine is shared, so its speed drifts: `--repeat N` makes N passes, each
+re-calibrating and then running every layout; the table gives per-layout
+medians over passes and the spread of the per-pass median errors. The "peer"
+of this benchmark is the measurement: the last line is the median ratio
+predicted/measured step time.
+
+    PYTHONPATH=$PWD python benchmarks/planner_accuracy.py --repeat 2 --save acc.json
+    PYTHONPATH=$PWD python benchmarks/planner_accuracy.py --load acc.json other.json   # report only
+    PYTHONPATH=$PWD python benchmarks/planner_accuracy.py --cached --only tp=4         # reuse the calibration
 """
 
 from __future__ import annotations
@@ -34,19 +41,19 @@ from tessel.planner.probe import probe_this, profile_model
 WORLD = 4
 BASE = {
     "model": {"vocab_size": 256, "n_layer": 4, "n_head": 4, "d_model": 256, "max_seq_len": 64},
-    "train": {"steps": 10, "global_batch": 16, "seq_len": 64, "warmup_steps": 2, "eval_every": 0,
+    "train": {"steps": 16, "global_batch": 16, "seq_len": 64, "warmup_steps": 2, "eval_every": 0,
               "sample_tokens": 0},
     "data": {"source": "synthetic"},
     "logging": {"progress": False, "tensorboard": False, "peak_flops": 1e9},
 }
 SKIP = 3  # first steps pay for allocation and thread-pool warm-up
-# (global batch, layout): the natural set for 4 ranks; DP-only ones run on main today
+GLOBAL_BATCH = 16
+# one global batch, so the planner's ranking is tested across every axis at once
 CASES = [
-    (16, "dp=4,mb=4"), (16, "dp=2,tp=2,mb=4"), (16, "tp=4,mb=4"), (16, "dp=2,tp=2,mb=4,sp=1"),
-    (16, "dp=4,mb=2"), (16, "dp=4,mb=1"), (8, "dp=4,mb=2"), (32, "dp=4,mb=8"), (32, "dp=4,mb=2"),
-    (16, "dp=4,mb=4,zero=1"), (16, "dp=4,mb=4,zero=3"), (16, "dp=4,mb=4,recompute=1"),
-    (16, "pp=2,dp=2,mb=2"), (16, "pp=4,mb=1"), (16, "pp=4,mb=1,schedule=gpipe"), (16, "pp=2,tp=2,mb=2"),
-    (16, "pp=2,dp=2,mb=1,v=2"),
+    "dp=4,mb=4", "dp=4,mb=2", "dp=2,tp=2,mb=4", "dp=2,tp=2,mb=4,sp=1", "tp=4,mb=4",
+    "dp=4,mb=4,zero=1", "dp=4,mb=4,zero=2", "dp=4,mb=4,zero=3", "dp=4,mb=4,recompute=1",
+    "pp=2,dp=2,mb=2", "pp=2,dp=2,mb=2,schedule=gpipe", "pp=4,mb=1", "pp=4,mb=1,schedule=gpipe",
+    "pp=2,tp=2,mb=2", "pp=2,dp=2,mb=1,v=2",
 ]
 
 
@@ -81,87 +88,127 @@ def run_trainer(cfg, workdir: Path, name: str) -> dict:
             "mem_mib": max(r["peak_mem_mb"] for r in rows)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cached", action="store_true", help="reuse the cached probe and profile")
-    ap.add_argument("--only", default="", help="run only cases whose layout contains this text")
-    args = ap.parse_args()
-    base = build_config(BASE)
-    spec = from_config(base.model, base.train.seq_len, base.train.global_batch, "bench")
+def calibrate(base, refresh: bool):
     t0 = time.time()
-    cluster = probe_this(WORLD, refresh=not args.cached)
-    sizes = sorted({parse_layout(text, gb).mb for gb, text in CASES})
-    cal = profile_model(base.model, base.train.seq_len, WORLD, sizes, "fp32", refresh=not args.cached)
-    print(f"calibration: {time.time() - t0:.0f}s; matmul {cluster.peak_flops['fp32'] / 1e9:.2f} GFLOP/s/rank, "
-          f"gloo {cluster.intra.bandwidth / 1e6:.0f} MB/s, {cluster.intra.latency * 1e6:.0f} us, "
-          f"overlap {cluster.overlap:.2f}, runtime baseline {cluster.baseline_memory / 2**20:.0f} MiB; "
-          f"model fwd+bwd {', '.join(f'{t} tok {f / 1e9:.2f}' for t, f in cal.flops_points)} GFLOP/s", flush=True)
+    cluster = probe_this(WORLD, refresh=refresh)
+    sizes = sorted({parse_layout(text, GLOBAL_BATCH).mb for text in CASES})
+    cal = profile_model(base.model, base.train.seq_len, WORLD, sizes, "fp32", refresh=refresh)
+    fits = ", ".join(f"{k} {a * 1e6:.0f} us + {1 / b / 1e6 if b else float('inf'):.0f} MB/s"
+                     for k, (a, b) in sorted(cluster.collectives.items()))
+    speeds = "; ".join(f"tp{tp}: " + ", ".join(f"{t} tok {f / 1e9:.1f}" for t, f in pts)
+                       for tp, pts in sorted(cal.tp_points.items()))
+    print(f"calibration {time.time() - t0:.0f}s: collectives {fits}; overlap {cluster.overlap:.2f}; "
+          f"runtime baseline {cluster.baseline_memory / 2**20:.0f} MiB; whole-model GFLOP/s per rank {speeds}; "
+          f"step overhead {cal.step_overhead_s * 1e3:.0f} ms", flush=True)
+    return cluster, cal
+
+
+def run_pass(base, spec, args, pass_no: str, reverse: bool) -> list[dict]:
+    cluster, cal = calibrate(base, refresh=not args.cached)
     cm = CostModel(spec, cluster, "fp32", cal, base.parallel.bucket_mb)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tessel-plan-acc-") as tmp:
-        for gb, text in CASES:
+        # every other pass runs the layouts in reverse, so a drift of the load over a pass
+        # does not always favour the same layouts
+        for text in (CASES[::-1] if reverse else CASES):
             if args.only and args.only not in text:
                 continue
-            lay = parse_layout(text, gb)
+            lay = parse_layout(text, GLOBAL_BATCH)
             cfg = layout_config(base, lay)
             est = cm.estimate(lay)
-            row = {"gb": gb, "layout": lay.describe(), "pred_s": est.step_s,
+            row = {"pass": pass_no, "case": text, "layout": lay.describe(), "pred_s": est.step_s,
                    "pred_mib": est.stage_memory[0]["total"] / 2**20}
             why = runnable(cfg)
             if why:
                 row["status"] = f"not runnable yet ({why})"
             else:
-                if not args.cached:  # the machine's speed drifts with its load: re-profile just before the run
-                    fresh = profile_model(base.model, base.train.seq_len, WORLD, sizes, "fp32", refresh=True)
-                    row["pred_fresh_s"] = CostModel(spec, cluster, "fp32", fresh, base.parallel.bucket_mb) \
-                        .estimate(lay).step_s
                 row.update(run_trainer(cfg, Path(tmp), text))
             rows.append(row)
-            print(_line(row), flush=True)
+            print(f"pass {pass_no}: {_line(row)}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cached", action="store_true", help="reuse the cached probe and profile")
+    ap.add_argument("--only", default="", help="run only cases whose layout contains this text")
+    ap.add_argument("--repeat", type=int, default=1, help="passes, each calibrated afresh")
+    ap.add_argument("--save", default="", help="write every pass's rows to this JSON file")
+    ap.add_argument("--load", nargs="*", default=[], help="report on saved rows instead of running")
+    args = ap.parse_args()
+    if args.load:
+        rows = [r for path in args.load for r in json.loads(Path(path).read_text())]
+    else:
+        base = build_config(BASE)
+        spec = from_config(base.model, base.train.seq_len, base.train.global_batch, "bench")
+        rows = []
+        stamp = time.strftime("%H%M%S")
+        for p in range(args.repeat):
+            rows += run_pass(base, spec, args, f"{stamp}-{p}", reverse=p % 2 == 1)
+            if args.save:
+                Path(args.save).write_text(json.dumps(rows, indent=1))
     report(rows)
 
 
 def _line(r: dict) -> str:
     if "step_s" not in r:
-        return f"| {r['gb']} | {r['layout']} | {r['pred_s']:.3f} | - | - | - | - | {r['pred_mib']:.0f} | - | - | " \
+        return f"| {r['layout']} | {r['pred_s'] * 1e3:.0f} | - | - | {r['pred_mib']:.0f} | - | - | " \
                f"{r.get('status') or r.get('error')} |"
-    fresh = r.get("pred_fresh_s")
     es = 100 * (r["pred_s"] / r["step_s"] - 1)
-    ef = f"{100 * (fresh / r['step_s'] - 1):+.1f}%" if fresh else "-"
     em = 100 * (r["pred_mib"] / r["mem_mib"] - 1)
-    return (f"| {r['gb']} | {r['layout']} | {r['pred_s']:.3f} | {fresh or 0:.3f} | {r['step_s']:.3f} | {es:+.1f}% | "
-            f"{ef} | {r['pred_mib']:.0f} | {r['mem_mib']:.0f} | {em:+.1f}% | measured |")
+    return (f"| {r['layout']} | {r['pred_s'] * 1e3:.0f} | {r['step_s'] * 1e3:.0f} | {es:+.0f}% | "
+            f"{r['pred_mib']:.0f} | {r['mem_mib']:.0f} | {em:+.1f}% |")
+
+
+def _medians(rows: list[dict]) -> list[dict]:
+    """Per layout: the median over passes of the prediction and of the measurement."""
+    out = []
+    for case in [c for c in CASES if any(r["case"] == c for r in rows)]:
+        done = [r for r in rows if r["case"] == case and "step_s" in r]
+        if not done:
+            out.append(next(r for r in rows if r["case"] == case))
+            continue
+        med = {k: statistics.median(r[k] for r in done) for k in ("pred_s", "step_s", "pred_mib", "mem_mib")}
+        spread = [r["step_s"] for r in done]
+        out.append({**done[0], **med, "passes": len(done), "min_s": min(spread), "max_s": max(spread)})
+    return out
+
+
+def _summary(done: list[dict]) -> tuple[float, float, str]:
+    err = statistics.median(abs(r["pred_s"] / r["step_s"] - 1) for r in done)
+    mem = statistics.median(abs(r["pred_mib"] / r["mem_mib"] - 1) for r in done)
+    pick = min(done, key=lambda r: r["pred_s"])
+    best = min(done, key=lambda r: r["step_s"])
+    gap = 100 * (pick["step_s"] / best["step_s"] - 1)
+    top = f"planner picks {pick['layout']}, measured best {best['layout']} " + \
+          ("(the same)" if pick is best else f"(the pick is {gap:.1f}% slower)")
+    return err, mem, top
 
 
 def report(rows: list[dict]) -> None:
-    print("\n| global batch | layout | predicted step s (start calibration) | predicted step s (fresh calibration) | "
-          "measured step s | error (start) | error (fresh) | predicted MiB (rank 0) | measured MiB (rank 0) | "
-          "error | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    passes = sorted({str(r["pass"]) for r in rows})
+    for p in passes:
+        done = [r for r in rows if str(r["pass"]) == p and "step_s" in r]
+        if done:
+            err, mem, top = _summary(done)
+            print(f"pass {p}: {len(done)} layouts, median |step-time error| {100 * err:.1f}%, "
+                  f"median |memory error| {100 * mem:.1f}%; {top}")
+    table = _medians(rows)
+    print(f"\nglobal batch {GLOBAL_BATCH}, medians over {len(passes)} pass(es):\n")
+    print("| layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
         print(_line(r))
-    done = [r for r in rows if "step_s" in r]
+    done = [r for r in table if "step_s" in r]
     if not done:
         print("nothing ran")
         return
-    err = lambda key: statistics.median(abs(r[key] / r["step_s"] - 1) for r in done if r.get(key))  # noqa: E731
-    mem_err = statistics.median(abs(r["pred_mib"] / r["mem_mib"] - 1) for r in done)
-    print(f"\nmeasured layouts: {len(done)}; not runnable yet: {len(rows) - len(done)}")
-    fresh = f", with a calibration just before each run {100 * err('pred_fresh_s'):.1f}%" \
-        if any(r.get("pred_fresh_s") for r in done) else ""
-    print(f"median |step-time error|: {100 * err('pred_s'):.1f}% with the start calibration{fresh}")
-    print(f"median |memory error|: {100 * mem_err:.1f}%")
-    for gb in sorted({r["gb"] for r in done}):
-        group = [r for r in done if r["gb"] == gb]
-        if len(group) < 2:
-            continue
-        pick = min(group, key=lambda r: r["pred_s"])  # one calibration for the whole group: a fair ranking
-        best = min(group, key=lambda r: r["step_s"])
-        gap = 100 * (pick["step_s"] / best["step_s"] - 1)
-        print(f"global batch {gb}: planner picks {pick['layout']}, measured best {best['layout']} "
-              f"({'same' if pick is best else f'{gap:.1f}% slower than the best'})")
+    err, mem, top = _summary(done)
+    spread = statistics.median(r["max_s"] / r["min_s"] - 1 for r in done)
+    print(f"\n{len(done)} layouts; median |step-time error| {100 * err:.1f}%; median |memory error| {100 * mem:.1f}%; "
+          f"{top}; measured step time varied by a median {100 * spread:.0f}% across passes (max/min - 1)")
     ratio = statistics.median(r["pred_s"] / r["step_s"] for r in done)
-    print(f"ratio predicted/measured step time (median, start calibration): {ratio:.3f}")
+    print(f"ratio predicted/measured step time (median): {ratio:.3f}")
 
 
 if __name__ == "__main__":

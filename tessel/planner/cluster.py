@@ -46,6 +46,9 @@ class Cluster:
     overlap: float = 1.0
     usable_memory: float = 0.9  # allocator fragmentation and workspace keep the rest
     source: str = "preset"
+    # measured on "this": {"op/group size": [alpha s, beta s/byte]} (tessel.planner.traffic);
+    # empty for presets, whose collectives are priced by the alpha-beta formulas
+    collectives: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

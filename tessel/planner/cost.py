@@ -5,6 +5,11 @@ Sources of each formula are cited where they are used; the hand-checkable
 pieces (collective times, activation bytes, in-flight micro-batches, ZeRO
 shards) are small functions with unit tests in tests/planner/test_cost.py.
 
+Communication is priced call by call: tessel.planner.traffic lists the
+collectives tessel's layers, data-parallel wrappers and pipeline issue, and
+each call costs the probe's measured fit for its op and group size on "this"
+machine, or the ring alpha-beta formula below on a preset cluster.
+
 Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
 lays them out; a group is priced on the intra-node link when it fits in a node
 and on the inter-node link otherwise (tessel.planner.cluster.link_for).
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 from tessel.planner.cluster import Cluster, Link, link_for
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import ModelSpec
+from tessel.planner.traffic import (Call, dp_step_calls, ep_block_calls, tp_block_calls, tp_edge_calls,
+                                    tp_moe_block_calls)
 
 ORDER = ("pp", "dp", "ep", "tp")
 ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
@@ -54,6 +61,18 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
 
+FORMULAS = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
+            "all_to_all": all_to_all_time, "p2p": lambda nbytes, n, link: p2p_time(nbytes, link)}
+
+
+def sent_bytes(calls: list[Call], n: int) -> float:
+    """Bytes one rank sends for `calls` in a group of n (ring algorithms; all-reduce sends twice)."""
+    if n <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}
+    return sum(c.count * c.nbytes * factor.get(c.op, (n - 1) / n) for c in calls)
+
+
 # ---- measured compute speed --------------------------------------------------
 
 @dataclass
@@ -63,21 +82,37 @@ class Calibration:
     flops_points: list[tuple[int, float]] = field(default_factory=list)
     opt_s_per_param: float | None = None  # clip + AdamW step, seconds per parameter on this rank
     step_overhead_s: float = 0.0  # data, loss all-reduce, Python: per step, independent of the model
+    # tp degree -> the same points for the model as one tp rank computes it (without its
+    # collectives), in whole-model FLOPs per second: smaller matrices run less efficiently
+    tp_points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
-    def achieved(self, tokens: int, fallback: float) -> float:
-        """FLOP/s at a micro-batch of `tokens`, log-linear between measured sizes, flat outside."""
-        pts = sorted(self.flops_points)
-        if not pts:
-            return fallback
-        xs = [t for t, _ in pts]
-        if tokens <= xs[0]:
-            return pts[0][1]
-        if tokens >= xs[-1]:
-            return pts[-1][1]
-        i = bisect.bisect_right(xs, tokens)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    def achieved(self, tokens: int, fallback: float, tp: int = 1) -> float:
+        """Whole-model FLOP/s of one rank at a micro-batch of `tokens` under `tp`, log-linear
+        between measured sizes, flat outside.
+
+        Without a profile of that tp degree, a tp-sharded matmul is priced like
+        an unsharded one on tokens/tp rows (the same work per call), tp times faster.
+        """
+        if tp in self.tp_points:
+            return _interpolate(self.tp_points[tp], tokens, fallback)
+        if tp == 1:
+            return _interpolate(self.flops_points, tokens, fallback)
+        return tp * _interpolate(self.tp_points.get(1, self.flops_points), max(1, tokens // tp), fallback / tp)
+
+
+def _interpolate(points: list[tuple[int, float]], tokens: int, fallback: float) -> float:
+    pts = sorted(points)
+    if not pts:
+        return fallback
+    xs = [t for t, _ in pts]
+    if tokens <= xs[0]:
+        return pts[0][1]
+    if tokens >= xs[-1]:
+        return pts[-1][1]
+    i = bisect.bisect_right(xs, tokens)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
 
 
 # ---- how layers fall onto stages ----------------------------------------------
@@ -188,18 +223,21 @@ class CostModel:
         self.layer_flops = [spec.layer_fwd_flops_per_token(i, spec.cfg.capacity_factor) for i in range(L)]
         self.layer_params = [spec.layer_params(i) for i in range(L)]
         self.act_bytes = 2 if precision == "bf16" else 4
+        self.moe_flags = [spec.is_moe(i) for i in range(L)]
+        self.model_flops_tok = spec.model_flops_per_token()
+        self._comm_memo: dict = {}
 
     # -- compute ---------------------------------------------------------------
-    def flops_per_s(self, tokens: int) -> float:
-        return self.cal.achieved(tokens, self.cluster.flops(self.precision))
+    def flops_per_s(self, tokens: int, tp: int = 1) -> float:
+        """Whole-model FLOP/s one rank achieves on micro-batches of `tokens` under `tp`."""
+        return self.cal.achieved(tokens, self.cluster.flops(self.precision) * tp, tp)
 
     def _chunk_compute(self, layers: list[int], last: bool, lay: Layout, tokens: int) -> tuple[float, float, float]:
         """(forward, backward, recompute) seconds of one chunk for one micro-batch on one tp rank."""
         fwd_flops = sum(self.layer_flops[i] for i in layers) * tokens
         head = self.spec.head_fwd_flops_per_token * tokens if last else 0.0
-        # a tp-sharded matmul does the work of an unsharded one on tokens/tp rows: price it at
-        # the speed measured for that much work per call (small calls run less efficiently)
-        speed = self.flops_per_s(max(1, tokens // lay.tp)) * lay.tp
+        # measured on the tp-sharded shapes where profiled (small matrices run less efficiently)
+        speed = self.flops_per_s(tokens, lay.tp)
         f, h = fwd_flops / speed, head / speed
         return f + h, 2 * (f + h), f if lay.recompute else 0.0
 
@@ -210,25 +248,54 @@ class CostModel:
                 for name, axes in (("tp", ("tp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("dp", ("dp", "ep")),
                                    ("dp_expert", ("dp",)))}
 
-    def _chunk_comm(self, layers: list[int], lay: Layout, tokens: int, links) -> tuple[float, float, dict]:
-        """(forward, backward) seconds of tp and ep collectives of one chunk for one micro-batch."""
+    def coll(self, op: str, nbytes: float, n: int, link: Link) -> float:
+        """Seconds of one collective: the probe's fit for (op, n) on this machine's one node,
+        the alpha-beta formula of the link otherwise."""
+        if n <= 1:
+            return 0.0
+        fit = self.cluster.collectives.get(f"{op}/{2 if op == 'p2p' else n}")
+        if fit and link is self.cluster.intra:
+            return fit[0] + fit[1] * nbytes
+        return FORMULAS[op](nbytes, n, link)
+
+    def price(self, calls: list[Call], n: int, link: Link) -> float:
+        return sum(c.count * self.coll(c.op, c.nbytes, n, link) for c in calls)
+
+    def _chunk_comm(self, layers: list[int], lay: Layout, tokens: int, links, first: bool,
+                    last: bool) -> tuple[float, float, dict]:
+        """(forward, backward) seconds of tp and ep collectives of one chunk for one micro-batch.
+
+        The calls are those tessel's layers issue (tessel.planner.traffic);
+        recomputation repeats each block's forward collectives in backward.
+        """
+        n_moe = sum(self.moe_flags[i] for i in layers)
+        key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute, tokens,
+               links["tp"], links["ep"])
+        if key not in self._comm_memo:  # thousands of layouts share a few chunk shapes
+            self._comm_memo[key] = self._chunk_comm_priced(*key[:9], links)
+        return self._comm_memo[key]
+
+    def _chunk_comm_priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, ep: int, sp: bool,
+                           recompute: bool, tokens: int, links) -> tuple[float, float, dict]:
         c = self.spec.cfg
-        act = tokens * c.d_model * self.act_bytes
-        # Megatron: one all-reduce after attention and one after the MLP, forward and backward
-        # (Shoeybi et al. 2019); SP swaps each for an all-gather + reduce-scatter of the same volume
-        # (Korthikanti et al. 2022)
-        if lay.sp:
-            tp_one = all_gather_time(act, lay.tp, links["tp"]) + reduce_scatter_time(act, lay.tp, links["tp"])
-        else:
-            tp_one = 2 * all_reduce_time(act, lay.tp, links["tp"])
-        n_moe = sum(self.spec.is_moe(i) for i in layers)
-        a2a_bytes = tokens * c.moe_top_k * c.capacity_factor * c.d_model * self.act_bytes
-        ep_one = n_moe * 2 * all_to_all_time(a2a_bytes, lay.ep, links["ep"])  # dispatch + combine
-        fwd = len(layers) * tp_one + ep_one
-        bwd = fwd * (2 if lay.recompute else 1)  # recomputation repeats the forward's collectives
-        calls = 4 + (2 if lay.recompute else 0)  # collectives per layer: 2 forward, 2 backward, 2 recomputed
-        sent = {"tp": calls * len(layers) * 2 * act * (lay.tp - 1) / lay.tp,
-                "ep": calls * n_moe * a2a_bytes * (lay.ep - 1) / lay.ep}
+        lay = Layout(tp=tp, ep=ep, sp=sp, recompute=recompute)
+        tp_f, tp_b, ep_f, ep_b = [], [], [], []  # every block of a kind issues the same calls: price one, times n
+        if lay.tp > 1:
+            for n, (f, b) in ((n_dense, tp_block_calls(c.d_model, tokens, self.act_bytes, lay.sp)),
+                              (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
+                if n:
+                    tp_f += [Call(x.op, x.nbytes, x.count * n) for x in f]
+                    tp_b += [Call(x.op, x.nbytes, x.count * n) for x in b + (f if lay.recompute else [])]
+            f, b = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, lay.sp, first, last)
+            tp_f += f
+            tp_b += b
+        if n_moe and lay.ep > 1:
+            f, b = ep_block_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts)
+            ep_f = [Call(x.op, x.nbytes, x.count * n_moe) for x in f]
+            ep_b = [Call(x.op, x.nbytes, x.count * n_moe) for x in b + (f if lay.recompute else [])]
+        fwd = self.price(tp_f, lay.tp, links["tp"]) + self.price(ep_f, lay.ep, links["ep"])
+        bwd = self.price(tp_b, lay.tp, links["tp"]) + self.price(ep_b, lay.ep, links["ep"])
+        sent = {"tp": sent_bytes(tp_f + tp_b, lay.tp), "ep": sent_bytes(ep_f + ep_b, lay.ep)}
         return fwd, bwd, sent
 
     # -- memory ----------------------------------------------------------------------
@@ -286,7 +353,7 @@ class CostModel:
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         last_chunk = len(all_chunks) - 1
         p2p_bytes = tokens * c.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
-        p2p = p2p_time(p2p_bytes, links["pp"]) if lay.pp > 1 else 0.0
+        p2p = self.coll("p2p", p2p_bytes, 2, links["pp"]) if lay.pp > 1 else 0.0
         chunk_times, stage_busy, mems = [], [], {}
         comm_sent = {"tp": 0.0, "ep": 0.0}
         t_tp_ep = t_rc = 0.0
@@ -295,7 +362,7 @@ class CostModel:
             row = []
             for k in chunks:
                 f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens)
-                cf, cb, sent = self._chunk_comm(all_chunks[k], lay, tokens, links)
+                cf, cb, sent = self._chunk_comm(all_chunks[k], lay, tokens, links, k == 0, k == last_chunk)
                 row.append((f + cf, b + rc + cb))
                 if s == 0:
                     t_tp_ep += (cf + cb) * lay.chunks
@@ -315,16 +382,17 @@ class CostModel:
         bubble = 1 - busy / t_pipe if t_pipe > 0 else 0.0
         dp_exposed, dp_total, dp_bytes = self._dp_time(lay, links, chunk_times, memory)
         opt = self._optimizer_time(memory)
-        t_step = lay.ga * t_pipe + dp_exposed + opt + self.cal.step_overhead_s
+        book = self._bookkeeping_time(lay, links)
+        t_step = lay.ga * t_pipe + dp_exposed + opt + self.cal.step_overhead_s + book
         busy_compute = max(stage_busy) * lay.m * lay.ga
         global_tokens = lay.global_batch * spec.seq_len
-        model_flops = spec.model_flops_per_token() * global_tokens / t_step / lay.world
+        model_flops = self.model_flops_tok * global_tokens / t_step / lay.world
         peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
         time = {"compute": busy_compute - t_tp_ep - t_rc,
                 "recompute": t_rc, "tp+ep comm": t_tp_ep,
                 "pp comm": 2 * p2p * lay.chunks * lay.v if lay.pp > 1 else 0.0,
                 "bubble": lay.ga * (t_pipe - busy), "dp comm (exposed)": dp_exposed, "optimizer": opt,
-                "overhead": self.cal.step_overhead_s}
+                "overhead": self.cal.step_overhead_s + book}
         comm_sent["pp"] = 2 * p2p_bytes * lay.chunks * lay.v if lay.pp > 1 else 0.0
         comm_sent["dp"] = dp_bytes
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
@@ -336,41 +404,49 @@ class CostModel:
     def _dp_time(self, lay: Layout, links, chunk_times, memory) -> tuple[float, float, float]:
         """(exposed seconds, total seconds, bytes sent) of gradient/parameter traffic over dp (x ep).
 
-        Plain DP and ZeRO-1 all-reduce (or reduce-scatter + all-gather, the same
-        volume) once per step, bucketed and overlapped with the last backward
-        (Li et al. 2020). ZeRO-2 reduce-scatters every micro-batch's gradients;
-        ZeRO-3 also all-gathers the weights before each forward and backward
-        (1.5x the traffic, Rajbhandari et al. 2020); per-micro-batch traffic is
-        prefetched under that micro-batch's compute.
+        The calls are tessel.planner.traffic.dp_step_calls. Bucketed
+        gradient reductions overlap the backward that fills the buckets (Li et
+        al. 2020) as far as the cluster's measured overlap allows, all but the
+        last bucket; ZeRO-3's weight gathers are prefetched under the micro-
+        batch's compute (Rajbhandari et al. 2020); the all-gather of the
+        updated shards after the optimizer step (stages 1, 2) is exposed.
         """
         n = lay.dp * lay.ep
         if n == 1:
             return 0.0, 0.0, 0.0
         grads_full = memory["grads"] * (n if lay.zero >= 2 else 1)  # unsharded fp32 gradient bytes
-        link = links["dp"]
-        ov = self.cluster.overlap
-        last_bwd = max(b for row in chunk_times for _, b in row)
-        if lay.zero <= 1:
-            total = all_reduce_time(grads_full, n, link)
-            nb = max(1, math.ceil(grads_full / self.bucket_bytes))
-            hidden = ov * min(total * (1 - 1 / nb), last_bwd * len(chunk_times[0]))
-            return total - hidden, total, 2 * grads_full * (n - 1) / n
-        # each micro-batch's gradients are reduce-scattered bucket by bucket as backward makes them
-        # (the last bucket waits for the end); ZeRO-3's weight gathers are prefetched under compute
-        nb = max(1, math.ceil(grads_full / self.bucket_bytes))
+        link, ov = links["dp"], self.cluster.overlap
+        units = [4 * sum(self.layer_params[i]) / lay.tp for i in chunk_layers(self.spec.cfg.n_layer, lay.pp, 1)[0]]
+        root = max(0.0, grads_full - sum(units))  # embedding, head, final norm on this stage
+        per_mb, per_step = dp_step_calls(grads_full, lay.zero, self.bucket_bytes, units, root)
+        nb = max(1, sum(c.count for c in (per_mb or per_step) if c.op in ("all_reduce", "reduce_scatter")))
         bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
-        rs = reduce_scatter_time(grads_full, n, link)
+        reduce_step = self.price([c for c in per_step if c.op == "all_reduce"], n, link)
+        gather_step = self.price([c for c in per_step if c.op == "all_gather"], n, link)
+        rs = self.price([c for c in per_mb if c.op == "reduce_scatter"], n, link)
+        ag = self.price([c for c in per_mb if c.op == "all_gather"], n, link)
+        # one bucket's reduction at a time hides behind the rest of backward
+        exposed_step = reduce_step - ov * min(reduce_step * (1 - 1 / nb), bwd_stage) + gather_step
         exposed_mb = rs - ov * min(rs * (1 - 1 / nb), bwd_stage)
-        per_mb = rs
-        if lay.zero == 3:
-            ag = 2 * all_gather_time(grads_full, n, link)
+        if ag:
             compute = min(sum(f + b for f, b in row) for row in chunk_times)  # one micro-batch on one stage
             exposed_mb += max(ag * (1 - ov), ag - ov * compute)
-            per_mb += ag
-        per_step_gather = all_gather_time(grads_full, n, link) if lay.zero == 2 else 0.0
-        total = per_mb * lay.chunks + per_step_gather
-        sent = (grads_full * (n - 1) / n) * ((3 if lay.zero == 3 else 1) * lay.chunks + (lay.zero == 2))
-        return exposed_mb * lay.chunks + per_step_gather, total, sent
+        total = (rs + ag) * lay.chunks + reduce_step + gather_step
+        sent = sent_bytes(per_mb, n) * lay.chunks + sent_bytes(per_step, n)
+        return exposed_mb * lay.chunks + exposed_step, total, sent
+
+    def _bookkeeping_time(self, lay: Layout, links) -> float:
+        """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
+        world-wide ones): the gradient norm's partial sums over tp and pp, the pipeline's
+        tied-embedding gradient, its loss broadcast and its two metric all-reduces."""
+        c = self.spec.cfg
+        t = self.coll("all_reduce", 4, lay.tp, links["tp"]) if lay.tp > 1 else 0.0
+        if lay.pp > 1:
+            t += self.price([Call("all_reduce", 4), Call("all_reduce", 8, 2), Call("all_reduce", 24)],
+                            lay.pp, links["pp"])
+            if c.tie_embeddings:
+                t += self.coll("all_reduce", 4 * c.vocab_size * c.d_model / lay.tp, 2, links["pp"])
+        return t
 
     def _optimizer_time(self, memory) -> float:
         n_params = memory["optimizer"] / 8  # the shard this device updates

@@ -5,11 +5,14 @@ Two measurements, both cached as JSON under the tessel cache directory:
 - `probe_this(world)`: `world` ranks started with tessel.spawn.spawn, all
   measuring at once (so cores shared by several ranks are priced as they are
   shared): matmul FLOP/s per rank with one thread (fp32, bf16), gloo
-  all-reduce latency and bandwidth, how much of an all-reduce hides behind
+  all-reduce latency and bandwidth, a fit alpha + beta * bytes for each
+  collective the trainer uses (all-reduce, all-gather, reduce-scatter,
+  all-to-all, p2p) and each group size, how much of an all-reduce hides behind
   concurrent compute, memory bandwidth, and the resident memory a rank holds
   before it holds any model (Python, torch, gloo, the trainer's modules).
 - `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
-  backward of the reference GPT at several micro-batch sizes, the clipped
+  backward of the reference GPT at several micro-batch sizes, whole and as one
+  rank of each tensor-parallel degree holds it (communication left out), the clipped
   AdamW step, and the trainer's per-step bookkeeping.
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import Calibration
+from tessel.planner.traffic import fit_alpha_beta
 
 
 def _cache_path(kind: str, key: str) -> Path:
@@ -90,8 +94,56 @@ def _probe_rank() -> dict:
     out["latency"] = alpha
     out["bandwidth"] = 2 * (n - 1) / n * big.numel() * 4 / beta_time if n > 1 else float("inf")
     out["overlap"] = _overlap(big, n)
+    out["collectives"] = _collective_points(n)
     a = torch.empty(2**23)  # 32 MiB: streams through memory, like the optimizer step
     out["mem_bandwidth"] = 3 * a.numel() * 4 / _median_time(lambda: a.mul_(1.0000001).add_(1e-9), 5)
+    return out
+
+
+# sizes of the collective probe: a TP activation of one micro-batch is 16 KiB-1 MiB here,
+# a gradient bucket 1-25 MiB; the smallest shows the per-call cost alone
+PROBE_BYTES = (64, 16 * 2**10, 256 * 2**10, 4 * 2**20)
+
+
+def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
+    """{"op/group size": [(bytes, median seconds)]} for every op of tessel.planner.traffic.
+
+    Every group size g dividing the world is timed with all n/g groups busy at
+    once (contiguous ranks, as tp groups are laid out): the cores are shared
+    as they are when every tp group of a layout communicates. p2p is one
+    batched isend/irecv between the ranks of a pair, half a ping-pong.
+    """
+    import torch
+    import torch.distributed as dist
+    from tessel.parallel.tensor_comm import _all_gather_single, _reduce_scatter_single
+    rank, out = dist.get_rank(), {}
+    for g in [g for g in range(2, n + 1) if n % g == 0]:
+        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, n, g)]  # every rank creates every group
+        group, me = groups[rank // g], rank % g
+
+        def p2p(buf, group=group, me=me):
+            peer = dist.get_global_rank(group, 1 - me)
+            for sender in (0, 1):
+                op = dist.isend if me == sender else dist.irecv
+                for w in dist.batch_isend_irecv([dist.P2POp(op, buf, peer, group=group)]):
+                    w.wait()
+        for nbytes in PROBE_BYTES:
+            numel = max(g, nbytes // 4 // g * g)
+            x, big = torch.ones(numel), torch.ones(numel * g)
+            part = torch.empty(numel // g)
+            calls = {"all_reduce": lambda: dist.all_reduce(x, group=group),
+                     "all_gather": lambda: _all_gather_single(big, x, group=group),
+                     "reduce_scatter": lambda: _reduce_scatter_single(part, x, group=group),
+                     "all_to_all": lambda: dist.all_to_all_single(big[:numel], x, group=group)}
+            if g == 2:
+                calls["p2p"] = lambda: p2p(x)
+            sizes = {"all_gather": numel * g * 4}  # all_gather is priced by its gathered output
+            reps = 15 if nbytes <= 2**16 else (7 if nbytes <= 2**20 else 4)
+            for op, fn in calls.items():
+                fn()  # warm-up: connection set-up, allocations
+                dist.barrier()
+                t = _median_time(fn, reps) / (2 if op == "p2p" else 1)
+                out.setdefault(f"{op}/{g}", []).append((sizes.get(op, numel * 4), t))
     return out
 
 
@@ -136,17 +188,22 @@ def _baseline_rss() -> float:
 
 def probe_this(world: int, refresh: bool = False) -> Cluster:
     """The cluster "this": one node of `world` ranks on this machine, measured (cached)."""
-    path = _cache_path("this", f"w{world}")
+    path = _cache_path("this", f"v2-w{world}")  # v2: with per-op collective fits
     if path.exists() and not refresh:
         return Cluster.from_dict(json.loads(path.read_text()))
     from tessel.spawn import spawn
     results = spawn(_probe_rank, world, timeout=300)
-    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    med = {k: statistics.median(r[k] for r in results) for k in results[0] if k != "collectives"}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = Link(med["bandwidth"], med["latency"])
+    fits = {}
+    for key in results[0]["collectives"]:  # the median over ranks of each point, then one fit per op
+        pts = [(x, statistics.median(r["collectives"][key][i][1] for r in results))
+               for i, (x, _) in enumerate(results[0]["collectives"][key])]
+        fits[key] = list(fit_alpha_beta(pts))
     cluster = Cluster("this", 1, world, {"fp32": med["fp32"], "bf16": med["bf16"]}, ram / world, link, link,
                       mem_bandwidth=med["mem_bandwidth"], efficiency=1.0, baseline_memory=med["baseline"],
-                      overlap=med["overlap"], usable_memory=0.8, source="probe",
+                      overlap=med["overlap"], usable_memory=0.8, source="probe", collectives=fits,
                       extra={"probed_at": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cluster.to_dict(), indent=1))
@@ -155,42 +212,80 @@ def probe_this(world: int, refresh: bool = False) -> Cluster:
 
 # ---- profiling the reference model --------------------------------------------
 
+def _tp_shaped(model, cfg, tp: int):
+    """The model as one tp rank holds it, with the communication left out (group None).
+
+    tessel.parallel.tensor's layers shard by ctx.size and talk only when
+    ctx.group is set: this times exactly the matmuls (q, k, v, wo, gate, up,
+    down, vocab head) and attention of 1/tp of the heads and columns that a tp
+    rank runs, whose efficiency falls as the matrices shrink. The collectives
+    are priced apart (tessel.planner.traffic).
+    """
+    from tessel.models.moe import MoE
+    from tessel.models.plan import gpt_tp_plan
+    from tessel.parallel.tensor import TPContext, VocabParallelLoss, apply_plan
+    from tessel.models.gpt import cross_entropy
+    if tp == 1:
+        return model, cross_entropy
+    ctx = TPContext(None, tp, 0, False)
+    moe_blocks = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+    apply_plan(model, gpt_tp_plan(moe_blocks, cfg.n_layer), ctx)
+    return model, VocabParallelLoss(ctx, cfg.vocab_size)
+
+
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
-                  rounds: int = 5) -> dict:
+                  tp_sizes: list[int], rounds: int = 5) -> dict:
     _own_session()
     import torch
     import torch.distributed as dist
 
-    from tessel.config import ModelConfig, TrainConfig
-    from tessel.models.gpt import GPT, cross_entropy
+    from tessel.config import ModelConfig
+    from tessel.models.gpt import GPT
     from tessel.planner.model_spec import ModelSpec
-    from tessel.train.data import BatchSampler
     from tessel.parallel.step import autocast_for
-    from tessel.train.trainer import build_optimizer
 
     cfg = ModelConfig(**model_raw)
     spec = ModelSpec("profile", cfg, seq_len, 1)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    params = list(model.parameters())
-    opt = build_optimizer(params, TrainConfig())
     dev = torch.device("cpu")
     batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
+    models = {}
+    for tp in tp_sizes:
+        torch.manual_seed(0)
+        models[tp] = _tp_shaped(GPT(cfg), cfg, tp)
 
-    def fwd_bwd(x):
+    def fwd_bwd(tp, x):
+        model, loss_fn = models[tp]
         with autocast_for(dev, precision):
-            loss = cross_entropy(model(x), x)
+            loss = loss_fn(model(x), x)
         loss.backward()
-    for x in batches.values():
-        fwd_bwd(x)  # warm-up: allocations and kernel choice
-    # sizes take turns, round after round, so a change in the machine's load hits them all alike
-    times: dict[int, list[float]] = {mb: [] for mb in micro_batches}
+    for tp in tp_sizes:
+        for x in batches.values():
+            fwd_bwd(tp, x)  # warm-up: allocations and kernel choice
+    # shapes take turns, round after round, so a change in the machine's load hits them all alike
+    times: dict[tuple[int, int], list[float]] = {(tp, mb): [] for tp in tp_sizes for mb in micro_batches}
     for _ in range(rounds):
-        for mb, x in batches.items():
+        for tp, mb in times:
             dist.barrier()
-            times[mb].append(_median_time(lambda: fwd_bwd(x), 1))
-    points = [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[mb]))
-              for mb in micro_batches]
+            times[tp, mb].append(_median_time(lambda: fwd_bwd(tp, batches[mb]), 1))
+    # whole-model FLOPs per second of one rank's time: a tp rank does 1/tp of them in that time
+    points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[tp, mb]))
+                   for mb in micro_batches] for tp in tp_sizes}
+
+    t_opt, t_over = _time_step_rest(models[1][0], seq_len, max(micro_batches))
+    n_params = sum(p.numel() for p in models[1][0].parameters())
+    return {"points": points, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
+
+
+def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
+    """(clip + AdamW step, per-step bookkeeping) seconds of the whole model on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from tessel.config import TrainConfig
+    from tessel.train.data import BatchSampler
+    from tessel.train.trainer import build_optimizer
+    params = list(model.parameters())
+    opt = build_optimizer(params, TrainConfig())
 
     def opt_step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -199,29 +294,46 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     opt_step()
     dist.barrier()
     t_opt = _median_time(opt_step, 5)
-    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, max(micro_batches), 0)
+    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, mb, 0)
     scalar = torch.zeros(1)
+    keys: list = [None] * dist.get_world_size()
+
+    def bookkeeping():
+        # what Trainer.train_step adds to any layout: the batch, the loss mean, the gradient
+        # norm's agreement on its keys (all_gather_object) and the all-finite vote
+        sampler.next()
+        dist.all_reduce(scalar)
+        dist.all_gather_object(keys, [()])
+        dist.all_reduce(scalar)
     dist.barrier()
-    t_over = _median_time(lambda: (sampler.next(), dist.all_reduce(scalar), dist.all_reduce(scalar)), 10)
-    return {"points": points, "opt_s_per_param": t_opt / sum(p.numel() for p in params), "overhead": t_over}
+    return t_opt, _median_time(bookkeeping, 10)
+
+
+def _tp_sizes(cfg, world: int) -> list[int]:
+    """Tensor-parallel degrees the trainer accepts for this model on `world` ranks."""
+    return [t for t in range(1, world + 1) if world % t == 0 and cfg.n_head % t == 0 and cfg.kv_heads % t == 0
+            and cfg.ffn_dim % t == 0]
 
 
 def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int], precision: str = "fp32",
                   refresh: bool = False) -> Calibration:
     """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
     raw = model_cfg.model_dump(exclude_none=True)
-    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision],
+    tps = _tp_sizes(model_cfg, world)
+    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v2"],
                                   sort_keys=True).encode()).hexdigest()[:12]
     path = _cache_path("profile", key)
     if path.exists() and not refresh:
         d = json.loads(path.read_text())
     else:
         from tessel.spawn import spawn
-        results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, timeout=600)
-        points = [(results[0]["points"][i][0], statistics.median(r["points"][i][1] for r in results))
-                  for i in range(len(results[0]["points"]))]
+        results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, tps, timeout=600)
+        points = {str(tp): [(x, statistics.median(r["points"][tp][i][1] for r in results))
+                            for i, (x, _) in enumerate(results[0]["points"][tp])] for tp in tps}
         d = {"points": points, "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
              "overhead": statistics.median(r["overhead"] for r in results)}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(d, indent=1))
-    return Calibration([tuple(p) for p in d["points"]], d["opt_s_per_param"], d["overhead"])
+    tp_points = {int(tp): [tuple(p) for p in pts] for tp, pts in d["points"].items()}
+    return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points)
+
