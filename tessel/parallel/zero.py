@@ -233,8 +233,10 @@ class ZeroDataParallel(GradientSyncWrapper):
             self._gather_async(self.units[unit])
 
     def _pre_forward_root(self, module, args) -> None:
-        self._wait_gathered(self.root)
+        # issue the first unit's gather with the root's, before waiting on either
+        self._gather_async(self.root)
         self._prefetch(0)
+        self._wait_gathered(self.root)
 
     def _post_forward_root(self, module, args, output):
         if _in_backward():
@@ -247,9 +249,10 @@ class ZeroDataParallel(GradientSyncWrapper):
         return _map_tensors(output, lambda t: _PreBackwardGather.apply(self, -1, t) if t.requires_grad else t)
 
     def _pre_forward(self, unit: int, module, args) -> None:
-        self._wait_gathered(self.units[unit])
+        self._gather_async(self.units[unit])
         if not _in_backward():
-            self._prefetch(unit + 1)
+            self._prefetch(unit + 1)  # issued before the wait below, so it is in flight during it
+        self._wait_gathered(self.units[unit])
 
     def _post_forward(self, unit: int, module, args, output):
         if _in_backward():
@@ -266,12 +269,10 @@ class ZeroDataParallel(GradientSyncWrapper):
     def _before_backward(self, unit: int) -> None:
         """`unit` is about to run backward (-1: the root, first of all); gather it, prefetch the next."""
         self._queue_finish()  # reshard at the end even under no_sync
-        if unit < 0:
-            self._wait_gathered(self.root)
-            self._prefetch(len(self.units) - 1)
-        else:
-            self._wait_gathered(self.units[unit])
-            self._prefetch(unit - 1)
+        groups = self.root if unit < 0 else self.units[unit]
+        self._gather_async(groups)
+        self._prefetch(len(self.units) - 1 if unit < 0 else unit - 1)  # in flight during the wait
+        self._wait_gathered(groups)
 
     # ---- backward: gradients to their owners ---------------------------------------
     def _queue_finish(self) -> None:
@@ -281,7 +282,10 @@ class ZeroDataParallel(GradientSyncWrapper):
 
     def _grad_view(self, g: FlatGroup, i: int) -> torch.Tensor:
         if g.buffer is None:
-            g.buffer = torch.zeros_like(g.full, memory_format=torch.contiguous_format)
+            # no zero fill: every parameter's view is written (its gradient, or zeros in
+            # _finish) before the buffer is reduced; only the padding tail is zeroed
+            g.buffer = torch.empty(g.full.shape, dtype=g.full.dtype, device=g.full.device)
+            g.buffer[max(o + p.numel() for o, p in zip(g.offsets, g.params)):].zero_()
         return g.view_of(i)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -316,8 +320,12 @@ class ZeroDataParallel(GradientSyncWrapper):
         else:
             g.out = torch.empty_like(g.grad_shard)
             g.work = reduce_scatter(g.out, g.buffer, g.comm.group)
+            # the full gradient is dropped at once: the collective's work object holds
+            # its input until it is done (gloo even reduces a copy of it), so it is freed
+            # as early as the backend allows
+            g.buffer = None
             for p in g.params:
-                p.grad = None  # the full gradient lives on only until the reduction ends
+                p.grad = None
         self._in_flight.append(g)
         while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
@@ -329,9 +337,9 @@ class ZeroDataParallel(GradientSyncWrapper):
         if self.stage == 1:
             g.buffer.div_(self.data_shards)
         else:
-            g.grad_shard.add_(g.out.div_(self.data_shards))  # add: gradients accumulate across steps
+            # add: gradients accumulate across steps; the mean in the same pass
+            g.grad_shard.add_(g.out, alpha=1.0 / self.data_shards)
             g.out = None
-            g.buffer = None
 
     def _finish(self) -> None:
         if self.sync_gradients:
