@@ -40,6 +40,8 @@ BAD = [
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "model.tie_embeddings=true"],
      "model.tie_embeddings"),                                         # tied across stages under ZeRO
     (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["parallel.dp=2", 'parallel.zero_param_dtype="bf16"'], "parallel.zero_param_dtype"),  # needs ZeRO
+    (["parallel.dp=2", 'parallel.zero_reduce_dtype="bf16"'], "parallel.zero_param_dtype"),
 ]
 
 
