@@ -77,7 +77,7 @@ from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_pa
 from tessel.parallel import zero_ckpt
 from tessel.parallel.norms import shard_axes
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
-                                       segments, unit_group)
+                                       segments, state_bytes, unit_group)  # noqa: F401 (state_bytes: API)
 
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
@@ -514,30 +514,3 @@ def zero_dtypes(parallel) -> dict[str, torch.dtype | None]:
     """zero_parallel's param_dtype/reduce_dtype from a ParallelConfig."""
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
     return {"param_dtype": dtypes[parallel.zero_param_dtype], "reduce_dtype": dtypes[parallel.zero_reduce_dtype]}
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds now in parameters, gradients and optimizer state.
-
-    Counts each storage once (views share one), at its allocated size: a
-    stage-3 buffer that is freed counts 0."""
-    def total(tensors) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            if t is not None:
-                s = t.untyped_storage()
-                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-        return sum(seen.values())
-
-    engine = model if isinstance(model, ZeroDataParallel) else None
-    groups = engine.groups if engine else []
-    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
-    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
-             + [p.grad for p in optimizer_params(optimizer)])
-    states = [v for st in optimizer.state.values() for k, v in st.items()
-              if torch.is_tensor(v) and k != "step"]
-    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
