@@ -311,26 +311,23 @@ class ZeroDataParallel(GradientSyncWrapper):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _grad_view(self, g: FlatGroup, i: int) -> torch.Tensor:
-        if g.buffer is None and self._add_into_buffer:
+        """Parameter i's view of the flat gradient buffer (mixed precision: zeros when new)."""
+        if g.buffer is None:  # stage 1 keeps its buffer: only the mixed path gets here
             g.buffer = torch.zeros(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
-        elif g.buffer is None:
-            # no zero fill: every parameter's view is written (its gradient, or zeros in
-            # _finish) before the buffer is reduced; only the padding tail is zeroed
-            g.buffer = torch.empty(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
-            g.buffer[max(o + p.numel() for o, p in zip(g.offsets, g.params)):].zero_()
         return g.view_of(i)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         gi, i = self._where[id(p)]
         g = self.groups[gi]
-        view = self._grad_view(g, i)
         if self._add_into_buffer:
-            view.add_(p.grad)  # accumulates in grad_dtype over micro-steps
+            self._grad_view(g, i).add_(p.grad)  # accumulates in grad_dtype over micro-steps
             p.grad = None
-        elif p.grad.data_ptr() != view.data_ptr():
+        elif self.stage == 1 and p.grad.data_ptr() != g.view_of(i).data_ptr():
             # autograd made a fresh gradient: keep it in the flat buffer from now on
-            view.copy_(p.grad)
-            p.grad = view
+            g.view_of(i).copy_(p.grad)
+            p.grad = g.view_of(i)
+        # stages 2, 3: autograd's own gradient stays in p.grad until the whole group is
+        # ready (_flatten_grads), so no flat buffer is held through the unit's backward
         self._queue_finish()
         g.ready.add(i)
         if len(g.ready) < len(g.params):
@@ -353,6 +350,7 @@ class ZeroDataParallel(GradientSyncWrapper):
         if self.stage == 1:
             g.work = dist.all_reduce(g.buffer, group=g.comm.group, async_op=True) if g.comm.group else None
         else:
+            self._flatten_grads(g)
             g.out = torch.empty(g.grad_shard.shape, dtype=g.grad_dtype, device=g.grad_shard.device)
             g.work = reduce_scatter(g.out, g.buffer, g.comm.group)
             # the full gradient is dropped at once: the collective's work object holds
@@ -364,6 +362,19 @@ class ZeroDataParallel(GradientSyncWrapper):
         self._in_flight.append(g)
         while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
+
+    def _flatten_grads(self, g: FlatGroup) -> None:
+        """Stages 2, 3: the group's gradients into one flat buffer, the reduce-scatter's input.
+
+        Under mixed precision they were added into it as they came."""
+        if g.buffer is not None:
+            return
+        # every element is written: a gradient, zeros for a parameter without one, zero padding
+        g.buffer = torch.empty(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
+        g.buffer[max(o + p.numel() for o, p in zip(g.offsets, g.params)):].zero_()
+        for i, p in enumerate(g.params):
+            g.view_of(i).zero_() if p.grad is None else g.view_of(i).copy_(p.grad)
+            p.grad = None
 
     def _complete(self, g: FlatGroup) -> None:
         if g.work is not None:
@@ -385,10 +396,11 @@ class ZeroDataParallel(GradientSyncWrapper):
             for g in self.groups:
                 for i, p in enumerate(g.params):
                     if i not in g.ready:
-                        view = self._grad_view(g, i)
-                        if self._add_into_buffer:
-                            pass  # zeros, or what earlier micro-steps added
-                        elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        view = self._grad_view(g, i) if self.stage == 1 or self._add_into_buffer else None
+                        # _add_into_buffer: the view holds zeros or what earlier micro-steps
+                        # added; stages 2, 3: _flatten_grads writes zeros for it
+                        if view is not None and not self._add_into_buffer and (
+                                p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                             view.zero_() if p.grad is None else view.copy_(p.grad)
                             p.grad = view
                         g.ready.add(i)
@@ -420,10 +432,9 @@ class ZeroDataParallel(GradientSyncWrapper):
                 g.grad_shard.zero_()  # or a copy (another grad_dtype)
                 continue
             g.grad_shard.zero_()
-            if g.buffer is not None:  # left over from no_sync micro-steps
-                g.buffer = None
-                for p in g.params:
-                    p.grad = None
+            g.buffer = None  # gradients left over from no_sync micro-steps
+            for p in g.params:
+                p.grad = None
 
 
 def _in_backward() -> bool:
