@@ -319,8 +319,9 @@ class ZeroDataParallel(GradientSyncWrapper):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         gi, i = self._where[id(p)]
         g = self.groups[gi]
-        if self._add_into_buffer:
-            self._grad_view(g, i).add_(p.grad)  # accumulates in grad_dtype over micro-steps
+        if self._add_into_buffer and (self.stage == 1 or not self.sync_gradients):
+            # accumulate in grad_dtype over micro-steps, not in the parameter's dtype
+            self._grad_view(g, i).add_(p.grad)
             p.grad = None
         elif self.stage == 1 and p.grad.data_ptr() != g.view_of(i).data_ptr():
             # autograd made a fresh gradient: keep it in the flat buffer from now on
@@ -364,10 +365,13 @@ class ZeroDataParallel(GradientSyncWrapper):
             self._complete(self._in_flight.popleft())
 
     def _flatten_grads(self, g: FlatGroup) -> None:
-        """Stages 2, 3: the group's gradients into one flat buffer, the reduce-scatter's input.
-
-        Under mixed precision they were added into it as they came."""
+        """Stages 2, 3: the group's gradients into one flat buffer, the reduce-scatter's input
+        (cast to grad_dtype), added to what no_sync micro-steps left there under mixed precision."""
         if g.buffer is not None:
+            for i, p in enumerate(g.params):
+                if p.grad is not None:
+                    g.view_of(i).add_(p.grad)
+                p.grad = None
             return
         # every element is written: a gradient, zeros for a parameter without one, zero padding
         g.buffer = torch.empty(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
@@ -396,7 +400,7 @@ class ZeroDataParallel(GradientSyncWrapper):
             for g in self.groups:
                 for i, p in enumerate(g.params):
                     if i not in g.ready:
-                        view = self._grad_view(g, i) if self.stage == 1 or self._add_into_buffer else None
+                        view = self._grad_view(g, i) if self.stage == 1 else None
                         # _add_into_buffer: the view holds zeros or what earlier micro-steps
                         # added; stages 2, 3: _flatten_grads writes zeros for it
                         if view is not None and not self._add_into_buffer and (
