@@ -83,6 +83,11 @@ class ParallelConfig(Strict):
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
+    zero_param_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="ZeRO: dtype of the parameters the model computes with and all-gathers "
+                            "(fp32 master weights and AdamW state stay in the optimizer)")
+    zero_reduce_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="ZeRO: dtype gradients are reduced in; default zero_param_dtype")
     micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
     sequence_parallel: bool = False
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
@@ -222,6 +227,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
+    mixed = p.zero_param_dtype != "fp32" or p.zero_reduce_dtype not in (None, "fp32")
+    _require(not mixed or (p.zero_stage > 0 and p.pp == 1), "parallel.zero_param_dtype",
+             "bf16 parameter storage or reduction needs parallel.zero_stage 1-3 and pp = 1")
     _require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
              or (p.ep == 1 and p.pp == 1), "checkpoint.every",

@@ -20,7 +20,7 @@ from tessel.parallel.data import data_parallel
 from tessel.parallel.expert import moe_metrics, shard_experts
 from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
-from tessel.parallel.zero import zero_parallel
+from tessel.parallel.zero import zero_dtypes, zero_parallel
 from tessel.parallel.step import LocalRunner
 
 
@@ -86,7 +86,8 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         t = cfg.train
         plan.model, plan.optimizer = zero_parallel(
             plan.model, mesh, cfg.parallel.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
-            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb)
+            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+            **zero_dtypes(cfg.parallel))
         return plan
     if mesh.size("dp", "ep") > 1:
         from tessel.comm.reducer import dp_reducer

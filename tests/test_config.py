@@ -36,6 +36,8 @@ BAD = [
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
     (["parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
+    (["parallel.dp=2", 'parallel.zero_param_dtype="bf16"'], "parallel.zero_param_dtype"),  # needs ZeRO
+    (["parallel.dp=2", 'parallel.zero_reduce_dtype="bf16"'], "parallel.zero_param_dtype"),
 ]
 
 

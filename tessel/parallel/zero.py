@@ -19,8 +19,8 @@ into N equal contiguous shards; rank r owns shard r of every group.
   unit computes (prefetch), so communication overlaps compute. The root unit
   stays gathered from the start of forward to the end of backward.
 
-Precision: parameters, gradients and optimizer state are fp32, so the
-parameters are the master weights; bf16 compute comes from autocast
+Precision. By default parameters, gradients and optimizer state are fp32, so
+the parameters are the master weights; bf16 compute comes from autocast
 (train.precision = "bf16"), which casts each weight to bf16 at its matmul.
 Memory per rank for Psi parameters, N ranks, AdamW (exp_avg and exp_avg_sq):
 
@@ -29,6 +29,21 @@ Memory per rank for Psi parameters, N ranks, AdamW (exp_avg and exp_avg_sq):
     1      4Psi     4Psi     8Psi/N
     2      4Psi     4Psi/N   8Psi/N
     3      4Psi/N   4Psi/N   8Psi/N       (plus the units gathered at the moment)
+
+Mixed-precision storage (param_dtype, reduce_dtype; FSDP2's MixedPrecisionPolicy,
+and the paper's fp16 parameters and gradients with fp32 master copies): the
+module's parameters, and every all-gather of them, are in param_dtype (p bytes),
+its floating inputs are cast to it, and gradients are accumulated and reduced in
+reduce_dtype (r bytes). The owned shard of the fp32 master weights, its fp32
+gradient and AdamW's state stay fp32, and the optimizer updates those; the
+low-precision parameters are refreshed from them (stages 1, 2: cast and
+all-gathered after each step; stage 3: at every gather). Per rank:
+
+    stage  params             grads              optimizer
+    1      pPsi + 4Psi/N      rPsi + 4Psi/N (*)  8Psi/N
+    2      pPsi + 4Psi/N      4Psi/N             8Psi/N
+    3      4Psi/N             4Psi/N             8Psi/N   (gathered units take p bytes per element)
+    (*) rPsi alone when r = 4: the fp32 shard is then a view of the reduced buffer
 
 The optimizer is torch's AdamW stepping "segments": the pieces of the owned
 shard that belong to parameters of one weight-decay class and one sharding
@@ -62,7 +77,7 @@ from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_pa
 from tessel.parallel import zero_ckpt
 from tessel.parallel.norms import shard_axes
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
-                                       segments, unit_group)
+                                       segments, state_bytes, unit_group)  # noqa: F401 (state_bytes: API)
 
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
@@ -99,11 +114,19 @@ class ZeroDataParallel(GradientSyncWrapper):
     """Wraps a module; ZeRO stage 1, 2 or 3 over `axes` of the mesh. See the module docstring."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, axes: Sequence[str] = ("dp",),
-                 bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None, broadcast: bool = True):
+                 bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None, broadcast: bool = True,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data), got {stage}")
         self.module, self.stage, self.axes = module, stage, tuple(axes)
+        # mixed precision (see the module docstring): the module computes with parameters
+        # in param_dtype, gradients are reduced in reduce_dtype (default: param_dtype)
+        self.param_dtype = param_dtype or torch.float32
+        self.grad_dtype = reduce_dtype or self.param_dtype
+        # a gradient of another dtype than its parameter cannot be its .grad: such
+        # gradients are added into the flat buffer and dropped by the hook
+        self._add_into_buffer = self.grad_dtype != self.param_dtype
         # every gradient is divided by the number of data shards, also one summed over
         # fewer ranks (experts: the all-to-all's backward already summed the other ep
         # ranks' tokens into it), as in tessel.parallel.data
@@ -127,7 +150,8 @@ class ZeroDataParallel(GradientSyncWrapper):
         else:
             order = {id(p): i for i, p in enumerate(reversed(params))}
             self.groups = sorted((g for comm, ps in by_comm.items()
-                                  for g in bucket_groups(ps, int(bucket_mb * 2**20), comm, stage, order)),
+                                  for g in bucket_groups(ps, int(bucket_mb * 2**20), comm, stage, order,
+                                                         self.param_dtype, self.grad_dtype)),
                                  key=lambda g: g.first)
         self._where = {id(p): (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         self._next_to_launch = 0
@@ -137,6 +161,8 @@ class ZeroDataParallel(GradientSyncWrapper):
         if stage == 3:
             self._install_unit_hooks()
             self.reshard_all()
+        if self.param_dtype != torch.float32:
+            module.register_forward_pre_hook(self._cast_inputs)
 
     # ---- layout ------------------------------------------------------------------
     @staticmethod
@@ -172,12 +198,16 @@ class ZeroDataParallel(GradientSyncWrapper):
         # gradients of the last unit are ready first; the root (embedding, head) completes last
         return [g for unit in reversed(self.units) for g in unit] + self.root
 
-    @staticmethod
-    def _split_by_comm(ps, comm_of, index) -> list[FlatGroup]:
+    def _split_by_comm(self, ps, comm_of, index) -> list[FlatGroup]:
         per: dict[Comm, list[nn.Parameter]] = {}
         for p in ps:
             per.setdefault(comm_of[id(p)], []).append(p)
-        return [unit_group(group_ps, comm, index) for comm, group_ps in per.items()]
+        return [unit_group(group_ps, comm, index, self.param_dtype, self.grad_dtype)
+                for comm, group_ps in per.items()]
+
+    def _cast_inputs(self, module, args):
+        """Floating-point inputs to param_dtype, as the parameters they meet (FSDP2 does the same)."""
+        return _map_tensors(args, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -205,7 +235,7 @@ class ZeroDataParallel(GradientSyncWrapper):
                 continue
             g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
             with torch.no_grad():
-                g.gather_work = all_gather(g.full, g.shard, g.comm.group)
+                g.gather_work = all_gather(g.full, g.shard_source(), g.comm.group)
             g.gathered = True
 
     def _wait_gathered(self, groups: Sequence[FlatGroup]) -> None:
@@ -233,8 +263,10 @@ class ZeroDataParallel(GradientSyncWrapper):
             self._gather_async(self.units[unit])
 
     def _pre_forward_root(self, module, args) -> None:
-        self._wait_gathered(self.root)
+        # issue the first unit's gather with the root's, before waiting on either
+        self._gather_async(self.root)
         self._prefetch(0)
+        self._wait_gathered(self.root)
 
     def _post_forward_root(self, module, args, output):
         if _in_backward():
@@ -247,9 +279,10 @@ class ZeroDataParallel(GradientSyncWrapper):
         return _map_tensors(output, lambda t: _PreBackwardGather.apply(self, -1, t) if t.requires_grad else t)
 
     def _pre_forward(self, unit: int, module, args) -> None:
-        self._wait_gathered(self.units[unit])
+        self._gather_async(self.units[unit])
         if not _in_backward():
-            self._prefetch(unit + 1)
+            self._prefetch(unit + 1)  # issued before the wait below, so it is in flight during it
+        self._wait_gathered(self.units[unit])
 
     def _post_forward(self, unit: int, module, args, output):
         if _in_backward():
@@ -266,12 +299,10 @@ class ZeroDataParallel(GradientSyncWrapper):
     def _before_backward(self, unit: int) -> None:
         """`unit` is about to run backward (-1: the root, first of all); gather it, prefetch the next."""
         self._queue_finish()  # reshard at the end even under no_sync
-        if unit < 0:
-            self._wait_gathered(self.root)
-            self._prefetch(len(self.units) - 1)
-        else:
-            self._wait_gathered(self.units[unit])
-            self._prefetch(unit - 1)
+        groups = self.root if unit < 0 else self.units[unit]
+        self._gather_async(groups)
+        self._prefetch(len(self.units) - 1 if unit < 0 else unit - 1)  # in flight during the wait
+        self._wait_gathered(groups)
 
     # ---- backward: gradients to their owners ---------------------------------------
     def _queue_finish(self) -> None:
@@ -280,18 +311,24 @@ class ZeroDataParallel(GradientSyncWrapper):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _grad_view(self, g: FlatGroup, i: int) -> torch.Tensor:
-        if g.buffer is None:
-            g.buffer = torch.zeros_like(g.full, memory_format=torch.contiguous_format)
+        """Parameter i's view of the flat gradient buffer (mixed precision: zeros when new)."""
+        if g.buffer is None:  # stage 1 keeps its buffer: only the mixed path gets here
+            g.buffer = torch.zeros(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
         return g.view_of(i)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         gi, i = self._where[id(p)]
         g = self.groups[gi]
-        view = self._grad_view(g, i)
-        if p.grad.data_ptr() != view.data_ptr():
+        if self._add_into_buffer and (self.stage == 1 or not self.sync_gradients):
+            # accumulate in grad_dtype over micro-steps, not in the parameter's dtype
+            self._grad_view(g, i).add_(p.grad)
+            p.grad = None
+        elif self.stage == 1 and p.grad.data_ptr() != g.view_of(i).data_ptr():
             # autograd made a fresh gradient: keep it in the flat buffer from now on
-            view.copy_(p.grad)
-            p.grad = view
+            g.view_of(i).copy_(p.grad)
+            p.grad = g.view_of(i)
+        # stages 2, 3: autograd's own gradient stays in p.grad until the whole group is
+        # ready (_flatten_grads), so no flat buffer is held through the unit's backward
         self._queue_finish()
         g.ready.add(i)
         if len(g.ready) < len(g.params):
@@ -314,13 +351,34 @@ class ZeroDataParallel(GradientSyncWrapper):
         if self.stage == 1:
             g.work = dist.all_reduce(g.buffer, group=g.comm.group, async_op=True) if g.comm.group else None
         else:
-            g.out = torch.empty_like(g.grad_shard)
+            self._flatten_grads(g)
+            g.out = torch.empty(g.grad_shard.shape, dtype=g.grad_dtype, device=g.grad_shard.device)
             g.work = reduce_scatter(g.out, g.buffer, g.comm.group)
+            # the full gradient is dropped at once: the collective's work object holds
+            # its input until it is done (gloo even reduces a copy of it), so it is freed
+            # as early as the backend allows
+            g.buffer = None
             for p in g.params:
-                p.grad = None  # the full gradient lives on only until the reduction ends
+                p.grad = None
         self._in_flight.append(g)
         while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
+
+    def _flatten_grads(self, g: FlatGroup) -> None:
+        """Stages 2, 3: the group's gradients into one flat buffer, the reduce-scatter's input
+        (cast to grad_dtype), added to what no_sync micro-steps left there under mixed precision."""
+        if g.buffer is not None:
+            for i, p in enumerate(g.params):
+                if p.grad is not None:
+                    g.view_of(i).add_(p.grad)
+                p.grad = None
+            return
+        # every element is written: a gradient, zeros for a parameter without one, zero padding
+        g.buffer = torch.empty(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
+        g.buffer[max(o + p.numel() for o, p in zip(g.offsets, g.params)):].zero_()
+        for i, p in enumerate(g.params):
+            g.view_of(i).zero_() if p.grad is None else g.view_of(i).copy_(p.grad)
+            p.grad = None
 
     def _complete(self, g: FlatGroup) -> None:
         if g.work is not None:
@@ -328,10 +386,12 @@ class ZeroDataParallel(GradientSyncWrapper):
             g.work = None
         if self.stage == 1:
             g.buffer.div_(self.data_shards)
+            if g.grad_dtype != g.shard.dtype:  # the fp32 shard is a copy, not a view
+                g.grad_shard.copy_(g.buffer[g.lo: g.hi])
         else:
-            g.grad_shard.add_(g.out.div_(self.data_shards))  # add: gradients accumulate across steps
+            # add: gradients accumulate across steps; the mean in the same pass
+            g.grad_shard.add_(g.out, alpha=1.0 / self.data_shards)
             g.out = None
-            g.buffer = None
 
     def _finish(self) -> None:
         if self.sync_gradients:
@@ -340,8 +400,11 @@ class ZeroDataParallel(GradientSyncWrapper):
             for g in self.groups:
                 for i, p in enumerate(g.params):
                     if i not in g.ready:
-                        view = self._grad_view(g, i)
-                        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        view = self._grad_view(g, i) if self.stage == 1 else None
+                        # _add_into_buffer: the view holds zeros or what earlier micro-steps
+                        # added; stages 2, 3: _flatten_grads writes zeros for it
+                        if view is not None and not self._add_into_buffer and (
+                                p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                             view.zero_() if p.grad is None else view.copy_(p.grad)
                             p.grad = view
                         g.ready.add(i)
@@ -361,7 +424,7 @@ class ZeroDataParallel(GradientSyncWrapper):
         """After the optimizer updated the owned shards: make the parameters whole (stages 1, 2)."""
         if self.stage == 3:
             return  # the next forward gathers from the updated shards
-        works = [all_gather(g.full, g.shard, g.comm.group) for g in self.groups]
+        works = [all_gather(g.full, g.shard_source(), g.comm.group) for g in self.groups]
         for w in works:
             if w is not None:
                 w.wait()
@@ -369,13 +432,13 @@ class ZeroDataParallel(GradientSyncWrapper):
     def zero_grad_buffers(self) -> None:
         for g in self.groups:
             if self.stage == 1:
-                g.buffer.zero_()  # the owned gradient shard is a view of it
+                g.buffer.zero_()  # the owned gradient shard is a view of it (fp32)
+                g.grad_shard.zero_()  # or a copy (another grad_dtype)
                 continue
             g.grad_shard.zero_()
-            if g.buffer is not None:  # left over from no_sync micro-steps
-                g.buffer = None
-                for p in g.params:
-                    p.grad = None
+            g.buffer = None  # gradients left over from no_sync micro-steps
+            for p in g.params:
+                p.grad = None
 
     def reduce_gradients(self) -> None:
         """Reduce now, outside backward, what backward accumulated with sync_gradients = False.
@@ -449,44 +512,29 @@ class ZeroAdamW(torch.optim.AdamW):
 def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999),
                   eps: float = 1e-8, weight_decay: float = 0.01,
                   decay: Callable[[nn.Parameter], bool] = default_decay, axes: Sequence[str] = ("dp",),
-                  bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None
+                  bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None,
+                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                   ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """tessel's ZeRO for any nn.Module: returns (wrapped model, AdamW over what this rank owns).
 
     Stage 0 is plain data parallelism (tessel.parallel.data) with a full AdamW.
-    `units` (stage 3) are the modules gathered as one; default: find_units(module)."""
+    `units` (stage 3) are the modules gathered as one; default: find_units(module).
+    param_dtype / reduce_dtype (stages 1-3): the dtype the module computes with and the
+    gradients are reduced in; the optimizer keeps fp32 masters (module docstring)."""
     if stage == 0:
+        if param_dtype not in (None, torch.float32) or reduce_dtype not in (None, torch.float32):
+            raise ValueError("param_dtype/reduce_dtype need ZeRO stage 1, 2 or 3 (fp32 masters)")
         model = data_parallel(module, mesh, axes, bucket_mb)
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         groups = [{"params": [p for p in params if decay(p)], "weight_decay": weight_decay},
                   {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
         return model, torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
-    model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units)
+    model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units, param_dtype=param_dtype,
+                             reduce_dtype=reduce_dtype)
     return model, ZeroAdamW(model, lr, betas, eps, weight_decay, decay)
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds now in parameters, gradients and optimizer state.
-
-    Counts each storage once (views share one), at its allocated size: a
-    stage-3 buffer that is freed counts 0."""
-    def total(tensors) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            if t is not None:
-                s = t.untyped_storage()
-                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-        return sum(seen.values())
-
-    engine = model if isinstance(model, ZeroDataParallel) else None
-    groups = engine.groups if engine else []
-    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
-    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
-             + [p.grad for p in optimizer_params(optimizer)])
-    states = [v for st in optimizer.state.values() for k, v in st.items()
-              if torch.is_tensor(v) and k != "step"]
-    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def zero_dtypes(parallel) -> dict[str, torch.dtype | None]:
+    """zero_parallel's param_dtype/reduce_dtype from a ParallelConfig."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
+    return {"param_dtype": dtypes[parallel.zero_param_dtype], "reduce_dtype": dtypes[parallel.zero_reduce_dtype]}

@@ -127,7 +127,7 @@ def load_checkpoint_tensors(optimizer, reader, metadata, localize=None) -> None:
             if MODEL + n not in saved:
                 raise KeyError(f"the checkpoint has no '{n}' (its model differs from this one)")
             md = saved[MODEL + n]  # the logical size: of a tp shard, the whole tensor
-            targets[MODEL + n] = torch.zeros(md.size, dtype=p.dtype, device=g.shard.device)
+            targets[MODEL + n] = torch.zeros(md.size, dtype=g.shard.dtype, device=g.shard.device)  # fp32 master
             for key in ("step",) + MOMENTS:
                 if f"{OPTIM}{n}/{key}" in saved:
                     md = saved[f"{OPTIM}{n}/{key}"]
@@ -152,10 +152,9 @@ def load_checkpoint_tensors(optimizer, reader, metadata, localize=None) -> None:
             for key in MOMENTS if has_optim else ():
                 if f"{OPTIM}{n}/{key}" in targets:  # a parameter a plain AdamW never stepped has none
                     flat[key][start: start + p.numel()].copy_(local(targets[f"{OPTIM}{n}/{key}"], p).reshape(-1))
-        if engine.stage == 3:
-            g.shard.copy_(flat["param"][g.lo: g.hi])  # the parameters are gathered from it on use
-        else:
-            g.full.copy_(flat["param"])  # the shard and every parameter are views of it
+        g.shard.copy_(flat["param"][g.lo: g.hi])  # the master; stage 3 gathers the parameters from it
+        if engine.stage != 3:
+            g.full.copy_(flat["param"])  # every parameter is a view of it (and the shard, in fp32)
         flats.append(flat)
     if not has_optim:
         return

@@ -50,11 +50,14 @@ class FlatGroup(Bucket):
     """A flat parameter buffer (`full`) and its gradient buffer (Bucket.buffer), in N shards.
 
     Bucket.buffer is the full-size gradient (None while it is not needed, stages 2, 3);
-    `grad_shard` is the reduced gradient of the owned shard."""
+    `grad_shard` is the reduced gradient of the owned shard. Under mixed precision
+    `full` (what the module computes with) is in the low precision and `shard`, the
+    fp32 master, is a tensor of its own; `grad_dtype` is the reduction's dtype."""
     comm: Comm | None = None
     full: torch.Tensor | None = None        # (numel,) stage 3: storage freed when not gathered
-    shard: torch.Tensor | None = None       # (numel/N,) owned params; a view of `full` before stage 3
-    grad_shard: torch.Tensor | None = None  # (numel/N,)
+    shard: torch.Tensor | None = None       # (numel/N,) fp32 owned params; a view of `full` if same dtype, stages 1, 2
+    grad_shard: torch.Tensor | None = None  # (numel/N,) fp32
+    grad_dtype: torch.dtype = torch.float32
     out: torch.Tensor | None = None         # reduce-scatter output while in flight
     gather_work: object = None
     gathered: bool = True
@@ -73,28 +76,44 @@ class FlatGroup(Bucket):
         p = self.params[i]
         return self.full[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
+    def shard_source(self) -> torch.Tensor:
+        """What this rank contributes to the gather of `full`: the master shard, cast if needed."""
+        return self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
 
-def _flatten_into(g: FlatGroup) -> None:
-    """Copy the parameters into g.full and make each one a view of it."""
+
+def _flatten_into(g: FlatGroup, param_dtype: torch.dtype, separate_shard: bool) -> None:
+    """Lay the parameters out flat: the fp32 master shard, and g.full in param_dtype with
+    every parameter a view of it. The shard is a view of g.full unless separate_shard
+    (stage 3) or the dtypes differ."""
+    master = g.full  # fp32, zero padding
     with torch.no_grad():
         for i, p in enumerate(g.params):
             view = g.param_view(i)
             view.copy_(p.detach())
             p.data = view
+        g.shard = master[g.lo: g.hi]
+        if param_dtype != master.dtype:
+            g.full = master.to(param_dtype)  # the copy the module computes with
+            for i, p in enumerate(g.params):
+                p.data = g.param_view(i)
+        if param_dtype != master.dtype or separate_shard:
+            g.shard = g.shard.clone()  # the only fp32 copy; the whole master buffer is freed
 
 
 def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int, comm: Comm, stage: int,
-                  order: dict[int, int]) -> list[FlatGroup]:
+                  order: dict[int, int], param_dtype: torch.dtype = torch.float32,
+                  grad_dtype: torch.dtype = torch.float32) -> list[FlatGroup]:
     """Stages 1, 2: gradient buckets (tessel.parallel.data) with a parameter buffer beside each."""
     # reverse order approximates the order in which gradients become ready
     groups = []
     for b in build_buckets(list(reversed(params)), bucket_bytes, align=comm.world):
         g = FlatGroup(b.params, b.buffer, b.offsets, comm=comm, full=torch.zeros_like(b.buffer),
-                      first=order[id(b.params[0])])
-        _flatten_into(g)
-        g.shard = g.full[g.lo: g.hi]
+                      first=order[id(b.params[0])], grad_dtype=grad_dtype)
+        _flatten_into(g, param_dtype, separate_shard=False)
         if stage == 1:
-            g.grad_shard = g.buffer[g.lo: g.hi]  # the all-reduced gradient, seen in place
+            g.buffer = b.buffer.to(grad_dtype)  # zeros
+            # the all-reduced gradient, seen in place when it is fp32; else a copy of it
+            g.grad_shard = g.buffer[g.lo: g.hi] if grad_dtype == g.shard.dtype else torch.zeros_like(g.shard)
         else:
             g.buffer = None  # allocated by the first gradient, freed once reduce-scattered
             g.grad_shard = torch.zeros_like(g.shard)
@@ -102,8 +121,9 @@ def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int, comm: Comm,
     return groups
 
 
-def unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int) -> FlatGroup:
-    """Stage 3: one unit's parameters; only the owned shard stays allocated."""
+def unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int, param_dtype: torch.dtype = torch.float32,
+               grad_dtype: torch.dtype = torch.float32) -> FlatGroup:
+    """Stage 3: one unit's parameters; only the owned (master) shard stays allocated."""
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) != 1:
         raise ValueError(f"a ZeRO-3 unit needs one dtype and device, got {kinds}")
@@ -111,9 +131,8 @@ def unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int) -> FlatGr
     offsets = [sum(numels[:i]) for i in range(len(params))]
     padded = -(-sum(numels) // comm.world) * comm.world
     full = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-    g = FlatGroup(list(params), None, offsets, comm=comm, full=full, index=index)
-    _flatten_into(g)
-    g.shard = g.full[g.lo: g.hi].clone()  # the only persistent copy of these parameters
+    g = FlatGroup(list(params), None, offsets, comm=comm, full=full, index=index, grad_dtype=grad_dtype)
+    _flatten_into(g, param_dtype, separate_shard=True)
     g.grad_shard = torch.zeros_like(g.shard)
     return g
 
@@ -159,3 +178,29 @@ def segments(groups: Sequence[FlatGroup], decay: Callable[[nn.Parameter], bool]
                 mark_replica(seg)
             out[0 if dec else 1].append(seg)
     return out
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds now in parameters, gradients and optimizer state.
+
+    Counts each storage once (views share one), at its allocated size: a
+    stage-3 buffer that is freed counts 0."""
+    def total(tensors) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None:
+                s = t.untyped_storage()
+                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+        return sum(seen.values())
+
+    groups = getattr(model, "groups", [])  # a ZeroDataParallel's flat groups
+    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
+    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
+             + [p.grad for p in optimizer_params(optimizer)])
+    states = [v for st in optimizer.state.values() for k, v in st.items()
+              if torch.is_tensor(v) and k != "step"]
+    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,6 +1,7 @@
 """ZeRO stages 1-3: parity with one process, per-rank memory, the global gradient norm."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ PRECISION = {"fp32": ['train.precision="fp32"', "train.grad_clip=0.05"],
              # MoE with experts sharded over ep=2 (world 2, dp=1): ZeRO shards the
              # experts over dp alone, the rest over dp x ep
              "moe": ['train.precision="fp32"', "train.grad_clip=0.05", "model.n_experts=4", "parallel.ep=2"]}
-RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (0, "bf16"), (3, "moe"), (0, "moe")]
+PRECISION["bf16-params"] = PRECISION["bf16"] + ['parallel.zero_param_dtype="bf16"', 'parallel.zero_reduce_dtype="fp32"']
+RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (0, "bf16"), (3, "moe"), (0, "moe"), (3, "bf16-params")]
 
 # fp32: ZeRO sums the ranks' gradients in another order than one process does
 # (reduce-scatter or all-reduce), so gradients differ by a few ulps (~1e-7
@@ -105,6 +107,13 @@ def test_zero_stages_match_single_process():
         assert_close(torch.tensor(zero3_moe["norms"]), torch.tensor(ep_moe["norms"]), **FP32_NORM)
         for name, w in ep_moe["state"].items():
             assert_close(zero3_moe["state"][name], w, **FP32_WEIGHT, msg=lambda m: f"rank {rank} moe {name}: {m}")
+        # the trainer with bf16 parameter storage (config -> parallelize): parameters and
+        # activations in bf16 throughout (not only matmuls), so against autocast in one
+        # process the loss moves by bf16 rounding, as the micro-batch split above
+        # (BF16_LOSS); numerics are tested sharply in test_bf16_compute_every_stage_*
+        stored = per_run[7]
+        assert_close(torch.tensor(stored["losses"]), torch.tensor(refs["bf16"]["losses"]), **BF16_LOSS)
+        assert {v.dtype for v in stored["state"].values()} == {torch.bfloat16}
     for ref in refs.values():
         assert ref["losses"][-1] < ref["losses"][0] - 0.1, "the run must learn, or parity is trivial"
     assert min(refs["fp32"]["norms"]) > 0.05, "every step must be clipped, or clipping goes untested"
@@ -129,60 +138,95 @@ class Stack(nn.Module):
 
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+BF16 = torch.bfloat16
+
+# (stage, interleaved micro-steps, compute, reduce dtype). compute: "fp32"; "autocast"
+# (bf16 matmuls, fp32 parameters); "bf16" (parameters stored, gathered and computed in
+# bf16, fp32 masters in the optimizer: param_dtype=bf16, reduce_dtype as given).
+PLAIN = [(0, False, "fp32", None), (1, False, "fp32", None), (2, False, "fp32", None), (3, False, "fp32", None),
+         (3, True, "fp32", None)]
+AUTOCAST = [(stage, False, "autocast", None) for stage in (0, 1, 2, 3)]
+MIXED = [(1, False, "bf16", torch.float32), (2, False, "bf16", torch.float32), (3, False, "bf16", torch.float32),
+         (3, True, "bf16", torch.float32), (1, False, "bf16", BF16), (2, False, "bf16", BF16), (3, False, "bf16", BF16)]
 
 
 def _batch(step):
     return torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
 
 
-def _micro_steps(model, x, interleave: bool) -> None:
+def _compute(kind: str):
+    return torch.autocast("cpu", dtype=BF16) if kind == "autocast" else contextlib.nullcontext()
+
+
+def _micro_steps(model, x, interleave: bool, kind: str = "fp32") -> None:
     """Two accumulation micro-steps; interleaved, both forwards run before either backward,
     as in a pipeline schedule (stage 3 must gather the freed root again)."""
     if interleave:
-        losses = [model(xc).pow(2).mean() / 2 for xc in x.chunk(2)]
+        with _compute(kind):
+            losses = [model(xc).float().pow(2).mean() / 2 for xc in x.chunk(2)]
         with model.no_sync():
             losses[0].backward()
         losses[1].backward()
         return
     for i, xc in enumerate(x.chunk(2)):
         with model.no_sync() if i == 0 else contextlib.nullcontext():
-            (model(xc).pow(2).mean() / 2).backward()
+            with _compute(kind):
+                loss = model(xc).float().pow(2).mean() / 2
+            loss.backward()
+
+
+def _weights(model, net, opt, stage: int) -> dict[str, torch.Tensor]:
+    """The fp32 weights: the module's (whole) or, with ZeRO, the optimizer's masters."""
+    if stage == 0:
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return {k.removeprefix("model/"): v for k, v in opt.checkpoint_tensors().items() if k.startswith("model/")}
 
 
 def _any_module_run(runs):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh({"dp": world})
     out = []
-    for stage, interleave in runs:
+    for stage, interleave, kind, reduce in runs:
         torch.manual_seed(0)
         net = Stack()
-        model, opt = zero_parallel(net, mesh, stage, bucket_mb=0.004, **HYPER)
+        mixed = dict(param_dtype=BF16, reduce_dtype=reduce) if kind == "bf16" else {}
+        model, opt = zero_parallel(net, mesh, stage, bucket_mb=0.004, **HYPER, **mixed)
         norms = []
         for step in range(2):
-            _micro_steps(model, _batch(step).chunk(world)[rank], interleave)
+            _micro_steps(model, _batch(step).chunk(world)[rank], interleave, kind)
             params = [p for g in opt.param_groups for p in g["params"]]
             norms.append(clip_grad_norm_(params, 0.5, mesh).item())
             opt.step()
             memory = state_bytes(model, opt)  # after the step: every state exists, nothing gathered
             opt.zero_grad(set_to_none=False)
-        gathered = getattr(model, "gathered", contextlib.nullcontext)
-        with gathered():
-            state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-        out.append({"stage": stage, "memory": memory, "norms": norms, "state": state})
+        out.append({"run": (stage, interleave, kind, reduce), "memory": memory, "norms": norms,
+                    "state": _weights(model, net, opt, stage)})
     return out
 
 
-def _any_module_reference():
+def _any_module_reference(kind: str = "fp32"):
+    """One process, the same 8 micro-batches. "bf16": a bf16 copy of the fp32 master
+    weights computes each micro-batch; its gradients are summed in fp32 into the masters."""
     torch.manual_seed(0)
     net = Stack()
     params = list(net.parameters())
+    low = copy.deepcopy(net).to(BF16) if kind == "bf16" else net
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=HYPER["lr"], betas=HYPER["betas"])
     norms = []
     for step in range(2):
+        with torch.no_grad():
+            for lp, p in zip(low.parameters(), params):
+                lp.copy_(p)
         for xc in _batch(step).chunk(8):  # 4 ranks x 2 micro-steps, each a mean: weight 1/8
-            (net(xc).pow(2).mean() / 8).backward()
+            with _compute(kind):
+                loss = low(xc.to(BF16) if kind == "bf16" else xc).float().pow(2).mean() / 8
+            loss.backward()
+            if kind == "bf16":
+                for lp, p in zip(low.parameters(), params):
+                    p.grad = lp.grad.float() if p.grad is None else p.grad + lp.grad.float()
+                    lp.grad = None
         norms.append(torch.nn.utils.clip_grad_norm_(params, 0.5).item())
         opt.step()
         opt.zero_grad()
@@ -263,8 +307,8 @@ def dp4_runs():
 
 
 def _dp4_runs():
-    plain = [(0, False), (1, False), (2, False), (3, False), (3, True)]
-    return {"plain": _any_module_run(plain), "experts": _expert_run([1, 2, 3])}
+    return {"plain": _any_module_run(PLAIN), "autocast": _any_module_run(AUTOCAST), "mixed": _any_module_run(MIXED),
+            "experts": _expert_run([1, 2, 3])}
 
 
 def test_zero_composes_with_expert_parallel_dp2_ep2(dp4_runs):
@@ -280,41 +324,90 @@ def test_zero_composes_with_expert_parallel_dp2_ep2(dp4_runs):
     assert min(ref_norms) > EXPERT_CLIP, "both steps must be clipped"
 
 
-def zero_bytes(stage: int, psi: int, n: int) -> dict[str, float]:
+def zero_bytes(stage: int, psi: int, n: int, p: int = 4, r: int = 4) -> dict[str, float]:
     """Per-rank bytes, fp32 master weights and AdamW (Rajbhandari et al. 2020, section 5).
 
-    Parameters and gradients take 4 bytes per element, AdamW's exp_avg and
-    exp_avg_sq 4 + 4. Stage 1 shards the optimizer state (8Psi -> 8Psi/N), stage 2
-    also the gradients (4Psi -> 4Psi/N), stage 3 also the parameters (4Psi ->
-    4Psi/N). bf16 compute comes from autocast and stores nothing persistent, so
-    these are the numbers for train.precision = "bf16" as well."""
-    params = 4 * psi / (n if stage >= 3 else 1)
-    grads = 4 * psi / (n if stage >= 2 else 1)
-    optimizer = 8 * psi / (n if stage >= 1 else 1)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    fp32 (p = r = 4): parameters and gradients take 4 bytes per element, AdamW's
+    exp_avg and exp_avg_sq 4 + 4. Stage 1 shards the optimizer state (8Psi ->
+    8Psi/N), stage 2 also the gradients (4Psi -> 4Psi/N), stage 3 also the
+    parameters (4Psi -> 4Psi/N). Autocast stores nothing persistent, so these are
+    the numbers for bf16 compute under autocast as well.
+    Mixed-precision storage (param_dtype of p bytes, reduce_dtype of r bytes; the
+    table in tessel.parallel.zero): the module's whole parameters take pPsi and the
+    fp32 master shard 4Psi/N more (stage 3 keeps the master shard alone); stage 1's
+    whole gradient buffer takes rPsi, plus a 4Psi/N fp32 shard when r < 4."""
+    if stage == 0:
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    master = 4 * psi / n
+    params = master if stage == 3 else p * psi + (master if p < 4 else 0)
+    grads = master if stage >= 2 else r * psi + (master if r < 4 else 0)
+    return {"params": params, "grads": grads, "optimizer": 8 * psi / n}
 
 
 def test_memory_per_rank_matches_zero_formulas_dp4(dp4_runs):
     _, _, psi = _any_module_reference()
+    checked = set()
     for rank, runs in enumerate(dp4_runs):
-        for got in runs["plain"]:
-            stage = got["stage"]
-            want = zero_bytes(stage, psi, 4)
-            for kind, nbytes in want.items():
+        for got in runs["plain"] + runs["autocast"] + runs["mixed"]:
+            stage, _, kind, reduce = got["run"]
+            p = 2 if kind == "bf16" else 4
+            r = 4 if kind != "bf16" or reduce == torch.float32 else 2
+            want = zero_bytes(stage, psi, 4, p, r)
+            checked.add((stage, p, r))
+            for part, nbytes in want.items():
                 # 5%: padding each flat buffer to a multiple of N adds < N elements per buffer
-                assert abs(got["memory"][kind] - nbytes) <= 0.05 * nbytes, \
-                    f"rank {rank} stage {stage} {kind}: measured {got['memory'][kind]} B, formula {nbytes:.0f} B"
+                assert abs(got["memory"][part] - nbytes) <= 0.05 * nbytes, \
+                    f"rank {rank} {got['run']} {part}: measured {got['memory'][part]} B, formula {nbytes:.0f} B"
+    assert {(1, 2, 2), (2, 2, 2), (3, 2, 2), (1, 2, 4)} <= checked
+
+
+def _check_parity(got: dict, ref_state: dict, ref_norms: list, where: str) -> None:
+    # fp32 reduction order only (see FP32_* above)
+    assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **FP32_NORM, msg=lambda m: f"{where} norms: {m}")
+    for name, w in ref_state.items():
+        assert_close(got["state"][name], w, **FP32_WEIGHT, msg=lambda m: f"{where} {name}: {m}")
 
 
 def test_any_module_grad_norm_and_weights_match_single_process_dp4(dp4_runs):
     ref_state, ref_norms, _ = _any_module_reference()
     for rank, runs in enumerate(dp4_runs):
         for got in runs["plain"]:
-            stage = got["stage"]
-            # fp32, reduction order only (see FP32_* above)
-            assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **FP32_NORM,
-                         msg=lambda m: f"rank {rank} stage {stage} norms: {m}")
-            for name, w in ref_state.items():
-                assert_close(got["state"][name], w, **FP32_WEIGHT,
-                             msg=lambda m: f"rank {rank} stage {stage} {name}: {m}")
+            _check_parity(got, ref_state, ref_norms, f"rank {rank} {got['run']}")
     assert min(ref_norms) > 0.5, "both steps must be clipped"
+
+
+def test_bf16_compute_every_stage_matches_single_process_dp4(dp4_runs):
+    """bf16 compute with fp32 master weights and optimizer state, stages 0-3, against one
+    process computing the same micro-batches in bf16.
+
+    Tolerance: fp32's. Each rank's micro-batch is one of the reference's 8, computed
+    by the same bf16 kernels on the same shapes, and the loss scales differ by powers
+    of two (1/2 and then 1/4 vs 1/8), which bf16 represents exactly; so every
+    micro-batch gradient is bit for bit the reference's, and only the fp32 sum over
+    micro-batches and ranks is ordered differently (measured: weights within 1.2e-7).
+    Autocast: fp32 parameters, bf16 matmuls. "bf16": parameters stored, all-gathered
+    and computed in bf16 (param_dtype), gradients summed and reduced in fp32."""
+    refs = {kind: _any_module_reference(kind) for kind in ("autocast", "bf16")}
+    assert refs["bf16"][1] != refs["autocast"][1], "the two kinds of bf16 compute must differ"
+    for rank, runs in enumerate(dp4_runs):
+        for got in runs["autocast"] + [g for g in runs["mixed"] if g["run"][3] == torch.float32]:
+            ref_state, ref_norms, _ = refs[got["run"][2]]
+            _check_parity(got, ref_state, ref_norms, f"rank {rank} {got['run']}")
+    for kind in refs:
+        assert min(refs[kind][1]) > 0.5, "both steps must be clipped"
+
+
+def test_bf16_reduction_stays_close_dp4(dp4_runs):
+    """reduce_dtype=bf16: gradients are accumulated and reduce-scattered in bf16, so each
+    is rounded to 8 bits (2**-8 = 4e-3 relative) in an order no single process repeats.
+    Hence the bf16 bounds argued at BF16_* above (norms 2e-2 relative, measured 2.6e-3;
+    99% of weights within 5e-3 and all within 4e-2, measured max 2.0e-2: a sign flip of
+    a near-zero gradient moves a weight by up to 2 lr); a wrong shard would move most
+    weights by ~lr = 1e-2 per step."""
+    ref_state, ref_norms, _ = _any_module_reference("bf16")
+    for rank, runs in enumerate(dp4_runs):
+        for got in [g for g in runs["mixed"] if g["run"][3] == BF16]:
+            where = f"rank {rank} {got['run']}"
+            assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **BF16_NORM,
+                         msg=lambda m: f"{where} norms: {m}")
+            _check_bf16_weights(got["state"], ref_state, where)
