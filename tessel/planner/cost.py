@@ -336,7 +336,9 @@ class CostModel:
             workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
         mem["activations"] = kept + workspace
         transient = 0.0
-        if lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
+        if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
+            transient = 4 * (dense + expert)
+        elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
             transient = 2 * 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
         elif lay.zero == 2:
             transient = self.bucket_bytes
@@ -418,10 +420,10 @@ class CostModel:
         link, ov = links["dp"], self.cluster.overlap
         units = [4 * sum(self.layer_params[i]) / lay.tp for i in chunk_layers(self.spec.cfg.n_layer, lay.pp, 1)[0]]
         root = max(0.0, grads_full - sum(units))  # embedding, head, final norm on this stage
-        per_mb, per_step = dp_step_calls(grads_full, lay.zero, self.bucket_bytes, units, root)
+        per_mb, per_step = dp_step_calls(grads_full, lay.zero, self.bucket_bytes, units, root, whole_step=lay.pp > 1)
         nb = max(1, sum(c.count for c in (per_mb or per_step) if c.op in ("all_reduce", "reduce_scatter")))
         bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
-        reduce_step = self.price([c for c in per_step if c.op == "all_reduce"], n, link)
+        reduce_step = self.price([c for c in per_step if c.op in ("all_reduce", "reduce_scatter")], n, link)
         gather_step = self.price([c for c in per_step if c.op == "all_gather"], n, link)
         rs = self.price([c for c in per_mb if c.op == "reduce_scatter"], n, link)
         ag = self.price([c for c in per_mb if c.op == "all_gather"], n, link)

@@ -141,7 +141,7 @@ def merged(calls: list[Call]) -> list[Call]:
 
 
 def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes: list[float] = (),
-                  root_bytes: float = 0.0) -> tuple[list[Call], list[Call]]:
+                  root_bytes: float = 0.0, whole_step: bool = False) -> tuple[list[Call], list[Call]]:
     """(per micro-batch, per step) data-parallel collectives for `grad_bytes` of whole fp32 gradients.
 
     Stage 0/1: one all-reduce per bucket after the last micro-batch (the others
@@ -151,6 +151,9 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
     gathered for forward and again for backward, the root (embedding, head,
     final norm: `root_bytes`) once, as it stays gathered from the start of
     forward to the end of backward; every one's gradient is reduce-scattered.
+    Stage 3 under a pipeline (`whole_step`, tessel/parallel/pipeline/zero3.py):
+    the stage is gathered once when the step starts and its gradients are
+    reduce-scattered once after the flush.
     """
     buckets = bucket_sizes(grad_bytes, bucket_bytes)
     if zero <= 1:
@@ -160,6 +163,8 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
         return [], step
     if zero == 2:
         return [Call("reduce_scatter", b, k) for b, k in buckets], [Call("all_gather", b, k) for b, k in buckets]
+    if whole_step:
+        return [], [Call("all_gather", grad_bytes), Call("reduce_scatter", grad_bytes)]
     per_mb = [Call("all_gather", u, 2) for u in unit_bytes] + [Call("all_gather", root_bytes)]
     per_mb += [Call("reduce_scatter", u) for u in [*unit_bytes, root_bytes]]
     return merged(per_mb), []

@@ -96,6 +96,9 @@ def test_memory_of_states_by_zero_stage_pp_and_tp():
     assert est.stage_memory[0]["params"] == 4 * (13376 + 8192)  # block 0 + embedding
     assert est.stage_memory[1]["params"] == 4 * (13376 + 8224)  # block 1 + norm + head
     assert cm.estimate(Layout(tp=2, mb=1, ga=4)).memory["params"] == 4 * P / 2
+    # ZeRO-3 under a pipeline: the shard at rest, the whole stage gathered for the step (pipeline/zero3.py)
+    s0 = cm.estimate(Layout(pp=2, dp=2, zero=3, mb=1, m=4)).stage_memory[0]
+    assert (s0["params"], s0["buffers"]) == (4 * (13376 + 8192) / 2, 4 * (13376 + 8192))
 
 
 def test_in_flight_closed_forms_match_the_schedules():

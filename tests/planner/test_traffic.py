@@ -70,6 +70,9 @@ def test_buckets_and_dp_calls_by_hand():
                                               Call("reduce_scatter", 3 * MiB, 3), Call("reduce_scatter", MiB, 1)],
                                              key=str)
     assert per_step == []
+    # stage 3 under a pipeline: the whole stage gathered once per step, reduce-scattered once after the flush
+    assert dp_step_calls(10 * MiB, 3, 4 * MiB, [3 * MiB] * 3, MiB, whole_step=True) == (
+        [], [Call("all_gather", 10 * MiB), Call("reduce_scatter", 10 * MiB)])
     assert merged([Call("p2p", 1), Call("p2p", 1, 2), Call("p2p", 2)]) == [Call("p2p", 1, 3), Call("p2p", 2)]
 
 
