@@ -317,6 +317,8 @@ class CostModel:
         dense, expert = self._stage_params(chunks, lay, all_chunks)
         zp, zg, zo = zero_shards(lay.zero, lay.dp * lay.ep)
         ep_, eg, eo = zero_shards(lay.zero, lay.dp)
+        if lay.pp > 1:  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
+            zg = eg = 1
         mem = {"params": 4 * (dense / zp + expert / ep_),
                "grads": 4 * (dense / zg + expert / eg),
                "optimizer": 8 * (dense / zo + expert / eo)}
@@ -416,7 +418,8 @@ class CostModel:
         n = lay.dp * lay.ep
         if n == 1:
             return 0.0, 0.0, 0.0
-        grads_full = memory["grads"] * (n if lay.zero >= 2 else 1)  # unsharded fp32 gradient bytes
+        sharded = lay.zero >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
+        grads_full = memory["grads"] * (n if sharded else 1)  # unsharded fp32 gradient bytes
         link, ov = links["dp"], self.cluster.overlap
         units = [4 * sum(self.layer_params[i]) / lay.tp for i in chunk_layers(self.spec.cfg.n_layer, lay.pp, 1)[0]]
         root = max(0.0, grads_full - sum(units))  # embedding, head, final norm on this stage

@@ -256,15 +256,21 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
 
     ZeRO 0/1: buckets released during the stage's last backward (DDP-style
     overlap; at its end when the cluster cannot overlap), all-reduced in order.
-    ZeRO 2/3: each backward's reduce-scatter (and ZeRO-3's gathers) after it.
+    ZeRO 2/3: each backward's reduce-scatter (and ZeRO-3's gathers) after it;
+    under a pipeline one reduce-scatter and one all-gather after the stage's
+    last backward (gradients accumulate whole over the micro-batches).
     Sizes are the cost model's, as bytes at the link's bandwidth.
     """
     n = lay.dp * lay.ep
     if n == 1:
         return
-    grads = est.memory["grads"] * (n if lay.zero >= 2 else 1)
+    whole_step = lay.zero >= 2 and lay.pp > 1
+    grads = est.memory["grads"] * (n if lay.zero >= 2 and not whole_step else 1)
     overlap = cm.cluster.overlap >= 0.5
-    if lay.zero <= 1:
+    if whole_step:
+        lat = 2 * (n - 1) * link.latency
+        per_bucket = 2 * (n - 1) / n * grads
+    elif lay.zero <= 1:
         nb = max(1, math.ceil(grads / cm.bucket_bytes))
         lat = all_reduce_time(0.0, n, link)
         per_bucket = max(0.0, est.dp_comm_s / nb - lat) * link.bandwidth
@@ -275,7 +281,10 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     streams = [_Stream(sim, s, link, cls) for s in range(sim.p)]
 
     def hook(s: int, start: float, end: float, last: bool) -> None:
-        if lay.zero >= 2:
+        if whole_step:
+            if last:
+                streams[s].submit(end, per_bucket, lat, "zero rs + ag")
+        elif lay.zero >= 2:
             streams[s].submit(end if not overlap else start, per_bucket, lat, "zero rs/ag")
         elif last:
             for k in range(nb):

@@ -151,9 +151,10 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
     gathered for forward and again for backward, the root (embedding, head,
     final norm: `root_bytes`) once, as it stays gathered from the start of
     forward to the end of backward; every one's gradient is reduce-scattered.
-    Stage 3 under a pipeline (`whole_step`, tessel/parallel/pipeline/zero3.py):
-    the stage is gathered once when the step starts and its gradients are
-    reduce-scattered once after the flush.
+    Stages 2 and 3 under a pipeline (`whole_step`): gradients accumulate over
+    the micro-batches and are reduce-scattered once, on the rank's last
+    backward; stage 2 gathers the updated shards after the step, stage 3 the
+    whole stage when the step starts (tessel/parallel/pipeline/zero3.py).
     """
     buckets = bucket_sizes(grad_bytes, bucket_bytes)
     if zero <= 1:
@@ -161,10 +162,10 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
         if zero == 1:
             step += [Call("all_gather", b, k) for b, k in buckets]
         return [], step
+    if whole_step and zero >= 2:
+        return [], [Call("all_gather", grad_bytes), Call("reduce_scatter", grad_bytes)]
     if zero == 2:
         return [Call("reduce_scatter", b, k) for b, k in buckets], [Call("all_gather", b, k) for b, k in buckets]
-    if whole_step:
-        return [], [Call("all_gather", grad_bytes), Call("reduce_scatter", grad_bytes)]
     per_mb = [Call("all_gather", u, 2) for u in unit_bytes] + [Call("all_gather", root_bytes)]
     per_mb += [Call("reduce_scatter", u) for u in [*unit_bytes, root_bytes]]
     return merged(per_mb), []

@@ -99,6 +99,7 @@ def test_memory_of_states_by_zero_stage_pp_and_tp():
     # ZeRO-3 under a pipeline: the shard at rest, the whole stage gathered for the step (pipeline/zero3.py)
     s0 = cm.estimate(Layout(pp=2, dp=2, zero=3, mb=1, m=4)).stage_memory[0]
     assert (s0["params"], s0["buffers"]) == (4 * (13376 + 8192) / 2, 4 * (13376 + 8192))
+    assert s0["grads"] == 4 * (13376 + 8192)  # accumulated whole over the micro-batches, then reduce-scattered
 
 
 def test_in_flight_closed_forms_match_the_schedules():

@@ -73,6 +73,7 @@ def test_buckets_and_dp_calls_by_hand():
     # stage 3 under a pipeline: the whole stage gathered once per step, reduce-scattered once after the flush
     assert dp_step_calls(10 * MiB, 3, 4 * MiB, [3 * MiB] * 3, MiB, whole_step=True) == (
         [], [Call("all_gather", 10 * MiB), Call("reduce_scatter", 10 * MiB)])
+    assert dp_step_calls(10 * MiB, 2, 4 * MiB, whole_step=True)[0] == []  # ZeRO-2 under a pipeline: once per step
     assert merged([Call("p2p", 1), Call("p2p", 1, 2), Call("p2p", 2)]) == [Call("p2p", 1, 3), Call("p2p", 2)]
 
 
