@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import Calibration
+from tessel.planner.search import tp_degrees
 from tessel.planner.traffic import fit_alpha_beta
 
 
@@ -309,17 +310,11 @@ def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
     return t_opt, _median_time(bookkeeping, 10)
 
 
-def _tp_sizes(cfg, world: int) -> list[int]:
-    """Tensor-parallel degrees the trainer accepts for this model on `world` ranks."""
-    return [t for t in range(1, world + 1) if world % t == 0 and cfg.n_head % t == 0 and cfg.kv_heads % t == 0
-            and cfg.ffn_dim % t == 0]
-
-
 def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int], precision: str = "fp32",
                   refresh: bool = False) -> Calibration:
     """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
     raw = model_cfg.model_dump(exclude_none=True)
-    tps = _tp_sizes(model_cfg, world)
+    tps = tp_degrees(model_cfg, world)
     key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v2"],
                                   sort_keys=True).encode()).hexdigest()[:12]
     path = _cache_path("profile", key)

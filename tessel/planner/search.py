@@ -17,12 +17,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tp_degrees(cfg, world: int) -> list[int]:
+    """Tensor-parallel degrees tessel.config accepts for this model (ModelConfig) on `world` ranks."""
+    return [t for t in divisors(world)
+            if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
+
+
 def candidate_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch."""
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
-    tps = [t for t in divisors(world) if t <= cm.cluster.devices_per_node
-           and c.n_head % t == 0 and c.kv_heads % t == 0 and c.ffn_dim % t == 0]
+    tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
     for tp in tps:
         for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
             rest = world // (tp * pp)

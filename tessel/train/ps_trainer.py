@@ -36,18 +36,15 @@ from tessel.observe.progress import Progress
 from tessel.parallel.ps import ParameterServer
 from tessel.parallel.step import LocalRunner
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.trainer import Summary, lr_at
+from tessel.train.trainer import Summary, build_optimizer, lr_at, sample_text
 
 log = logging.getLogger("tessel.ps")
 
 
 def server_optimizer(pieces: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
-    """The trainer's AdamW (build_optimizer) on a server's pieces: no decay on vectors."""
-    decay = [q for q in pieces if q.ps_source_dim >= 2]
-    no_decay = [q for q in pieces if q.ps_source_dim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    """The trainer's AdamW on a server's (flat) pieces: decay by the dimension of the parameter
+    each piece was cut from, so vectors get none."""
+    return build_optimizer(pieces, t, decay=lambda q: q.ps_source_dim >= 2)
 
 
 def roles(cfg: Config) -> tuple[list[int], list[int]]:
@@ -141,11 +138,7 @@ class _Worker:
             if self.cfg.logging.tensorboard:
                 files["tensorboard"] = str(Path(self.log.dir) / "tensorboard")
             files["curves"] = str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))
-            t = self.cfg.train
-            if t.sample_tokens:
-                prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % self.cfg.model.vocab_size
-                out = self.runner.generate(prompt, t.sample_tokens, seed=t.seed)
-                sample = bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
+            sample = sample_text(self.runner, self.cfg)  # worker 0's weights, no collective
         return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
                        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
                        mfu=statistics.median(r["mfu"] for r in steady),

@@ -7,6 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,18 @@ from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
+from tessel.parallel.zero import default_decay
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.fault import all_finite
 from tessel.train.resilience import Guard
 
 
-def build_optimizer(params: list[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; norms and other vectors get no weight decay (nanoGPT, GPT-3)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(params: list[nn.Parameter], t: TrainConfig,
+                    decay: Callable[[nn.Parameter], bool] = default_decay) -> torch.optim.Optimizer:
+    """AdamW; `decay` picks who gets weight decay: by default matrices, not norms and other
+    vectors (nanoGPT, GPT-3)."""
+    groups = [{"params": [p for p in params if decay(p)], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
@@ -55,6 +58,16 @@ class Summary:
     params: int
     sample: str = ""
     files: dict[str, str] = field(default_factory=dict)
+
+
+def sample_text(runner, cfg: Config) -> str:
+    """train.sample_tokens bytes generated from train.sample_prompt ("" when 0); collective over the runner."""
+    t = cfg.train
+    if t.sample_tokens == 0:
+        return ""
+    prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % cfg.model.vocab_size
+    out = runner.generate(prompt, t.sample_tokens, seed=t.seed)
+    return bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
 
 
 def mean_over(value: torch.Tensor, mesh: Mesh, *axes: str) -> torch.Tensor:
@@ -126,12 +139,7 @@ class Trainer:
         return mean_over(torch.stack(losses).mean(), self.mesh, "dp", "ep").item()
 
     def sample(self) -> str:
-        t = self.cfg.train
-        if t.sample_tokens == 0:
-            return ""
-        prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % self.cfg.model.vocab_size
-        out = self.runner.generate(prompt, t.sample_tokens, seed=t.seed)
-        return bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
+        return sample_text(self.runner, self.cfg)
 
     def fit(self) -> Summary:
         t = self.cfg.train

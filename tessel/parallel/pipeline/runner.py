@@ -119,6 +119,11 @@ class PipelineRunner:
         # finds its input already there. Under NCCL a posted receive would hold up the sends
         # queued behind it on the same stream, so receives stay in the schedule's batches.
         self.prepost = self.links.group is not None and dist.get_backend(self.links.group) == "gloo"
+        # under gloo the loss comes from the last rank as a message posted at the step's start and
+        # sent when that rank is done, so no rank ends its step in a synchronous broadcast (torch
+        # keeps the loss on the last stage only; the trainer wants it everywhere). MoE losses have
+        # parts on every stage and are summed over the pipeline instead.
+        self.loss_by_message = self.prepost and not self.has_aux
         self.recv_order = [a for a in self.actions if a.kind in RECVS]
         self.recv_pos = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(self.recv_order)}
         self._posted = 0
@@ -195,10 +200,7 @@ class PipelineRunner:
                        "aux": torch.zeros((), device=self.device)}
         self.saved.peak = self.saved.live = 0
         self._posted = 0
-        # under gloo the loss comes from the last rank as a message posted now and sent when that
-        # rank is done, so no rank ends its step in a synchronous broadcast (torch keeps the loss
-        # on the last stage only; the trainer wants it everywhere)
-        loss_in = self.links.expect_from_last() if self.prepost and not self.has_aux else None
+        loss_in = self.links.expect_from_last() if self.loss_by_message else None
         if self.prepost:
             self._post_receives(RECV_LOOKAHEAD, state)
         for item in self.items:
@@ -215,7 +217,7 @@ class PipelineRunner:
             else:
                 self._backward(a, state, sync=a in self.last_backward)
             self.clock.add(a.kind, a.mb, a.chunk, start, self.clock.stamp())
-        if self.prepost and not self.has_aux and self.rank == self.p - 1:
+        if self.loss_by_message and self.rank == self.p - 1:
             self.links.send_to_all(total)
         self.links.wait_sends()
         self._reduce_tied()
@@ -229,7 +231,7 @@ class PipelineRunner:
             buf, work = loss_in
             work.wait()
             return buf
-        return total if self.prepost else self.links.broadcast_from_last(total)
+        return total if self.loss_by_message else self.links.broadcast_from_last(total)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
