@@ -30,17 +30,53 @@ rank, and "sim": the bubble the schedule would have with the step's measured
 compute times and free messages (schedules.simulate), which separates stage
 imbalance (in sim) from message cost and OS scheduling (measured - sim).
 The last line gives measured/theory per configuration.
+
+`--device-ms F` runs the same schedules on emulated devices: every block's
+forward waits F ms and its backward 2F ms in time.sleep, after its (tiny)
+real compute, the way a host waits on an accelerator's kernels. Sleeping ranks
+do not compete for the 2 vCPUs, so the stages behave as independent devices
+of equal speed, and the measured bubble shows what the runner itself adds to
+the schedule (messages, Python, waits) on top of the formula:
+
+    PYTHONPATH=. python benchmarks/pp_bubble.py --device-ms 10 --d-model 32 --seq 16 --batch 16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+
+
+class _DeviceTime(torch.autograd.Function):
+    """Identity whose forward and backward take fixed wall time without using the CPU."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s: float, bwd_s: float):
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class EmulatedBlock(torch.nn.Module):
+    """A transformer block on an emulated device: its own compute, then F ms (2F in backward)."""
+
+    def __init__(self, block: torch.nn.Module, fwd_s: float):
+        super().__init__()
+        self.block, self.fwd_s = block, fwd_s
+
+    def forward(self, x, cos, sin):
+        return _DeviceTime.apply(self.block(x, cos, sin), self.fwd_s, 2 * self.fwd_s)
 
 
 def _runner(p: int, name: str, v: int, m: int, args):
@@ -54,7 +90,11 @@ def _runner(p: int, name: str, v: int, m: int, args):
            "train": {"global_batch": args.batch, "seq_len": args.seq}, "data": {"source": "synthetic"}}
     cfg = build_config(raw)
     torch.manual_seed(0)
-    runner = parallelize(GPT(cfg.model), make_mesh({"pp": p}), cfg)
+    model = GPT(cfg.model)
+    if args.device_ms:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = EmulatedBlock(block, args.device_ms / 1e3)
+    runner = parallelize(model, make_mesh({"pp": p}), cfg)
     runner.timeline = False
     return runner
 
@@ -114,12 +154,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="emulated devices: each block's forward sleeps this many ms, its backward twice")
     args = ap.parse_args()
     from tessel.spawn import spawn
     rows = spawn(_bench, args.pp, args, timeout=3600)[0]
     p = args.pp
     print(f"pp={p} batch={args.batch}x{args.seq} d_model={args.d_model} layers={args.layers} vocab={args.vocab}; "
-          f"median over {args.steps} steps (gloo, CPU, one thread per rank)")
+          f"median over {args.steps} steps (gloo, CPU, one thread per rank"
+          + (f"; emulated devices, {args.device_ms:g} ms per block forward)" if args.device_ms else ")"))
     print(f"{'schedule':<15} {'m':>3} {'measured':>9} {'theory':>7} {'meas/theory':>12} {'sim':>6} "
           f"{'act peak MiB':>13}  F/B ms per micro-batch, by rank")
     ratios = []
