@@ -85,6 +85,9 @@ class Calibration:
     # tp degree -> the same points for the model as one tp rank computes it (without its
     # collectives), in whole-model FLOPs per second: smaller matrices run less efficiently
     tp_points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # tp degree -> (tokens per micro-batch, seconds its tp collectives added to a whole-model
+    # forward+backward when issued between the matmuls, as the trainer issues them)
+    tp_comm: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
     def achieved(self, tokens: int, fallback: float, tp: int = 1) -> float:
         """Whole-model FLOP/s of one rank at a micro-batch of `tokens` under `tp`, log-linear
@@ -293,10 +296,33 @@ class CostModel:
             f, b = ep_block_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts)
             ep_f = [Call(x.op, x.nbytes, x.count * n_moe) for x in f]
             ep_b = [Call(x.op, x.nbytes, x.count * n_moe) for x in b + (f if lay.recompute else [])]
-        fwd = self.price(tp_f, lay.tp, links["tp"]) + self.price(ep_f, lay.ep, links["ep"])
-        bwd = self.price(tp_b, lay.tp, links["tp"]) + self.price(ep_b, lay.ep, links["ep"])
+        k = self._tp_in_step_factor(lay.tp, tokens, links["tp"])
+        fwd = k * self.price(tp_f, lay.tp, links["tp"]) + self.price(ep_f, lay.ep, links["ep"])
+        bwd = k * self.price(tp_b, lay.tp, links["tp"]) + self.price(ep_b, lay.ep, links["ep"])
         sent = {"tp": sent_bytes(tp_f + tp_b, lay.tp), "ep": sent_bytes(ep_f + ep_b, lay.ep)}
         return fwd, bwd, sent
+
+    def _tp_in_step_factor(self, tp: int, tokens: int, link: Link) -> float:
+        """Measured in-step cost of tp collectives over their idle alpha-beta price (1 unprofiled).
+
+        The probe times collectives that every rank enters at once; between matmuls the ranks
+        of a tp group arrive apart (shared cores, OS scheduling) and wait for each other. The
+        profile measured the whole model's tp collectives in a real forward+backward at this
+        tp degree: that over the price of the same calls is the factor for this machine.
+        """
+        points = self.cal.tp_comm.get(tp)
+        if tp <= 1 or not points:
+            return 1.0
+        c, n_moe = self.spec.cfg, sum(self.moe_flags)
+        f, b = [], []
+        for n, (cf, cb) in ((c.n_layer - n_moe, tp_block_calls(c.d_model, tokens, self.act_bytes, False)),
+                            (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
+            f += [Call(x.op, x.nbytes, x.count * n) for x in cf]
+            b += [Call(x.op, x.nbytes, x.count * n) for x in cb]
+        ef, eb = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, False, True, True)
+        priced = self.price(f + b + ef + eb, tp, link)
+        measured = max(0.0, _interpolate(points, tokens, priced))
+        return measured / priced if priced > 0 else 1.0
 
     # -- memory ----------------------------------------------------------------------
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:

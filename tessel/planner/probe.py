@@ -12,8 +12,8 @@ Two measurements, both cached as JSON under the tessel cache directory:
   before it holds any model (Python, torch, gloo, the trainer's modules).
 - `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
   backward of the reference GPT at several micro-batch sizes, whole and as one
-  rank of each tensor-parallel degree holds it (communication left out), the clipped
-  AdamW step, and the trainer's per-step bookkeeping.
+  rank of each tensor-parallel degree holds it (with and without its
+  collectives), the clipped AdamW step, and the trainer's per-step bookkeeping.
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
 reading on this machine. torch.distributed is imported only inside the ranks.
@@ -213,14 +213,15 @@ def probe_this(world: int, refresh: bool = False) -> Cluster:
 
 # ---- profiling the reference model --------------------------------------------
 
-def _tp_shaped(model, cfg, tp: int):
-    """The model as one tp rank holds it, with the communication left out (group None).
+def _tp_shaped(model, cfg, tp: int, group=None, rank: int = 0):
+    """The model as one tp rank holds it; with group None, the communication left out.
 
     tessel.parallel.tensor's layers shard by ctx.size and talk only when
-    ctx.group is set: this times exactly the matmuls (q, k, v, wo, gate, up,
-    down, vocab head) and attention of 1/tp of the heads and columns that a tp
-    rank runs, whose efficiency falls as the matrices shrink. The collectives
-    are priced apart (tessel.planner.traffic).
+    ctx.group is set: without a group this times exactly the matmuls (q, k, v,
+    wo, gate, up, down, vocab head) and attention of 1/tp of the heads and
+    columns that a tp rank runs, whose efficiency falls as the matrices
+    shrink. With the rank's real tp group it is the layer as the trainer runs
+    it, collectives included.
     """
     from tessel.models.moe import MoE
     from tessel.models.plan import gpt_tp_plan
@@ -228,10 +229,24 @@ def _tp_shaped(model, cfg, tp: int):
     from tessel.models.gpt import cross_entropy
     if tp == 1:
         return model, cross_entropy
-    ctx = TPContext(None, tp, 0, False)
+    ctx = TPContext(group, tp, rank, False)
     moe_blocks = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
     apply_plan(model, gpt_tp_plan(moe_blocks, cfg.n_layer), ctx)
     return model, VocabParallelLoss(ctx, cfg.vocab_size)
+
+
+def _tp_groups(tp_sizes: list[int]) -> dict[int, tuple[object, int]]:
+    """tp degree -> (this rank's group of tp consecutive ranks, its rank in it); every rank calls."""
+    import torch.distributed as dist
+    me, world, out = dist.get_rank(), dist.get_world_size(), {}
+    for tp in tp_sizes:
+        if tp == 1:
+            continue
+        for start in range(0, world, tp):
+            group = dist.new_group(list(range(start, start + tp)))
+            if start <= me < start + tp:
+                out[tp] = (group, me - start)
+    return out
 
 
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
@@ -249,32 +264,40 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     spec = ModelSpec("profile", cfg, seq_len, 1)
     dev = torch.device("cpu")
     batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
+    groups = _tp_groups(tp_sizes)
+    # (tp, with its collectives?) -> the model as one tp rank runs it
     models = {}
     for tp in tp_sizes:
-        torch.manual_seed(0)
-        models[tp] = _tp_shaped(GPT(cfg), cfg, tp)
+        for real in ((False, True) if tp > 1 else (False,)):
+            torch.manual_seed(0)
+            models[tp, real] = _tp_shaped(GPT(cfg), cfg, tp, *(groups[tp] if real else (None, 0)))
 
-    def fwd_bwd(tp, x):
-        model, loss_fn = models[tp]
+    def fwd_bwd(key, x):
+        model, loss_fn = models[key]
         with autocast_for(dev, precision):
             loss = loss_fn(model(x), x)
         loss.backward()
-    for tp in tp_sizes:
+    for key in models:
         for x in batches.values():
-            fwd_bwd(tp, x)  # warm-up: allocations and kernel choice
+            fwd_bwd(key, x)  # warm-up: allocations and kernel choice
     # shapes take turns, round after round, so a change in the machine's load hits them all alike
-    times: dict[tuple[int, int], list[float]] = {(tp, mb): [] for tp in tp_sizes for mb in micro_batches}
+    times: dict[tuple, list[float]] = {(key, mb): [] for key in models for mb in micro_batches}
     for _ in range(rounds):
-        for tp, mb in times:
+        for key, mb in times:
             dist.barrier()
-            times[tp, mb].append(_median_time(lambda: fwd_bwd(tp, batches[mb]), 1))
+            times[key, mb].append(_median_time(lambda: fwd_bwd(key, batches[mb]), 1))
+    med = {k: statistics.median(v) for k, v in times.items()}
     # whole-model FLOPs per second of one rank's time: a tp rank does 1/tp of them in that time
-    points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / statistics.median(times[tp, mb]))
+    points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / med[(tp, False), mb])
                    for mb in micro_batches] for tp in tp_sizes}
+    # what the tp collectives add to a micro-batch's forward + backward, issued between the
+    # matmuls as the trainer issues them (ranks that arrive apart wait for each other)
+    tp_comm = {tp: [(mb * seq_len, med[(tp, True), mb] - med[(tp, False), mb]) for mb in micro_batches]
+               for tp in tp_sizes if tp > 1}
 
-    t_opt, t_over = _time_step_rest(models[1][0], seq_len, max(micro_batches))
-    n_params = sum(p.numel() for p in models[1][0].parameters())
-    return {"points": points, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
+    t_opt, t_over = _time_step_rest(models[1, False][0], seq_len, max(micro_batches))
+    n_params = sum(p.numel() for p in models[1, False][0].parameters())
+    return {"points": points, "tp_comm": tp_comm, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
 
 
 def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
@@ -315,7 +338,7 @@ def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int],
     """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
     raw = model_cfg.model_dump(exclude_none=True)
     tps = tp_degrees(model_cfg, world)
-    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v2"],
+    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v3"],
                                   sort_keys=True).encode()).hexdigest()[:12]
     path = _cache_path("profile", key)
     if path.exists() and not refresh:
@@ -323,12 +346,16 @@ def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int],
     else:
         from tessel.spawn import spawn
         results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, tps, timeout=600)
-        points = {str(tp): [(x, statistics.median(r["points"][tp][i][1] for r in results))
-                            for i, (x, _) in enumerate(results[0]["points"][tp])] for tp in tps}
-        d = {"points": points, "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
+
+        def across_ranks(field: str, tp) -> list[tuple[int, float]]:
+            rows = [r[field][tp] for r in results]
+            return [(x, statistics.median(row[i][1] for row in rows)) for i, (x, _) in enumerate(rows[0])]
+        d = {"points": {str(tp): across_ranks("points", tp) for tp in tps},
+             "tp_comm": {str(tp): across_ranks("tp_comm", tp) for tp in tps if tp > 1},
+             "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
              "overhead": statistics.median(r["overhead"] for r in results)}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(d, indent=1))
     tp_points = {int(tp): [tuple(p) for p in pts] for tp, pts in d["points"].items()}
-    return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points)
-
+    tp_comm = {int(tp): [tuple(p) for p in pts] for tp, pts in d["tp_comm"].items()}
+    return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points, tp_comm)

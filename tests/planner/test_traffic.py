@@ -111,3 +111,17 @@ def test_calibration_per_tp_shape():
     assert cal.achieved(100, 0, tp=2) == 1.5e9  # measured on the sharded shapes
     # unprofiled tp: the work of tokens/tp rows per call, tp times over
     assert cal.achieved(400, 0, tp=4) == pytest.approx(4 * 1e9)
+
+
+def test_measured_tp_collectives_scale_their_price():
+    # same tiny GPT and flat 1 ms all-reduces as above: the whole model's tp calls at 16 tokens
+    # are 12 (7 forward + 5 backward) = 12 ms idle; the profile measured 30 ms in a real step
+    cluster = replace(flat_cluster(devices=2), collectives={"all_reduce/2": [1e-3, 0.0]})
+    cal = Calibration([(16, 1e9)], tp_comm={2: [(16, 30e-3)]})
+    cm = CostModel(tiny_spec(seq=16), cluster, "fp32", cal)
+    lay = Layout(tp=2, mb=1)
+    fwd, bwd, _ = cm._chunk_comm([0, 1], lay, 16, cm.links(lay), True, True)
+    assert (fwd, bwd) == (pytest.approx(7e-3 * 2.5), pytest.approx(5e-3 * 2.5))
+    # a middle pipeline chunk (one block, no edges) scales by the same factor: 2 + 2 calls
+    mid = cm._chunk_comm([1], lay, 16, cm.links(lay), False, False)
+    assert mid[:2] == (pytest.approx(2e-3 * 2.5), pytest.approx(2e-3 * 2.5))
