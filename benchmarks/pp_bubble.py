@@ -31,9 +31,10 @@ compute times and free messages (schedules.simulate), which separates stage
 imbalance (in sim) from message cost and OS scheduling (measured - sim).
 The last line gives measured/theory per configuration.
 
-`--device-ms F` runs the same schedules on emulated devices: every block's
-forward waits F ms and its backward 2F ms in time.sleep, after its (tiny)
-real compute, the way a host waits on an accelerator's kernels. Sleeping ranks
+`--device-ms F` runs the same schedules on emulated devices
+(tessel.models.emulated): every block's forward waits F ms and its backward
+2F ms in time.sleep, after its (tiny) real compute, the way a host waits on an
+accelerator's kernels. Sleeping ranks
 do not compete for the 2 vCPUs, so the stages behave as independent devices
 of equal speed, and the measured bubble shows what the runner itself adds to
 the schedule (messages, Python, waits) on top of the formula:
@@ -45,38 +46,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
-
-
-class _DeviceTime(torch.autograd.Function):
-    """Identity whose forward and backward take fixed wall time without using the CPU."""
-
-    @staticmethod
-    def forward(ctx, x, fwd_s: float, bwd_s: float):
-        ctx.bwd_s = bwd_s
-        time.sleep(fwd_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
-        return grad, None, None
-
-
-class EmulatedBlock(torch.nn.Module):
-    """A transformer block on an emulated device: its own compute, then F ms (2F in backward)."""
-
-    def __init__(self, block: torch.nn.Module, fwd_s: float):
-        super().__init__()
-        self.block, self.fwd_s = block, fwd_s
-
-    def forward(self, x, cos, sin):
-        return _DeviceTime.apply(self.block(x, cos, sin), self.fwd_s, 2 * self.fwd_s)
 
 
 def _runner(p: int, name: str, v: int, m: int, args):
@@ -92,8 +66,8 @@ def _runner(p: int, name: str, v: int, m: int, args):
     torch.manual_seed(0)
     model = GPT(cfg.model)
     if args.device_ms:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = EmulatedBlock(block, args.device_ms / 1e3)
+        from tessel.models.emulated import emulate_devices
+        emulate_devices(model, args.device_ms / 1e3)
     runner = parallelize(model, make_mesh({"pp": p}), cfg)
     runner.timeline = False
     return runner

@@ -1,0 +1,52 @@
+"""Blocks on an emulated accelerator: their own compute, then a fixed wait that uses no CPU.
+
+A host that drives a GPU spends a kernel's duration waiting, not computing.
+On this project's shared 2-core machine two ranks that both compute slow each
+other down, so a pipeline's stages do not behave as independent devices and
+its measured bubble mixes the schedule with CPU contention. Wrapping each
+block in `EmulatedBlock` makes every forward take `fwd_s` more and every
+backward `bwd_s` more in `time.sleep` (which releases the CPU), so stages of
+equal wait act as equal, independent devices. Used by benchmarks/pp_bubble.py
+(`--device-ms`) and the runner's bubble test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+
+class DeviceTime(torch.autograd.Function):
+    """Identity whose forward and backward each take a fixed wall time without using the CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class EmulatedBlock(nn.Module):
+    """A transformer block on an emulated device: forward waits fwd_s, backward 2 x fwd_s."""
+
+    def __init__(self, block: nn.Module, fwd_s: float):
+        super().__init__()
+        self.block, self.fwd_s = block, fwd_s
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # backward of a block is about twice its forward (two matmuls per forward one)
+        return DeviceTime.apply(self.block(x, cos, sin), self.fwd_s, 2 * self.fwd_s)
+
+
+def emulate_devices(model: nn.Module, fwd_s: float) -> nn.Module:
+    """Wrap every block of a GPT in place; returns the model."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = EmulatedBlock(block, fwd_s)
+    return model
