@@ -18,6 +18,7 @@ from tessel.spawn import spawn
 from tests.helpers import tiny_config
 
 M = 4
+BLOCK_S = 0.010  # per block forward; backward twice
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
 
@@ -28,7 +29,7 @@ def _bubbles():
         cfg = tiny_config("model.n_layer=4", "parallel.pp=2", f'parallel.schedule="{schedule}"',
                           f"parallel.virtual_stages={v}", f"parallel.micro_batches={M}")
         torch.manual_seed(0)
-        runner = parallelize(emulate_devices(GPT(cfg.model), 0.010), mesh, cfg)
+        runner = parallelize(emulate_devices(GPT(cfg.model), BLOCK_S), mesh, cfg)
         runner.timeline = False
         x = torch.randint(0, cfg.model.vocab_size, (2 * M, cfg.train.seq_len))
         bubbles = []
@@ -36,8 +37,9 @@ def _bubbles():
             runner.forward_backward(x, x)
             for p in runner.parameters():
                 p.grad = None
+            bubble = runner.extra_metrics()["bubble"]  # every step, as the trainer reads it
             if step:
-                bubbles.append(runner.extra_metrics()["bubble"])
+                bubbles.append(bubble)
         out[schedule] = statistics.median(bubbles)
     return out
 
