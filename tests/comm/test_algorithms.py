@@ -119,3 +119,24 @@ def test_collectives_match_native_two_nodes_of_two():
     # world: two nodes of two (hierarchical runs all three phases); the subgroup {1, 2, 3} has
     # 3 members (sizes not divisible) on ragged nodes {1} and {2, 3} (hierarchical falls back to ring)
     _check(spawn(_run, 4, [[0, 1], [2, 3]]))
+
+
+def _hier_layouts():
+    rank, out = dist.get_rank(), []
+    for nodes in ([[0, 1], [2, 3], [4, 5]], [[0, 1, 2], [3, 4, 5]]):  # 3 nodes x 2, 2 nodes x 3
+        for n in SIZES:
+            x = _data(n, rank)
+            want = x.clone()
+            dist.all_reduce(want)
+            got = A.hierarchical_all_reduce(x.clone(), nodes, piece_bytes=PIECE, segment_bytes=256)
+            out.append((nodes, n, want, got))
+    return out
+
+
+def test_hierarchical_on_three_nodes_and_three_ranks_per_node():
+    # more than two nodes takes the threaded pipeline with rings between nodes; three ranks per
+    # node makes chunks that do not divide evenly inside the node
+    for rank, cases in enumerate(spawn(_hier_layouts, 6)):
+        for nodes, n, want, got in cases:
+            # float64 sums of 6 values in another order than gloo's: a few ulps at most
+            assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"rank {rank} nodes {nodes} n={n}")
