@@ -206,7 +206,18 @@ def _any_module_run(runs):
 
 def _any_module_reference(kind: str = "fp32"):
     """One process, the same 8 micro-batches. "bf16": a bf16 copy of the fp32 master
-    weights computes each micro-batch; its gradients are summed in fp32 into the masters."""
+    weights computes each micro-batch; its gradients are summed in fp32 into the masters.
+    One thread, as each rank has: without native bf16 instructions (AVX2) a bf16 matmul's
+    rounding depends on how its reduction is split across threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _any_module_reference_1t(kind)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _any_module_reference_1t(kind: str):
     torch.manual_seed(0)
     net = Stack()
     params = list(net.parameters())
