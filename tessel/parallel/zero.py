@@ -45,9 +45,9 @@ all-gathered after each step; stage 3: at every gather). Per rank:
     3      4Psi/N             4Psi/N             8Psi/N   (gathered units take p bytes per element)
     (*) rPsi alone when r = 4: the fp32 shard is then a view of the reduced buffer
 
-The optimizer is torch's AdamW stepping "segments": the pieces of the owned
-shard that belong to parameters of one weight-decay class and one sharding
-class. They are marked sharded over the ZeRO axes (tessel.parallel.norms), so
+The optimizer (tessel.parallel.zero_optim) is torch's AdamW stepping
+"segments": the pieces of the owned shard that belong to parameters of one
+weight-decay class and one sharding class. They are marked sharded over the ZeRO axes (tessel.parallel.norms), so
 the global gradient norm over the optimizer's parameters is the norm of the
 whole model. Usage, on any nn.Module:
 
@@ -74,21 +74,16 @@ import torch.nn as nn
 
 from tessel.mesh import Mesh
 from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_parallel
-from tessel.parallel import zero_ckpt
 from tessel.parallel.norms import shard_axes
+from tessel.parallel.zero_optim import ZeroAdamW, default_decay
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
-                                       segments, state_bytes, unit_group)  # noqa: F401 (state_bytes: API)
+                                       state_bytes, unit_group)  # noqa: F401 (state_bytes: API)
 
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
 # gradient memory of backward at about two units; two measured 4% more peak
 # memory in benchmarks/zero_vs_fsdp.py on CPU.
 MAX_IN_FLIGHT = 1
-
-
-def default_decay(p: nn.Parameter) -> bool:
-    """Weight decay on matrices only; norms and biases get none (nanoGPT, GPT-3)."""
-    return p.dim() >= 2
 
 
 class _PreBackwardGather(torch.autograd.Function):
@@ -468,45 +463,6 @@ def _any_requires_grad(output) -> bool:
     found = []
     _map_tensors(output, lambda t: found.append(t.requires_grad))
     return any(found)
-
-
-class ZeroAdamW(torch.optim.AdamW):
-    """AdamW on the owned shard only; `step` then makes the parameters whole again.
-
-    A real torch AdamW (so LambdaLR and other schedulers work) whose parameters
-    are the owned segments (tessel.parallel.zero_flat.segments). Gradients are
-    views of flat buffers, so zero_grad always zeroes in place, whatever
-    set_to_none says. Its state_dict holds this rank's shard only."""
-
-    def __init__(self, engine: ZeroDataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, decay: Callable[[nn.Parameter], bool] = default_decay):
-        decay_segs, plain_segs = segments(engine.groups, decay)
-        groups = [{"params": decay_segs, "weight_decay": weight_decay},
-                  {"params": plain_segs, "weight_decay": 0.0}]
-        super().__init__(groups, lr=lr, betas=betas, eps=eps)
-        self.engine = engine
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = super().step(closure)
-        self.engine.publish()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad_buffers()
-
-    def grad_params(self) -> list[nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    # ---- checkpoints (tessel.train.logical's hook): logical whole tensors, see zero_ckpt --------
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return zero_ckpt.checkpoint_tensors(self)
-
-    def checkpoint_model_names(self) -> set[str]:
-        return zero_ckpt.model_names(self)
-
-    def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
-        zero_ckpt.load_checkpoint_tensors(self, reader, metadata, localize)
 
 
 def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999),

@@ -19,7 +19,7 @@ from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.zero import default_decay
+from tessel.parallel.zero_optim import default_decay
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.fault import all_finite
 from tessel.train.resilience import Guard

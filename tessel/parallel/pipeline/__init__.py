@@ -54,7 +54,7 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
                 mark_replica(c.lm_head.weight)  # the first stage's copy is the one the norm counts
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (pipeline/zero3.py)
         from tessel.parallel.pipeline.zero3 import PipelineZero3
-        from tessel.parallel.zero import ZeroAdamW
+        from tessel.parallel.zero_optim import ZeroAdamW
         zero = PipelineZero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward

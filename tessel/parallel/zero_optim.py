@@ -1,0 +1,64 @@
+"""The ZeRO optimizer: torch's AdamW on the shard this rank owns (Rajbhandari et al. 2020).
+
+Split from tessel.parallel.zero, whose ZeroDataParallel engine owns the flat
+buffers: the optimizer steps the owned segments, then asks the engine to make
+the parameters whole again (publish), and saves or loads its shard as
+logical whole tensors (tessel.parallel.zero_ckpt).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn as nn
+
+from tessel.parallel import zero_ckpt
+from tessel.parallel.zero_flat import segments
+
+if TYPE_CHECKING:
+    from tessel.parallel.zero import ZeroDataParallel
+
+
+def default_decay(p: nn.Parameter) -> bool:
+    """Weight decay on matrices only; norms and biases get none (nanoGPT, GPT-3)."""
+    return p.dim() >= 2
+
+
+class ZeroAdamW(torch.optim.AdamW):
+    """AdamW on the owned shard only; `step` then makes the parameters whole again.
+
+    A real torch AdamW (so LambdaLR and other schedulers work) whose parameters
+    are the owned segments (tessel.parallel.zero_flat.segments). Gradients are
+    views of flat buffers, so zero_grad always zeroes in place, whatever
+    set_to_none says. Its state_dict holds this rank's shard only."""
+
+    def __init__(self, engine: ZeroDataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, decay: Callable[[nn.Parameter], bool] = default_decay):
+        decay_segs, plain_segs = segments(engine.groups, decay)
+        groups = [{"params": decay_segs, "weight_decay": weight_decay},
+                  {"params": plain_segs, "weight_decay": 0.0}]
+        super().__init__(groups, lr=lr, betas=betas, eps=eps)
+        self.engine = engine
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.engine.publish()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad_buffers()
+
+    def grad_params(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    # ---- checkpoints (tessel.train.logical's hook): logical whole tensors, see zero_ckpt --------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return zero_ckpt.checkpoint_tensors(self)
+
+    def checkpoint_model_names(self) -> set[str]:
+        return zero_ckpt.model_names(self)
+
+    def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
+        zero_ckpt.load_checkpoint_tensors(self, reader, metadata, localize)
