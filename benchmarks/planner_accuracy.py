@@ -59,6 +59,11 @@ CASES = [
     "pp=2,tp=2,mb=2", "pp=2,dp=2,mb=1,v=2",
 ]
 
+# `--moe`: experts in every 2nd block (4 experts, top-2 with capacity), across dp, ep, ep x tp, ZeRO
+MOE_MODEL = {"n_experts": 4, "moe_every": 2, "moe_top_k": 2, "capacity_factor": 1.25}
+MOE_CASES = ["dp=4,mb=4", "ep=2,dp=2,mb=4", "ep=4,mb=4", "ep=2,tp=2,mb=4", "ep=2,dp=2,mb=4,zero=1",
+             "ep=2,pp=2,mb=2"]
+
 
 def runnable(cfg) -> str | None:
     """None if the trainer on this branch can run cfg, else why not."""
@@ -146,11 +151,16 @@ def main() -> None:
                     help="probe and profile afresh before each layout (default) or once per pass")
     ap.add_argument("--save", default="", help="write every pass's rows to this JSON file")
     ap.add_argument("--load", nargs="*", default=[], help="report on saved rows instead of running")
+    ap.add_argument("--moe", action="store_true", help="the MoE model and its layouts (dp, ep, ep x tp, ZeRO, pp)")
     args = ap.parse_args()
+    global CASES
+    CASES = MOE_CASES if args.moe else CASES
     if args.load:
         rows = [r for path in args.load for r in json.loads(Path(path).read_text())]
     else:
-        base = build_config(BASE)
+        raw = {k: dict(v) for k, v in BASE.items()}
+        raw["model"].update(MOE_MODEL if args.moe else {})
+        base = build_config(raw)
         spec = from_config(base.model, base.train.seq_len, base.train.global_batch, "bench")
         rows = []
         stamp = time.strftime("%H%M%S")
