@@ -147,7 +147,8 @@ def peak_chunks_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1
     return min(pp - stage, m)
 
 
-def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, precision: str) -> float:
+def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, precision: str,
+                           moe: bool = False) -> float:
     """Bytes one block keeps for backward, for `tokens` tokens (Korthikanti et al. 2022, redone for this block).
 
     Counted from tessel.models.gpt.Block: the residual input and the normed
@@ -157,13 +158,19 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, prec
     product (4 ffn), and the attention's log-sum-exp (n_head floats); these
     are split by tp. Under bf16 autocast the matmul inputs are also kept as
     bf16 copies (2 d).
+    An MoE block (tessel.models.moe) keeps, instead of the SwiGLU's 4 ffn, the
+    same 4 ffn for each of a token's top_k expert rows, the dispatched rows and
+    the expert outputs before combining (2 d each per row) and the router's
+    fp32 probabilities (n_experts); tp leaves the MoE feed-forward replicated.
     """
     c = spec.cfg
     a = 2 if precision == "bf16" else 4
     d_kv = c.kv_heads * spec.head_dim
     replicated = 4 * c.d_model * 4 + (2 * c.d_model * 2 if precision == "bf16" else 0)
-    split = (4 * c.d_model + 3 * d_kv + 4 * c.ffn_dim) * a + c.n_head * 4
+    split = (4 * c.d_model + 3 * d_kv + (0 if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
     per_token = replicated / (tp if sp else 1) + split / tp
+    if moe:
+        per_token += c.moe_top_k * (4 * c.ffn_dim + 2 * c.d_model) * a + c.n_experts * 4
     return tokens * per_token
 
 
@@ -348,18 +355,18 @@ class CostModel:
         mem = {"params": 4 * (dense / zp + expert / ep_),
                "grads": 4 * (dense / zg + expert / eg),
                "optimizer": 8 * (dense / zo + expert / eo)}
-        per_chunk = [len(all_chunks[k]) for k in chunks]
-        layers_here = sum(per_chunk)
-        one_layer = layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision)
+        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+                     for k in chunks for i in all_chunks[k]] or [0.0]
+        one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
         in_flight = peak_chunks_in_flight(lay.schedule, lay.pp, lay.m, stage, lay.v)
-        layers_per_chunk = layers_here / len(chunks)
+        layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         if lay.recompute:
             kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp, lay.sp)
-            kept += max(per_chunk) * one_layer / max(1, max(per_chunk))  # one block rebuilt at a time
+            kept += biggest  # one block rebuilt at a time
         else:
             kept = in_flight * layers_per_chunk * one_layer
         # backward of a block materialises gradients about as large as what it saved
-        workspace = one_layer
+        workspace = biggest
         if len(all_chunks) - 1 in chunks:
             workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
         mem["activations"] = kept + workspace
