@@ -230,7 +230,9 @@ class CostModel:
         self.cal = calibration or Calibration()
         self.bucket_bytes = bucket_mb * 2**20
         L = spec.cfg.n_layer
-        self.layer_flops = [spec.layer_fwd_flops_per_token(i, spec.cfg.capacity_factor) for i in range(L)]
+        # tessel's experts compute only the rows they keep (tessel.models.moe.Experts), not a
+        # buffer padded to the capacity; the profile converts its times with the same count
+        self.layer_flops = [spec.layer_fwd_flops_per_token(i) for i in range(L)]
         self.layer_params = [spec.layer_params(i) for i in range(L)]
         self.act_bytes = 2 if precision == "bf16" else 4
         self.moe_flags = [spec.is_moe(i) for i in range(L)]
