@@ -291,16 +291,9 @@ class CostModel:
                            recompute: bool, tokens: int, links) -> tuple[float, float, dict]:
         c = self.spec.cfg
         lay = Layout(tp=tp, ep=ep, sp=sp, recompute=recompute)
-        tp_f, tp_b, ep_f, ep_b = [], [], [], []  # every block of a kind issues the same calls: price one, times n
+        tp_f, tp_b, ep_f, ep_b = [], [], [], []
         if lay.tp > 1:
-            for n, (f, b) in ((n_dense, tp_block_calls(c.d_model, tokens, self.act_bytes, lay.sp)),
-                              (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
-                if n:
-                    tp_f += [Call(x.op, x.nbytes, x.count * n) for x in f]
-                    tp_b += [Call(x.op, x.nbytes, x.count * n) for x in b + (f if lay.recompute else [])]
-            f, b = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, lay.sp, first, last)
-            tp_f += f
-            tp_b += b
+            tp_f, tp_b = self._tp_calls(n_dense, n_moe, tokens, lay.sp, lay.recompute, first, last)
         if n_moe and lay.ep > 1:
             f, b = ep_block_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts)
             ep_f = [Call(x.op, x.nbytes, x.count * n_moe) for x in f]
@@ -322,16 +315,24 @@ class CostModel:
         points = self.cal.tp_comm.get(tp)
         if tp <= 1 or not points:
             return 1.0
-        c, n_moe = self.spec.cfg, sum(self.moe_flags)
-        f, b = [], []
-        for n, (cf, cb) in ((c.n_layer - n_moe, tp_block_calls(c.d_model, tokens, self.act_bytes, False)),
-                            (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
-            f += [Call(x.op, x.nbytes, x.count * n) for x in cf]
-            b += [Call(x.op, x.nbytes, x.count * n) for x in cb]
-        ef, eb = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, False, True, True)
-        priced = self.price(f + b + ef + eb, tp, link)
+        n_moe = sum(self.moe_flags)  # the profiled model: every block, both edges, no SP or recompute
+        f, b = self._tp_calls(self.spec.cfg.n_layer - n_moe, n_moe, tokens, False, False, True, True)
+        priced = self.price(f + b, tp, link)
         measured = max(0.0, _interpolate(points, tokens, priced))
         return measured / priced if priced > 0 else 1.0
+
+    def _tp_calls(self, n_dense: int, n_moe: int, tokens: int, sp: bool, recompute: bool, first: bool,
+                  last: bool) -> tuple[list[Call], list[Call]]:
+        """(forward, backward) tp collectives of a chunk of n_dense + n_moe blocks (+ its edges)."""
+        c = self.spec.cfg
+        fwd, bwd = [], []  # every block of a kind issues the same calls: one list, counts times n
+        for n, (f, b) in ((n_dense, tp_block_calls(c.d_model, tokens, self.act_bytes, sp)),
+                          (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
+            if n:
+                fwd += [Call(x.op, x.nbytes, x.count * n) for x in f]
+                bwd += [Call(x.op, x.nbytes, x.count * n) for x in b + (f if recompute else [])]
+        f, b = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, sp, first, last)
+        return fwd + f, bwd + b
 
     # -- memory ----------------------------------------------------------------------
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
