@@ -117,10 +117,9 @@ def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
     import torch
     import torch.distributed as dist
     from tessel.parallel.tensor_comm import _all_gather_single, _reduce_scatter_single
-    rank, out = dist.get_rank(), {}
+    out = {}
     for g in [g for g in range(2, n + 1) if n % g == 0]:
-        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, n, g)]  # every rank creates every group
-        group, me = groups[rank // g], rank % g
+        group, me = _contiguous_group(g)
 
         def p2p(buf, group=group, me=me):
             peer = dist.get_global_rank(group, 1 - me)
@@ -235,18 +234,14 @@ def _tp_shaped(model, cfg, tp: int, group=None, rank: int = 0):
     return model, VocabParallelLoss(ctx, cfg.vocab_size)
 
 
-def _tp_groups(tp_sizes: list[int]) -> dict[int, tuple[object, int]]:
-    """tp degree -> (this rank's group of tp consecutive ranks, its rank in it); every rank calls."""
+def _contiguous_group(size: int) -> tuple[object, int]:
+    """(this rank's group of `size` consecutive ranks, as tp groups are laid out, its rank in it).
+
+    Collective: every rank creates every group of the world's partition, in the same order."""
     import torch.distributed as dist
-    me, world, out = dist.get_rank(), dist.get_world_size(), {}
-    for tp in tp_sizes:
-        if tp == 1:
-            continue
-        for start in range(0, world, tp):
-            group = dist.new_group(list(range(start, start + tp)))
-            if start <= me < start + tp:
-                out[tp] = (group, me - start)
-    return out
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, dist.get_world_size(), size)]
+    return groups[rank // size], rank % size
 
 
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
@@ -264,7 +259,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     spec = ModelSpec("profile", cfg, seq_len, 1)
     dev = torch.device("cpu")
     batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
-    groups = _tp_groups(tp_sizes)
+    groups = {tp: _contiguous_group(tp) for tp in tp_sizes if tp > 1}
     # (tp, with its collectives?) -> the model as one tp rank runs it
     models = {}
     for tp in tp_sizes:
