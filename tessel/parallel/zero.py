@@ -75,9 +75,9 @@ import torch.nn as nn
 from tessel.mesh import Mesh
 from tessel.parallel.data import GradientSyncWrapper, broadcast_tensors, data_parallel
 from tessel.parallel.norms import shard_axes
-from tessel.parallel.zero_optim import ZeroAdamW, default_decay
+from tessel.parallel.zero_optim import ZeroAdamW, decay_groups, default_decay
 from tessel.parallel.zero_flat import (Comm, FlatGroup, all_gather, bucket_groups, find_units, reduce_scatter,
-                                       state_bytes, unit_group)  # noqa: F401 (state_bytes: API)
+                                       unit_group)
 
 # reductions in flight at once (stages 2, 3): each holds a full-size gradient
 # buffer. One overlaps the next unit's backward (as FSDP does) and keeps the
@@ -481,10 +481,8 @@ def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, *, lr: float = 1e-3
         if param_dtype not in (None, torch.float32) or reduce_dtype not in (None, torch.float32):
             raise ValueError("param_dtype/reduce_dtype need ZeRO stage 1, 2 or 3 (fp32 masters)")
         model = data_parallel(module, mesh, axes, bucket_mb)
-        params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
-        groups = [{"params": [p for p in params if decay(p)], "weight_decay": weight_decay},
-                  {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
-        return model, torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        params = dict.fromkeys(p for p in module.parameters() if p.requires_grad)
+        return model, torch.optim.AdamW(decay_groups(params, decay, weight_decay), lr=lr, betas=betas, eps=eps)
     model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype)
     return model, ZeroAdamW(model, lr, betas, eps, weight_decay, decay)

@@ -179,28 +179,3 @@ def segments(groups: Sequence[FlatGroup], decay: Callable[[nn.Parameter], bool]
             out[0 if dec else 1].append(seg)
     return out
 
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds now in parameters, gradients and optimizer state.
-
-    Counts each storage once (views share one), at its allocated size: a
-    stage-3 buffer that is freed counts 0."""
-    def total(tensors) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            if t is not None:
-                s = t.untyped_storage()
-                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-        return sum(seen.values())
-
-    groups = getattr(model, "groups", [])  # a ZeroDataParallel's flat groups
-    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
-    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
-             + [p.grad for p in optimizer_params(optimizer)])
-    states = [v for st in optimizer.state.values() for k, v in st.items()
-              if torch.is_tensor(v) and k != "step"]
-    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -25,6 +25,13 @@ def default_decay(p: nn.Parameter) -> bool:
     return p.dim() >= 2
 
 
+def decay_groups(params, decay: Callable[[nn.Parameter], bool], weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: those `decay` picks with weight_decay, the rest with none."""
+    params = list(params)
+    return [{"params": [p for p in params if decay(p)], "weight_decay": weight_decay},
+            {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
+
+
 class ZeroAdamW(torch.optim.AdamW):
     """AdamW on the owned shard only; `step` then makes the parameters whole again.
 
@@ -51,7 +58,7 @@ class ZeroAdamW(torch.optim.AdamW):
         self.engine.zero_grad_buffers()
 
     def grad_params(self) -> list[nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
+        return optimizer_params(self)
 
     # ---- checkpoints (tessel.train.logical's hook): logical whole tensors, see zero_ckpt --------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -62,3 +69,29 @@ class ZeroAdamW(torch.optim.AdamW):
 
     def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
         zero_ckpt.load_checkpoint_tensors(self, reader, metadata, localize)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds now in parameters, gradients and optimizer state.
+
+    Counts each storage once (views share one), at its allocated size: a
+    stage-3 buffer that is freed counts 0."""
+    def total(tensors) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None:
+                s = t.untyped_storage()
+                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+        return sum(seen.values())
+
+    groups = getattr(model, "groups", [])  # a ZeroDataParallel's flat groups
+    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
+    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
+             + [p.grad for p in optimizer_params(optimizer)])
+    states = [v for st in optimizer.state.values() for k, v in st.items()
+              if torch.is_tensor(v) and k != "step"]
+    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

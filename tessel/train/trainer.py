@@ -19,7 +19,7 @@ from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.zero_optim import default_decay
+from tessel.parallel.zero_optim import decay_groups, default_decay, optimizer_params
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.fault import all_finite
 from tessel.train.resilience import Guard
@@ -29,9 +29,7 @@ def build_optimizer(params: list[nn.Parameter], t: TrainConfig,
                     decay: Callable[[nn.Parameter], bool] = default_decay) -> torch.optim.Optimizer:
     """AdamW; `decay` picks who gets weight decay: by default matrices, not norms and other
     vectors (nanoGPT, GPT-3)."""
-    groups = [{"params": [p for p in params if decay(p)], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    return torch.optim.AdamW(decay_groups(params, decay, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -87,7 +85,7 @@ class Trainer:
         self.optimizer = getattr(runner, "optimizer", None)
         if self.optimizer is None:
             self.optimizer = build_optimizer(runner.parameters(), t)
-        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.params = optimizer_params(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, t)
         tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
