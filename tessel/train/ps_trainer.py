@@ -20,9 +20,7 @@ on worker 0's copy of the weights.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,12 +29,12 @@ import torch.nn as nn
 from tessel.config import Config, TrainConfig
 from tessel.models.gpt import GPT, count_params, cross_entropy, flops_per_token
 from tessel.models.moe import with_aux_losses
-from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
+from tessel.observe.metrics import MetricsLog, device_peak_flops
 from tessel.observe.progress import Progress
 from tessel.parallel.ps import ParameterServer
 from tessel.parallel.step import LocalRunner
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.trainer import Summary, build_optimizer, lr_at, sample_text
+from tessel.train.trainer import Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize
 
 log = logging.getLogger("tessel.ps")
 
@@ -103,9 +101,9 @@ class _Worker:
             loss = loss / self.cfg.parallel.dp
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
-        return {"loss": loss.item(), "lr": lr_at(step, self.cfg.train), "step_time_s": elapsed,
-                "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
-                "peak_mem_mb": peak_memory_mb(self.device), "staleness": self.ps.observed_staleness()}
+        return {"loss": loss.item(), "lr": lr_at(step, self.cfg.train),
+                **speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.device),
+                "staleness": self.ps.observed_staleness()}
 
     def fit(self) -> Summary:
         t = self.cfg.train
@@ -129,18 +127,8 @@ class _Worker:
         return torch.stack(losses).mean().item()
 
     def summary(self, val_loss: float | None) -> Summary:
-        steady = self.history[min(2, len(self.history) - 1):]
         files, sample = {}, ""
         if self.log is not None:
-            self.log.close()
-            from tessel.observe.plots import plot_metrics
-            files = {"metrics": str(self.log.path)}
-            if self.cfg.logging.tensorboard:
-                files["tensorboard"] = str(Path(self.log.dir) / "tensorboard")
-            files["curves"] = str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))
+            files = close_log(self.log, tensorboard=self.cfg.logging.tensorboard)
             sample = sample_text(self.runner, self.cfg)  # worker 0's weights, no collective
-        return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
-                       tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-                       mfu=statistics.median(r["mfu"] for r in steady),
-                       peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
-                       sample=sample, files=files)
+        return summarize(self.history, val_loss, self.n_params, sample, files)

@@ -68,6 +68,36 @@ def sample_text(runner, cfg: Config) -> str:
     return bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
 
 
+def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops: float,
+                 device: torch.device) -> dict[str, float]:
+    """A step's throughput fields of the metrics row: time, tokens/s, MFU, peak memory."""
+    return {"step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
+            "mfu": flops_per_token * tokens / elapsed / peak_flops, "peak_mem_mb": peak_memory_mb(device)}
+
+
+def close_log(log: MetricsLog, tensorboard: bool = True) -> dict[str, str]:
+    """Close rank 0's metrics log and plot its curves; the files the run wrote there."""
+    from tessel.observe.plots import plot_metrics
+    log.close()
+    files = {"metrics": str(log.path)}
+    if tensorboard:
+        files["tensorboard"] = str(Path(log.dir) / "tensorboard")
+    files["curves"] = str(plot_metrics(log.path, Path(log.dir) / "curves.png"))
+    return files
+
+
+def summarize(history: list[dict], val_loss: float | None, n_params: int, sample: str,
+              files: dict[str, str]) -> Summary:
+    """The run's Summary from its metrics rows; the first steps pay for warm-up (allocations,
+    thread pools) and are left out of the medians."""
+    steady = history[min(2, len(history) - 1):]
+    return Summary(steps=len(history), losses=[r["loss"] for r in history], val_loss=val_loss,
+                   tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+                   mfu=statistics.median(r["mfu"] for r in steady),
+                   peak_mem_mb=max(r["peak_mem_mb"] for r in history), params=n_params,
+                   sample=sample, files=files)
+
+
 def mean_over(value: torch.Tensor, mesh: Mesh, *axes: str) -> torch.Tensor:
     group = mesh.group(*axes)
     if group is not None:
@@ -123,9 +153,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
-        row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": elapsed,
-               "tokens_per_s": tokens / elapsed, "mfu": self.flops_per_token * tokens / elapsed / self.peak_flops,
-               "peak_mem_mb": peak_memory_mb(self.mesh.device), "skipped": not finite}
+        row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+               **speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.mesh.device),
+               "skipped": not finite}
         extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
         if extra is not None:
             row.update(extra())
@@ -161,18 +191,9 @@ class Trainer:
         return self._summary(val_loss)
 
     def _summary(self, val_loss: float | None) -> Summary:
-        # the first steps pay for warm-up (allocations, thread pools): leave them out
-        steady = self.history[min(2, len(self.history) - 1):]
-        tps = statistics.median(r["tokens_per_s"] for r in steady)
         files = {}
         if hasattr(self.runner, "write_timeline"):  # collective: every rank hands in its events
             files.update(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
-            self.log.close()
-            from tessel.observe.plots import plot_metrics
-            files.update({"metrics": str(self.log.path), "tensorboard": str(Path(self.log.dir) / "tensorboard"),
-                          "curves": str(plot_metrics(self.log.path, Path(self.log.dir) / "curves.png"))})
-        return Summary(steps=len(self.history), losses=[r["loss"] for r in self.history], val_loss=val_loss,
-                       tokens_per_s=tps, mfu=statistics.median(r["mfu"] for r in steady),
-                       peak_mem_mb=max(r["peak_mem_mb"] for r in self.history), params=self.n_params,
-                       sample=self.sample(), files=files)
+            files.update(close_log(self.log))
+        return summarize(self.history, val_loss, self.n_params, self.sample(), files)
