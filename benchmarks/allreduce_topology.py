@@ -1,6 +1,7 @@
 """Hierarchical vs flat ring all-reduce on an emulated 2-node x 2-rank cluster (1 Gbit/s between nodes).
 
     sudo PYTHONPATH=. python benchmarks/allreduce_topology.py [--rate 1gbit] [--iters 7] [--runs 3]
+        [--congestion reno] [--queue-latency 10ms]
 
 Runs on the multi-node emulator (tessel.comm.emulator: network namespaces,
 tbf-shaped veths, one torchrun per node). Every size times tessel's flat ring
@@ -84,11 +85,12 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: expected e.g. 1gbit or 500mbit")
 
 
-def one_run(rate: str, iters: int) -> dict:
+def one_run(args) -> dict:
     from tessel.comm.emulator import Emulator
     out = Path(tempfile.mkdtemp(prefix="tessel-bench-")) / "allreduce.json"
-    with Emulator(nodes=2, nproc_per_node=2, rate=rate) as emu:
-        runs = emu.run([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--iters", str(iters)],
+    with Emulator(nodes=2, nproc_per_node=2, rate=args.rate, queue_latency=args.queue_latency,
+                  congestion=args.congestion) as emu:
+        runs = emu.run([str(Path(__file__).resolve()), "--worker", "--out", str(out), "--iters", str(args.iters)],
                        timeout=900)
     if any(r.returncode for r in runs) or not out.exists():
         for r in runs:
@@ -115,6 +117,8 @@ def main() -> int:
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--runs", type=int, default=1, help="fresh emulators, each timing --iters rounds")
+    ap.add_argument("--congestion", default=None, help="TCP congestion control in the nodes (default: the host's)")
+    ap.add_argument("--queue-latency", default="50ms", help="tbf queue bound of the inter-node links")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -131,7 +135,7 @@ def main() -> int:
     key = str(SIZES_MB[-2])  # 16 MiB
     per_run = []
     for k in range(args.runs):
-        data = one_run(args.rate, args.iters)
+        data = one_run(args)
         meds = {a: statistics.median(ts) for a, ts in data["results"][key].items()}
         per_run.append(meds["ring"] / meds["hierarchical"])
         print(f"run {k}: nodes {data['nodes']}; 16MiB medians (ms) "
@@ -140,7 +144,8 @@ def main() -> int:
         for mb, row in data["results"].items():
             for algo, ts in row.items():
                 merged.setdefault(mb, {}).setdefault(algo, []).extend(ts)
-    print(f"emulated cluster: 2 nodes x 2 ranks, inter-node links tbf {args.rate} each way; medians of "
+    print(f"emulated cluster: 2 nodes x 2 ranks, inter-node links tbf {args.rate} each way (queue "
+          f"{args.queue_latency}, TCP congestion control {args.congestion or 'the host default'}); medians of "
           f"{args.runs} run(s) x {args.iters} iterations (slowest rank); the machine is shared, timings are noisy")
     report(merged, args.rate)
     for mb, row in merged.items():

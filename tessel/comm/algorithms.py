@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
+import threading
 from typing import Sequence
 
 import torch
@@ -36,6 +37,7 @@ SEGMENT_BYTES = 2 << 20  # hierarchical all-reduce pipeline segment (ramped: see
 MAX_SEGMENTS = 16
 RS_AHEAD = 2  # segments whose intra-node reduce-scatter is in flight ahead of the one being added
 TAG_INTRA_RS, TAG_INTER, TAG_INTRA_AG = 11, 12, 13  # one tag per pipelined phase (gloo matches by tag)
+WORKSPACE_MAX_BYTES = 64 << 20  # receive buffers up to this size are kept for the next call
 
 
 # ---- small helpers ------------------------------------------------------------
@@ -86,6 +88,29 @@ def exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src
     return works[:n_send], works[n_send:]
 
 
+_workspace = threading.local()
+
+
+def scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A (numel,) receive buffer of `like`'s dtype, reused by this thread's next call.
+
+    On the CPU a fresh buffer's pages fault in as the first bytes land: an 8 MiB
+    buffer took 5.2 ms to fill fresh and 0.8 ms again, so a fresh receive
+    buffer per call cost every rank ~0.55 ms of CPU per MiB, which four ranks on
+    two cores pay in delays on the critical path. One buffer per thread (the
+    DP reducer drives its algorithm from one worker thread; every call here
+    finishes before it returns) and dtype; accelerators keep their own caching allocators.
+    """
+    nbytes = numel * like.element_size()
+    if like.device.type != "cpu" or nbytes > WORKSPACE_MAX_BYTES:
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    bufs = _workspace.__dict__.setdefault("by_dtype", {})
+    buf = bufs.get(like.dtype)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[like.dtype] = torch.empty(numel, dtype=like.dtype)
+    return buf[:numel]
+
+
 def _pieces(size: int, itemsize: int, piece_bytes: int) -> list[int]:
     return split_sizes(size, max(1, min(64, (size * itemsize) // max(1, piece_bytes))))
 
@@ -129,11 +154,12 @@ def ring_reduce_scatter_(flat: torch.Tensor, ranks: Sequence[int], group=None,
     early = _early(group)
     # early: one buffer per step; else two, reused every other step (a piece is added before
     # the step after next receives into its place)
-    scratch = torch.empty((n - 1 if early else 2, max(sizes)), dtype=flat.dtype, device=flat.device)
+    rows = n - 1 if early else 2
+    recv_rows = scratch(rows * max(sizes), flat).view(rows, max(sizes))
 
     def target(s, off, length):  # where step s receives a piece, and what it is added to
         inc = _piece(chunk(i - s - 2), off, length)
-        return scratch[s if early else s % 2].narrow(0, off, inc.numel()), inc
+        return recv_rows[s if early else s % 2].narrow(0, off, inc.numel()), inc
 
     pending = {}
     if early:
@@ -317,9 +343,12 @@ class _HierStages:
         Inside a node the reduce-scatter and the all-gather are direct (local rank j sends
         chunk j straight to j: the ring's bytes in one round, which loopback or shared memory
         carries easily); between nodes each rank swaps its reduced part with its peer.
-        1. every receive of every phase and segment is announced up front: gloo moves a
+        1. every receive of every phase and segment is announced early: gloo moves a
            message only after the receiver has announced its buffer, and that announcement
-           would otherwise queue behind data on the loaded reverse direction of the slow link;
+           would otherwise queue behind data on the loaded reverse direction of the slow link.
+           Only the first segments' receives come before the first part leaves for the other
+           node, the rest right after: posting all ~40 first put 1-5 ms (and with four ranks
+           on two cores, the odd preemption) before the slow link's first byte;
         2. intra-node reduce-scatter messages go RS_AHEAD segments ahead of the one being added
            (they depend on nothing; sending them all at once would spend the CPU on loopback
            copies just when the first part should leave for the slow link);
@@ -334,21 +363,34 @@ class _HierStages:
         idx = {r: j for j, r in enumerate(self.local)}
         peers = [r for r in self.local if r != me]
         mine = [c[idx[me]] for c in cuts]
-        rs_buf = [[torch.empty_like(m) for _ in peers] for m in mine]
-        rs_recv = [[exchange(None, me, b, r, g, TAG_INTRA_RS)[1] for b, r in zip(bufs, peers)] for bufs in rs_buf]
-        inter_buf = [torch.empty_like(m) for m in mine]
-        inter_recv = [exchange(None, other, b, other, g, TAG_INTER)[1] for b in inter_buf]
-        ag_recv = [exchange(None, me, c[idx[r]], r, g, TAG_INTRA_AG)[1] for c in cuts for r in peers]
+        # receive buffers: per segment, one per local peer (reduce-scatter) and one from the other node
+        space = scratch(len(self.local) * sum(m.numel() for m in mine), mine[0])
+        offs = offsets_of([m.numel() for m in mine for _ in self.local])
+        bufs = [space.narrow(0, o, m.numel()) for o, m in zip(offs, (m for m in mine for _ in self.local))]
+        per = len(self.local)
+        rs_buf = [bufs[k * per:(k + 1) * per - 1] for k in range(len(mine))]
+        inter_buf = [bufs[(k + 1) * per - 1] for k in range(len(mine))]
+        post_rs = lambda bufs: [exchange(None, me, b, r, g, TAG_INTRA_RS)[1] for b, r in zip(bufs, peers)]  # noqa: E731
+        post_inter = lambda b: exchange(None, other, b, other, g, TAG_INTER)[1]  # noqa: E731
         rs_send = lambda c: [w for r in peers for w in exchange(c[idx[r]], r, None, me, g, TAG_INTRA_RS)[0]]  # noqa: E731
-        sends = [w for c in cuts[:RS_AHEAD] for w in rs_send(c)]
-        inter_sent = []
-        for k, (m, recvs, bufs) in enumerate(zip(mine, rs_recv, rs_buf)):
-            if k + RS_AHEAD < len(cuts):
+        head = min(RS_AHEAD, len(cuts))
+        rs_recv = [post_rs(bufs) for bufs in rs_buf[:head]]
+        inter_recv = [post_inter(inter_buf[0])]
+        sends = [w for c in cuts[:head] for w in rs_send(c)]
+        inter_sent, ag_recv = [], []
+        for k, (m, bufs) in enumerate(zip(mine, rs_buf)):
+            if k and k + RS_AHEAD < len(cuts):
                 sends += rs_send(cuts[k + RS_AHEAD])
-            for works, buf in zip(recvs, bufs):
+            for works, buf in zip(rs_recv[k], bufs):
                 _wait(works)
                 m.add_(buf)
             inter_sent.append(exchange(m, other, None, other, g, TAG_INTER)[0])
+            if k == 0:  # the slow link is busy now: announce every other receive
+                inter_recv += [post_inter(b) for b in inter_buf[1:]]
+                rs_recv += [post_rs(bufs) for bufs in rs_buf[head:]]
+                ag_recv = [exchange(None, me, c[idx[r]], r, g, TAG_INTRA_AG)[1] for c in cuts for r in peers]
+                if RS_AHEAD < len(cuts):
+                    sends += rs_send(cuts[RS_AHEAD])
         for m, got, buf, sent in zip(mine, inter_recv, inter_buf, inter_sent):
             _wait(got)
             _wait(sent)  # the part may change only after it has left

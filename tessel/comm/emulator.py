@@ -20,11 +20,19 @@ egress and switch port, both with the same settings):
   slack or two keeps the rate; it lets at most 256 KiB through at once after
   an idle spell (<2% of a 16 MiB all-reduce, for any algorithm alike);
 - latency 50ms: the queue bound (limit = rate x latency + burst, ~6.5 MB),
-  a deep switch buffer. Measured during the all-reduce benchmark: no drops,
-  backlog under 0.6 MB, TCP round trips 2-12 ms, because the namespaces
-  inherit the host's BBR congestion control, which paces to the bottleneck
-  rather than filling the queue. So the bound never bites and no algorithm
-  is favoured by it.
+  a deep switch buffer. Measured during the all-reduce benchmark under this
+  host's BBR congestion control (the namespaces inherit it): no drops,
+  backlog under 0.6 MB, TCP round trips 2-12 ms, because BBR paces to the
+  bottleneck rather than filling the queue. So the bound never bites.
+- congestion (default None: the host's): TCP congestion control inside the
+  nodes, for runs that must not depend on the host's setting. It matters when
+  two flows share an uplink (hierarchical all-reduce: one per local rank).
+  BBR split one uplink 3:1 between them, and the flow left alone at the end
+  took tens of ms to pace back up to the line rate; under reno both finished
+  together. But reno fills the 50 ms queue, which slows the flat ring, whose
+  steps wait on each other across the slow links (16 MiB: ring 227 ms vs 214
+  under BBR); with latency 10ms that is gone, and the ring/hierarchical ratio
+  is the same as under BBR (1.44x, ring 217 ms, hierarchical 150 ms).
 
 Cleanup always runs (context exit, atexit, SIGTERM): every process group we
 started is killed, then the namespaces are deleted (which deletes their veths
@@ -81,6 +89,7 @@ class Emulator:
     rate: str | None = "1gbit"  # tbf rate of every inter-node link direction; None: unshaped
     burst: str = "256kb"  # token bucket depth: >= rate / HZ, small next to the messages measured
     queue_latency: str = "50ms"  # tbf queue bound (drops past it, as a switch buffer would)
+    congestion: str | None = None  # TCP congestion control inside the nodes (e.g. "reno"); None: the host's
     name: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_counter)}")
     _made: list[str] = field(default_factory=list, repr=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
@@ -135,6 +144,8 @@ class Emulator:
             self._netns(ns, "ip", "link", "set", tmp_node, "name", "eth0")
             self._netns(self.switch, "ip", "link", "set", tmp_sw, "name", f"p{k}")
             self._netns(ns, "ip", "addr", "add", f"{self.ip(k)}/24", "dev", "eth0")
+            if self.congestion:
+                self._set_congestion(ns)
             for cmd in (("lo",), ("eth0",)):
                 self._netns(ns, "ip", "link", "set", cmd[0], "up")
             self._netns(self.switch, "ip", "link", "set", f"p{k}", "master", "br0")
@@ -143,6 +154,16 @@ class Emulator:
                 for where, dev in ((ns, "eth0"), (self.switch, f"p{k}")):
                     self._netns(where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                                 "burst", self.burst, "latency", self.queue_latency)
+
+    def _set_congestion(self, ns: str) -> None:
+        res = _sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion}",
+                  check=False)
+        if res.returncode:
+            allowed = _sh("ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_allowed_congestion_control",
+                          check=False).stdout.strip()
+            raise ValueError(f"Emulator.congestion={self.congestion!r} is not usable in a network namespace here "
+                             f"(allowed: {allowed or 'unknown'}; the host's net.ipv4.tcp_allowed_congestion_control "
+                             f"decides); pick one of those or None for the host's default")
 
     def cleanup(self) -> None:
         """Kill what we started, delete what we made. Safe to call twice."""
@@ -249,12 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--nproc-per-node", type=int, default=2)
     ap.add_argument("--rate", default="1gbit", help="tbf rate of inter-node links; 'none' for unshaped")
+    ap.add_argument("--congestion", default=None, help="TCP congestion control in the nodes (default: the host's)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="what torchrun runs, e.g. -m tessel probe")
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     cleanup_stale()
-    with Emulator(args.nodes, args.nproc_per_node, None if args.rate == "none" else args.rate) as emu:
+    with Emulator(args.nodes, args.nproc_per_node, None if args.rate == "none" else args.rate,
+                  congestion=args.congestion) as emu:
         runs = emu.run(cmd, timeout=args.timeout)
     for r in runs:
         print(f"===== node {r.node} (exit {r.returncode}) =====\n{r.log}")

@@ -140,3 +140,14 @@ def test_hierarchical_on_three_nodes_and_three_ranks_per_node():
         for nodes, n, want, got in cases:
             # float64 sums of 6 values in another order than gloo's: a few ulps at most
             assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"rank {rank} nodes {nodes} n={n}")
+
+
+def test_scratch_buffers_are_reused_per_thread_and_fresh_past_the_cap():
+    like32, like64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
+    a = A.scratch(100, like32)
+    assert A.scratch(50, like32).data_ptr() == a.data_ptr()  # smaller: the same memory again
+    assert A.scratch(10, like64).dtype == torch.float64  # another dtype: its own buffer
+    big = A.WORKSPACE_MAX_BYTES // 4 + 1
+    first, second = A.scratch(big, like32), A.scratch(big, like32)  # both alive: distinct memory unless cached
+    assert first.data_ptr() != second.data_ptr()
+    assert A.scratch(100, like32).data_ptr() == a.data_ptr()  # the cached one was left alone

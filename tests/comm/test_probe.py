@@ -61,6 +61,22 @@ def test_probe_recovers_emulated_nodes(tmp_path):
 
 
 @pytest.mark.skipif(require_root() is not None, reason=str(require_root()))
+def test_emulator_pins_tcp_congestion_control_and_rejects_an_unknown_one():
+    def cc(ns):
+        return subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    with Emulator(nodes=2, nproc_per_node=1, congestion="reno") as emu:  # reno is always built in
+        assert [cc(emu.ns(k)) for k in range(2)] == ["reno", "reno"]
+    bad = Emulator(nodes=2, nproc_per_node=1, congestion="no-such-cc")
+    with pytest.raises(ValueError, match="Emulator.congestion='no-such-cc'"):
+        with bad:
+            pass
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert emu.name not in left and bad.name not in left
+
+
+@pytest.mark.skipif(require_root() is not None, reason=str(require_root()))
 def test_emulator_cleans_up_after_a_failing_run():
     emu = Emulator(nodes=2, nproc_per_node=1, rate="100mbit")
     with emu:
