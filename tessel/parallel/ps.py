@@ -38,6 +38,14 @@ the server logs it, drops it from the barrier and the clock minimum, and goes
 on. Messages: worker->server [kind, worker, step, 0 | gradient slice],
 server->worker [version, min_clock, clock, 0 | weight slice], float32.
 
+Snapshots (checkpoints): a worker asks every server for its weights and
+optimizer state (`snapshot`: the `state_keys` tensors, elementwise, in key
+order, plus the update count); a server answers between two updates, so each
+shard is consistent in itself. Under BSP, asked between steps, that is the
+state after the asking worker's last step; under ASP and SSP other workers'
+pushes keep landing, so servers may be a few pushes apart (a fuzzy snapshot,
+as PS systems take them). `restore` puts such a state back on the servers.
+
     ps = ParameterServer(model, servers=[0], workers=[1, 2, 3], mode="ssp", staleness=2,
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     if ps.is_server:
@@ -64,9 +72,9 @@ from tessel.comm.algorithms import offsets_of, split_sizes
 
 log = logging.getLogger("tessel.ps")
 MODES = ("bsp", "asp", "ssp")
-PUSH, PULL, DONE, DEAD = 0, 1, 2, 3
+PUSH, PULL, DONE, DEAD, SAVE = 0, 1, 2, 3, 4
 HEADER = 4
-TAG_UP, TAG_DOWN = 71, 72
+TAG_UP, TAG_DOWN, TAG_SAVE = 71, 72, 73
 WIRE = torch.float32
 
 
@@ -92,7 +100,7 @@ class ParameterServer:
     def __init__(self, model: nn.Module, servers: Sequence[int], workers: Sequence[int], mode: str = "bsp",
                  staleness: int = 0, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                  group=None, broadcast: bool = True, grad_clip: float = 0.0,
-                 lr_at: Callable[[int], float] | None = None):
+                 lr_at: Callable[[int], float] | None = None, state_keys: Sequence[str] = ()):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if staleness < 0:
@@ -113,6 +121,7 @@ class ParameterServer:
         self.step_count = 0
         self.last_header: dict[int, list[int]] = {}
         self.grad_clip, self.lr_at = grad_clip, lr_at
+        self.state_keys, self.start_updates = tuple(state_keys), 0
         # BSP clips over all servers' shards: their squared norms are summed in a servers' group
         # (new_group is collective: every rank makes it, in the same order)
         self.server_group = dist.new_group(self.servers) if grad_clip > 0 and len(self.servers) > 1 else None
@@ -186,7 +195,7 @@ class ParameterServer:
 
     def begin_step(self) -> None:
         """Before a step's backward: the weights of the first pull, and no old gradients."""
-        if self.step_count == 0 and not self.last_header:
+        if not self.last_header:  # nothing pulled yet (a resumed run starts at step_count > 0)
             self.pull()
         for p in self.params:
             p.grad = None
@@ -205,6 +214,55 @@ class ParameterServer:
     def finish(self) -> None:
         self._exchange(DONE, None)
 
+    def snapshot(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """(flat weights, {state key: flat state}, updates) from every server (worker side).
+
+        updates is the smallest count among the servers (they agree under BSP).
+        """
+        width = 1 + len(self.state_keys)
+        sends, recvs = [], []
+        for k, srv in enumerate(self.servers):
+            lo, hi = self.ranges[k]
+            head = torch.tensor([SAVE, self.rank, self.step_count, 0], dtype=WIRE, device=self.device)
+            msg = torch.cat([head, torch.zeros(hi - lo, dtype=WIRE, device=self.device)])
+            sends.append((dist.isend(msg, srv, self.group, tag=TAG_UP), msg))
+            buf = torch.empty(HEADER + width * (hi - lo), dtype=WIRE, device=self.device)
+            recvs.append((dist.irecv(buf, srv, self.group, tag=TAG_SAVE), buf, k))
+        flat = torch.empty(width, self.total, dtype=WIRE, device=self.device)
+        updates = []
+        for work, buf, k in recvs:
+            work.wait()
+            lo, hi = self.ranges[k]
+            flat[:, lo:hi] = buf[HEADER:].view(width, hi - lo)
+            updates.append(int(buf[0].item()))
+        for work, _ in sends:
+            work.wait()
+        return flat[0], {key: flat[1 + i] for i, key in enumerate(self.state_keys)}, min(updates)
+
+    @torch.no_grad()
+    def restore(self, flat: torch.Tensor, state: dict[str, torch.Tensor], updates: int) -> None:
+        """Server side, before serve(): this server's range of a snapshot (or a checkpoint's).
+
+        Optimizers with state_keys (Adam's moments) also get their step counter: `updates`.
+        """
+        if not self.is_server:
+            return
+        lo, hi = self.ranges[self.servers.index(self.rank)]
+        self.shard.copy_(flat[lo:hi])
+        off = lo
+        for piece in self.pieces:
+            n = piece.numel()
+            if self.state_keys:
+                st = {key: state[key][off:off + n].to(piece.dtype).clone() for key in self.state_keys}
+                self.optimizer.state[piece] = {"step": torch.tensor(float(updates)), **st}
+            off += n
+        self.start_updates = updates
+
+    def _state_flat(self, key: str) -> torch.Tensor:
+        """One optimizer state tensor over this server's shard (zeros before the first update)."""
+        return torch.cat([self.optimizer.state.get(q, {}).get(key, torch.zeros_like(q)).detach().reshape(-1)
+                          for q in self.pieces]) if self.pieces else self.shard.new_zeros(0)
+
     # ---- server side -------------------------------------------------------
     def serve(self) -> ServerStats:
         """Run until every worker is done or dead; returns what happened."""
@@ -214,13 +272,14 @@ class ParameterServer:
 class _ServerLoop:
     def __init__(self, ps: ParameterServer):
         self.ps = ps
-        self.stats = ServerStats(ps.rank, ps.mode, pushes={w: 0 for w in ps.workers})
+        self.stats = ServerStats(ps.rank, ps.mode, updates=ps.start_updates, pushes={w: 0 for w in ps.workers})
         self.clock = {w: 0 for w in ps.workers}
         self.live = set(ps.workers)  # neither done nor dead
         self.waiting: set[int] = set()  # workers owed an answer
         self.bsp_grads: dict[int, torch.Tensor] = {}
         self.inbox: queue.Queue = queue.Queue()
         self.sends: dict[int, tuple] = {}
+        self.snapshots: dict[int, tuple] = {}
         self.n = ps.shard.numel()
 
     def _reader(self, w: int) -> None:
@@ -254,12 +313,27 @@ class _ServerLoop:
                 self.stats.done.append(w)
             elif kind == PULL:
                 self.waiting.add(w)
+            elif kind == SAVE:
+                self._snapshot(w)
             else:
                 self._on_push(w, body)
             self._release()
-        for work, _ in self.sends.values():
+        for work, _ in [*self.sends.values(), *self.snapshots.values()]:
             _quiet_wait(work)
         return self.stats
+
+    def _snapshot(self, w: int) -> None:
+        """Weights, optimizer state and update count, as of now (between two updates), to worker w."""
+        ps = self.ps
+        head = torch.tensor([self.stats.updates, 0, 0, 0], dtype=WIRE, device=ps.device)
+        parts = [ps.shard.detach()] + [ps._state_flat(key) for key in ps.state_keys]
+        msg = torch.cat([head] + [t.to(WIRE) for t in parts])
+        if w in self.snapshots:
+            _quiet_wait(self.snapshots[w][0])
+        try:
+            self.snapshots[w] = (dist.isend(msg, w, ps.group, tag=TAG_SAVE), msg)
+        except Exception as err:  # noqa: BLE001 - its reader thread will report the death
+            log.warning("ps server %d: snapshot for worker %d failed: %r", ps.rank, w, err)
 
     def _on_push(self, w: int, grad: torch.Tensor) -> None:
         self.clock[w] += 1

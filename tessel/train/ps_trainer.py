@@ -11,7 +11,9 @@ clipping. Under BSP that is the arithmetic of all-reduce DP; ASP and SSP let
 workers run ahead (SSP by at most parallel.ps_staleness steps).
 
 There is no device mesh: the servers are ranks outside the dp layout, and
-workers talk to servers only. The logged loss is the mean over workers under
+workers talk to servers only. Checkpoints (checkpoint.every, checkpoint.resume)
+are written by worker 0 from a snapshot of the servers, in the all-reduce
+trainer's format (tessel.train.ps_checkpoint). The logged loss is the mean over workers under
 BSP (they move in lockstep anyway) and worker 0's own under ASP and SSP
 (averaging would make them wait for each other). Validation and sampling run
 on worker 0's copy of the weights.
@@ -33,6 +35,7 @@ from tessel.observe.metrics import MetricsLog, device_peak_flops
 from tessel.observe.progress import Progress
 from tessel.parallel.ps import ParameterServer
 from tessel.parallel.step import LocalRunner
+from tessel.train import ps_checkpoint
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.trainer import Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize
 
@@ -60,13 +63,17 @@ def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
     worker_group = dist.new_group(workers)  # collective: every rank makes it
     ps = ParameterServer(model, servers, workers, p.ps_mode, p.ps_staleness,
                          optimizer=lambda pieces: server_optimizer(pieces, t), grad_clip=t.grad_clip,
-                         lr_at=lambda step: lr_at(step, t))
+                         lr_at=lambda step: lr_at(step, t), state_keys=ps_checkpoint.STATE_KEYS)
+    found = ps_checkpoint.find(cfg, log=print if dist.get_rank() == 0 else (lambda msg: None))
+    start = ps_checkpoint.restore(cfg, ps, model, *found) if found is not None else 0
+    if found is not None and dist.get_rank() == 0:
+        print(f"[tessel checkpoint] resumed from {found[0]} at step {start}", flush=True)
     if ps.is_server:
         stats = ps.serve()
         log.info("ps server %d: %d updates, pushes %s, dead %s, max staleness %d", stats.rank, stats.updates,
                  stats.pushes, stats.dead, stats.max_staleness)
         return None
-    return _Worker(cfg, model, ps, worker_group, device).fit()
+    return _Worker(cfg, model, ps, worker_group, device).fit(start)
 
 
 class _Worker:
@@ -82,7 +89,9 @@ class _Worker:
         # worker 0 validates alone, on the whole global batch (all-reduce DP averages the dp shards' means)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1)
         self.lead = self.rank == 0
-        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard) if self.lead else None
+        # a resumed run appends to the metrics of the attempt it continues
+        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
+                              append=cfg.checkpoint.resume is not None) if self.lead else None
         with torch.device("meta"):
             self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -105,13 +114,16 @@ class _Worker:
                 **speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.device),
                 "staleness": self.ps.observed_staleness()}
 
-    def fit(self) -> Summary:
-        t = self.cfg.train
+    def fit(self, start: int = 0) -> Summary:
+        t, every = self.cfg.train, self.cfg.checkpoint.every
+        self.sampler.load_state_dict({**self.sampler.state_dict(), "step": start})
         progress = Progress(t.steps, enabled=self.lead and self.cfg.logging.progress)
         val_loss = None
         with progress:
-            for step in range(t.steps):
+            for step in range(start, t.steps):
                 row = self.step(step)
+                if self.lead and every and (step + 1) % every == 0:
+                    ps_checkpoint.save(self.cfg, self.ps, self.runner, step + 1, self.sampler.state_dict())
                 if self.lead and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                     val_loss = row["val_loss"] = self.evaluate()  # worker 0's weights, no collective
                 self.history.append(row)

@@ -1,0 +1,131 @@
+"""Checkpoints of a parameter-server run, in the all-reduce trainer's format.
+
+Worker 0 asks the servers for a snapshot (tessel.parallel.ps: weights, AdamW
+moments, update count) and writes it alone, as the logical, unsharded tensors
+that tessel.train.checkpoint writes for every layout: `model/<name>`,
+`optim/<name>/{exp_avg,exp_avg_sq,step}`, plus the same manifest (sampler,
+scheduler, optimizer hyper-parameters). The same atomic commit (temporary
+directory, checksums, rename) and pruning apply. So a PS checkpoint resumes a
+PS run with any number of servers, or an all-reduce run in any layout, and a
+PS run resumes from an all-reduce checkpoint.
+
+The other workers do not stop: under BSP they wait at the next barrier while
+worker 0 writes; under ASP and SSP they go on (the snapshot is fuzzy there,
+see tessel.parallel.ps). On resume every rank reads the checkpoint: servers
+take their key ranges of it, workers their step and data position.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tessel.config import Config
+from tessel.parallel.ps import ParameterServer
+from tessel.train.checkpoint import commit, latest_valid, list_checkpoints, step_dir, verify
+from tessel.train.logical import OPTIM_PREFIX, model_tensors
+from tessel.train.resilience import _plain, checkpoint_root
+from tessel.train.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
+from tessel.train.trainer import build_optimizer, build_scheduler, lr_at
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state; its step is the update count
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def snapshot_tensors(ps: ParameterServer, runner) -> tuple[dict[str, torch.Tensor], int]:
+    """The servers' state as the trainer's logical tensors; (tensors, updates)."""
+    flat, state, updates = ps.snapshot()
+    names = _param_names(runner.model)
+    out, off = {}, 0
+    by_id = {}
+    for p in ps.params:  # the PS key space: parameters in registration order
+        n, name = p.numel(), names[id(p)]
+        by_id[id(p)] = flat[off:off + n].view_as(p).to(p.dtype)
+        for key in STATE_KEYS:
+            out[f"{OPTIM_PREFIX}{name}/{key}"] = state[key][off:off + n].view_as(p).clone()
+        out[f"{OPTIM_PREFIX}{name}/step"] = torch.tensor(float(updates))
+        off += n
+    for name, t in model_tensors(runner).items():  # tied names and buffers too, as the trainer saves them
+        out[f"model/{name}"] = by_id.get(id(t), t.detach()).clone()
+    return out, updates
+
+
+def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state: dict, updates: int) -> dict:
+    """What tessel.train.resilience saves beside the tensors, for the state after `step` steps."""
+    t = cfg.train
+    opt = build_optimizer(list(model.parameters()), t)  # the trainer's groups and hyper-parameters
+    sched = build_scheduler(opt, t).state_dict()
+    factor = lr_at(step, t) / t.lr  # LambdaLR's multiplier at `step`, as the trainer's would stand
+    sched.update(last_epoch=step, _step_count=step + 1, _last_lr=[b * factor for b in sched["base_lrs"]])
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "lr": g["initial_lr"] * factor}
+              for g in opt.param_groups]
+    return {"world_size": cfg.parallel.world_size, "model": cfg.model.model_dump(),
+            "layout": {**cfg.parallel.model_dump(), "grad_accum": t.grad_accum}, "global_batch": t.global_batch,
+            "sampler": sampler_state, "scheduler": _plain(sched), "param_groups": _plain(groups),
+            "ps_updates": updates, "ps_mode": cfg.parallel.ps_mode}
+
+
+def save(cfg: Config, ps: ParameterServer, runner, step: int, sampler_state: dict, log=print) -> Path:
+    """Worker 0: snapshot the servers and commit `step_<step>` atomically; prune to checkpoint.keep."""
+    root = checkpoint_root(cfg)
+    tensors, updates = snapshot_tensors(ps, runner)
+    final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a save that died half-way
+    tmp.mkdir()
+    dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
+    commit(tmp, final, step, manifest_info(cfg, runner.model, step, sampler_state, updates))
+    for old in list_checkpoints(root)[cfg.checkpoint.keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    log(f"[tessel checkpoint] saved step {step} ({updates} server updates) -> {final}")
+    return final
+
+
+def find(cfg: Config, log=print) -> tuple[Path, dict] | None:
+    """The checkpoint checkpoint.resume names ('auto': the newest valid one, or None), verified."""
+    resume = cfg.checkpoint.resume
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest_valid(checkpoint_root(cfg), log)
+    return Path(resume), verify(Path(resume))
+
+
+def restore(cfg: Config, ps: ParameterServer, model: torch.nn.Module, path: Path, manifest: dict) -> int:
+    """Servers load their key ranges; every rank returns the step to continue from."""
+    if manifest["model"] != _plain(cfg.model.model_dump()):
+        raise ValueError(f"{path} holds a different model: {manifest['model']}")
+    step = int(manifest["step"])
+    if ps.is_server:
+        flat, state = _load_flat(ps, model, path)
+        same_mode = manifest.get("ps_mode") == cfg.parallel.ps_mode and "ps_updates" in manifest
+        # lr follows updates (BSP) or updates per worker (ASP, SSP): see tessel.parallel.ps
+        per_step = 1 if cfg.parallel.ps_mode == "bsp" else len(ps.workers)
+        ps.restore(flat, state, int(manifest["ps_updates"]) if same_mode else step * per_step)
+    ps.step_count = step
+    return step
+
+
+def _load_flat(ps: ParameterServer, model: torch.nn.Module, path: Path) -> tuple[torch.Tensor, dict]:
+    saved = read_metadata(path).state_dict_metadata
+    names = _param_names(model)
+    targets = {}
+    for p in ps.params:
+        name = names[id(p)]
+        targets[f"model/{name}"] = torch.empty_like(p, dtype=torch.float32)
+        for key in STATE_KEYS:
+            fqn = f"{OPTIM_PREFIX}{name}/{key}"
+            if fqn in saved:  # a run without moments yet (or an SGD one) starts them at zero
+                targets[fqn] = torch.zeros_like(p, dtype=torch.float32)
+    dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
+    flat = torch.cat([targets[f"model/{names[id(p)]}"].reshape(-1) for p in ps.params])
+    state = {key: torch.cat([targets.get(f"{OPTIM_PREFIX}{names[id(p)]}/{key}", torch.zeros_like(p)).reshape(-1)
+                             for p in ps.params]) for key in STATE_KEYS}
+    return flat, state
