@@ -35,7 +35,11 @@ Modes, as the servers enforce them (clock[w] = pushes received from worker w):
 Fault tolerance: each server reads every worker on its own thread; when a
 worker's connection drops (or it is silent past the process group's timeout)
 the server logs it, drops it from the barrier and the clock minimum, and goes
-on. Messages: worker->server [kind, worker, step, 0 | gradient slice],
+on. With `hang_timeout_s` > 0 workers also beat (tessel.train.fault.Heartbeat,
+every `heartbeat_s`) and servers watch the beats: a frozen worker (stopped,
+swapping, its host gone quiet) is dropped after hang_timeout_s rather than
+after the process group's timeout; a busy one (evaluating, writing a
+checkpoint) keeps beating. Messages: worker->server [kind, worker, step, 0 | gradient slice],
 server->worker [version, min_clock, clock, 0 | weight slice], float32.
 
 Snapshots (checkpoints): a worker asks every server for its weights and
@@ -72,7 +76,7 @@ from tessel.comm.algorithms import offsets_of, split_sizes
 
 log = logging.getLogger("tessel.ps")
 MODES = ("bsp", "asp", "ssp")
-PUSH, PULL, DONE, DEAD, SAVE = 0, 1, 2, 3, 4
+PUSH, PULL, DONE, DEAD, SAVE, SILENT = 0, 1, 2, 3, 4, 5
 HEADER = 4
 TAG_UP, TAG_DOWN, TAG_SAVE = 71, 72, 73
 WIRE = torch.float32
@@ -100,7 +104,8 @@ class ParameterServer:
     def __init__(self, model: nn.Module, servers: Sequence[int], workers: Sequence[int], mode: str = "bsp",
                  staleness: int = 0, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                  group=None, broadcast: bool = True, grad_clip: float = 0.0,
-                 lr_at: Callable[[int], float] | None = None, state_keys: Sequence[str] = ()):
+                 lr_at: Callable[[int], float] | None = None, state_keys: Sequence[str] = (),
+                 hang_timeout_s: float = 0.0, heartbeat_s: float = 1.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if staleness < 0:
@@ -122,6 +127,11 @@ class ParameterServer:
         self.last_header: dict[int, list[int]] = {}
         self.grad_clip, self.lr_at = grad_clip, lr_at
         self.state_keys, self.start_updates = tuple(state_keys), 0
+        self.hang_timeout_s, self.heartbeat_s = hang_timeout_s, heartbeat_s
+        self.heartbeat = None
+        if hang_timeout_s > 0 and not self.is_server and self.rank in self.workers:
+            from tessel.train.fault import Heartbeat
+            self.heartbeat = Heartbeat(self.rank, dist.get_world_size(), heartbeat_s, hang_timeout_s).start(watch=False)
         # BSP clips over all servers' shards: their squared norms are summed in a servers' group
         # (new_group is collective: every rank makes it, in the same order)
         self.server_group = dist.new_group(self.servers) if grad_clip > 0 and len(self.servers) > 1 else None
@@ -195,6 +205,8 @@ class ParameterServer:
 
     def begin_step(self) -> None:
         """Before a step's backward: the weights of the first pull, and no old gradients."""
+        if self.heartbeat is not None:
+            self.heartbeat.set(self.step_count, "step")
         if not self.last_header:  # nothing pulled yet (a resumed run starts at step_count > 0)
             self.pull()
         for p in self.params:
@@ -213,6 +225,8 @@ class ParameterServer:
 
     def finish(self) -> None:
         self._exchange(DONE, None)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # "done": a finished worker is not a frozen one
 
     def snapshot(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """(flat weights, {state key: flat state}, updates) from every server (worker side).
@@ -275,6 +289,7 @@ class _ServerLoop:
         self.stats = ServerStats(ps.rank, ps.mode, updates=ps.start_updates, pushes={w: 0 for w in ps.workers})
         self.clock = {w: 0 for w in ps.workers}
         self.live = set(ps.workers)  # neither done nor dead
+        self.silent: set[int] = set()  # dropped for a stopped heartbeat: may still hold a connection
         self.waiting: set[int] = set()  # workers owed an answer
         self.bsp_grads: dict[int, torch.Tensor] = {}
         self.inbox: queue.Queue = queue.Queue()
@@ -299,15 +314,38 @@ class _ServerLoop:
     def run(self) -> ServerStats:
         for w in self.ps.workers:
             threading.Thread(target=self._reader, args=(w,), daemon=True, name=f"ps-read-{w}").start()
+        stop = threading.Event()
+        if self.ps.hang_timeout_s > 0:
+            from tessel.train.fault import watch_beats
+            threading.Thread(target=watch_beats, daemon=True, name="ps-watch",
+                             args=(self.ps.workers, self.ps.heartbeat_s, self.ps.hang_timeout_s, self._on_silent,
+                                   stop)).start()
+        try:
+            self._loop()
+        finally:
+            stop.set()
+        for w, (work, _) in [*self.sends.items(), *self.snapshots.items()]:
+            if w not in self.silent:  # a frozen worker may never read its last answer
+                _quiet_wait(work)
+        return self.stats
+
+    def _on_silent(self, w: int, age: float, doc: dict) -> None:
+        self.inbox.put((SILENT, w, -1, f"no heartbeat for {age:.1f}s (hang_timeout_s {self.ps.hang_timeout_s:g}); "
+                                       f"last at step {doc.get('step')}, phase '{doc.get('phase')}'"))
+
+    def _loop(self) -> None:
         while self.live:
             kind, w, step, body = self.inbox.get()
             if w not in self.live:
                 continue
-            if kind == DEAD:
-                log.warning("ps server %d: worker %d died (%s); going on without it", self.ps.rank, w, body)
+            if kind in (DEAD, SILENT):
+                log.warning("ps server %d: worker %d %s (%s); going on without it", self.ps.rank, w,
+                            "died" if kind == DEAD else "is frozen", body)
                 self.live.discard(w)
                 self.waiting.discard(w)
                 self.stats.dead.append(w)
+                if kind == SILENT:
+                    self.silent.add(w)
             elif kind == DONE:
                 self.live.discard(w)
                 self.stats.done.append(w)
@@ -318,9 +356,6 @@ class _ServerLoop:
             else:
                 self._on_push(w, body)
             self._release()
-        for work, _ in [*self.sends.values(), *self.snapshots.values()]:
-            _quiet_wait(work)
-        return self.stats
 
     def _snapshot(self, w: int) -> None:
         """Weights, optimizer state and update count, as of now (between two updates), to worker w."""

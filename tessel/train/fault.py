@@ -85,14 +85,16 @@ class Heartbeat:
         self.store = None
         self.threads = []
 
-    def start(self) -> "Heartbeat":
+    def start(self, watch: bool = True) -> "Heartbeat":
+        """Beat (and, with watch, judge every other rank's beat: the trainer's watchdog)."""
         if self.world == 1:
             return self
         self.store = _store_client(max(10.0, 4 * self.period))
         if self.store is None:
             return self
-        self.threads = [threading.Thread(target=self._beat_loop, daemon=True, name="tessel-heartbeat"),
-                        threading.Thread(target=self._watch_loop, daemon=True, name="tessel-watchdog")]
+        self.threads = [threading.Thread(target=self._beat_loop, daemon=True, name="tessel-heartbeat")]
+        if watch:
+            self.threads.append(threading.Thread(target=self._watch_loop, daemon=True, name="tessel-watchdog"))
         for t in self.threads:
             t.start()
         return self
@@ -137,33 +139,21 @@ class Heartbeat:
             self._wake.clear()
 
     def _watch_loop(self) -> None:
-        seen: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, local time it changed, doc)
+        ages = BeatAges()
         while not self._stop.wait(self.period):
-            now = time.monotonic()
-            docs = {}
             try:
-                docs = self._read_all()
+                docs = read_beats(self.store, range(self.world))
             except Exception as err:  # noqa: BLE001
                 if not self._stop.is_set():
                     log(f"[tessel watchdog] rank {self.rank}: watchdog stopped: {err}")
                 return
-            for r, doc in docs.items():
-                if doc["phase"] == "done":
-                    seen.pop(r, None)
-                    continue
-                if r not in seen or seen[r][0] != doc["beat"]:
-                    seen[r] = (doc["beat"], now, doc)
-            stalled = [r for r, (_, t, _) in seen.items() if r != self.rank and now - t > self.timeout]
+            now = time.monotonic()
+            ages.update(docs, now)
+            stalled = ages.stale(now, self.timeout, ignore={self.rank})
             if stalled and not self._stop.is_set():
-                self._act(stalled, {r: now - seen[r][1] for r in stalled}, {r: v[2] for r, v in seen.items()})
+                self._act(sorted(stalled), {r: age for r, (age, _) in stalled.items()},
+                          {r: doc for r, (_, _, doc) in ages.seen.items()})
                 return
-
-    def _read_all(self) -> dict[int, dict]:
-        out = {}
-        for r in range(self.world):
-            if self.store.check([f"rank{r}"]):
-                out[r] = json.loads(self.store.get(f"rank{r}"))
-        return out
 
     def _act(self, stalled: list[int], ages: dict[int, float], docs: dict[int, dict]) -> None:
         healthy = [r for r in range(self.world) if r not in stalled]
@@ -182,6 +172,53 @@ class Heartbeat:
                 except ProcessLookupError:
                     pass
         self.on_stall({r: docs[r] for r in stalled})
+
+
+class BeatAges:
+    """When each rank's beat counter last moved (this process's monotonic clock); 'done' ranks drop out.
+
+    Ranks are judged by their own beats on our clock, so hosts' clocks need not agree.
+    """
+
+    def __init__(self):
+        self.seen: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, when it changed, its doc)
+
+    def update(self, docs: dict[int, dict], now: float) -> None:
+        for r, doc in docs.items():
+            if doc["phase"] == "done":
+                self.seen.pop(r, None)
+            elif r not in self.seen or self.seen[r][0] != doc["beat"]:
+                self.seen[r] = (doc["beat"], now, doc)
+
+    def stale(self, now: float, timeout: float, ignore=()) -> dict[int, tuple[float, dict]]:
+        """rank -> (seconds since its beat moved, its last doc), for those past `timeout`."""
+        return {r: (now - t, doc) for r, (_, t, doc) in self.seen.items() if r not in ignore and now - t > timeout}
+
+
+def read_beats(store, ranks) -> dict[int, dict]:
+    return {r: json.loads(store.get(f"rank{r}")) for r in ranks if store.check([f"rank{r}"])}
+
+
+def watch_beats(ranks, period: float, timeout: float, on_silent, stop: threading.Event) -> None:
+    """on_silent(rank, seconds, last doc) once for each of `ranks` whose beat stops for `timeout` s.
+
+    A rank that never beat is not judged (it may still be starting); runs until `stop` is set.
+    The parameter server's servers use it to drop a frozen worker instead of waiting for it.
+    """
+    store = _store_client(max(10.0, 4 * period))
+    if store is None:
+        return
+    ages, reported = BeatAges(), set()
+    while not stop.wait(period):
+        try:
+            docs = read_beats(store, ranks)
+        except Exception:  # noqa: BLE001 - the store went away: the group is ending
+            return
+        now = time.monotonic()
+        ages.update(docs, now)
+        for r, (age, doc) in ages.stale(now, timeout, ignore=reported).items():
+            reported.add(r)
+            on_silent(r, age, doc)
 
 
 # ---- stragglers ----------------------------------------------------------------

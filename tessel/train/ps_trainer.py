@@ -13,7 +13,9 @@ workers run ahead (SSP by at most parallel.ps_staleness steps).
 There is no device mesh: the servers are ranks outside the dp layout, and
 workers talk to servers only. Checkpoints (checkpoint.every, checkpoint.resume)
 are written by worker 0 from a snapshot of the servers, in the all-reduce
-trainer's format (tessel.train.ps_checkpoint). The logged loss is the mean over workers under
+trainer's format (tessel.train.ps_checkpoint). Workers beat every
+fault.heartbeat_s; servers drop a worker whose beat stops for
+fault.hang_timeout_s and go on (tessel.parallel.ps). The logged loss is the mean over workers under
 BSP (they move in lockstep anyway) and worker 0's own under ASP and SSP
 (averaging would make them wait for each other). Validation and sampling run
 on worker 0's copy of the weights.
@@ -63,7 +65,9 @@ def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
     worker_group = dist.new_group(workers)  # collective: every rank makes it
     ps = ParameterServer(model, servers, workers, p.ps_mode, p.ps_staleness,
                          optimizer=lambda pieces: server_optimizer(pieces, t), grad_clip=t.grad_clip,
-                         lr_at=lambda step: lr_at(step, t), state_keys=ps_checkpoint.STATE_KEYS)
+                         lr_at=lambda step: lr_at(step, t), state_keys=ps_checkpoint.STATE_KEYS,
+                         hang_timeout_s=cfg.fault.hang_timeout_s if cfg.fault.heartbeat_s > 0 else 0.0,
+                         heartbeat_s=cfg.fault.heartbeat_s)
     found = ps_checkpoint.find(cfg, log=print if dist.get_rank() == 0 else (lambda msg: None))
     start = ps_checkpoint.restore(cfg, ps, model, *found) if found is not None else 0
     if found is not None and dist.get_rank() == 0:

@@ -166,3 +166,38 @@ def test_ssp_staleness_bound_and_asp_survives_dead_worker(runs):
     assert asp["updates"] == 2 * steps + die_after  # every push applied on arrival
     for rank in (1, 2):
         assert len(res[rank]["asp"]["losses"]) == steps
+
+
+HANG_TIMEOUT, FREEZE_AT = 1.5, 2
+
+
+def _ssp_with_a_frozen_worker(steps):
+    """Worker 2 stops (SIGSTOP: alive, connection open, silent); SSP holds worker 1 back until the
+    server, seeing worker 2's heartbeat stop, drops it. The server then kills the stopped process."""
+    rank = dist.get_rank()
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    ps = ParameterServer(_mlp(), servers=[0], workers=[1, 2], mode="ssp", staleness=1, optimizer=_adamw,
+                         hang_timeout_s=HANG_TIMEOUT, heartbeat_s=0.25)
+    if ps.is_server:
+        st = ps.serve()
+        os.kill(pids[2], signal.SIGKILL)  # end the stopped worker: the spawn would wait for it
+        return {"dead": st.dead, "done": st.done, "pushes": st.pushes}
+    t0, took = time.monotonic(), []
+    for step in range(steps):
+        if rank == 2 and step == FREEZE_AT:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ps.step(_regression_loss(rank, step))
+        took.append(time.monotonic() - t0)
+    ps.finish()
+    return {"took": took}
+
+
+def test_ssp_goes_on_without_a_frozen_worker():
+    steps = 6
+    res = spawn(_ssp_with_a_frozen_worker, 3, steps, may_die=(2,))
+    assert res[0]["dead"] == [2] and res[0]["done"] == [1]
+    assert res[0]["pushes"] == {1: steps, 2: FREEZE_AT}
+    # worker 1 was held back by the bound (s=1) until the heartbeat timed out, then ran to the end
+    assert max(b - a for a, b in zip([0.0] + res[1]["took"], res[1]["took"])) >= HANG_TIMEOUT
+    assert len(res[1]["took"]) == steps
