@@ -39,7 +39,9 @@ on. With `hang_timeout_s` > 0 workers also beat (tessel.train.fault.Heartbeat,
 every `heartbeat_s`) and servers watch the beats: a frozen worker (stopped,
 swapping, its host gone quiet) is dropped after hang_timeout_s rather than
 after the process group's timeout; a busy one (evaluating, writing a
-checkpoint) keeps beating. Messages: worker->server [kind, worker, step, 0 | gradient slice],
+checkpoint) keeps beating.
+
+Messages: worker->server [kind, worker, step, 0 | gradient slice],
 server->worker [version, min_clock, clock, 0 | weight slice], float32.
 
 Snapshots (checkpoints): a worker asks every server for its weights and

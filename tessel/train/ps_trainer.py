@@ -11,14 +11,16 @@ clipping. Under BSP that is the arithmetic of all-reduce DP; ASP and SSP let
 workers run ahead (SSP by at most parallel.ps_staleness steps).
 
 There is no device mesh: the servers are ranks outside the dp layout, and
-workers talk to servers only. Checkpoints (checkpoint.every, checkpoint.resume)
-are written by worker 0 from a snapshot of the servers, in the all-reduce
-trainer's format (tessel.train.ps_checkpoint). Workers beat every
-fault.heartbeat_s; servers drop a worker whose beat stops for
-fault.hang_timeout_s and go on (tessel.parallel.ps). The logged loss is the mean over workers under
+workers talk to servers only. The logged loss is the mean over workers under
 BSP (they move in lockstep anyway) and worker 0's own under ASP and SSP
 (averaging would make them wait for each other). Validation and sampling run
 on worker 0's copy of the weights.
+
+Checkpoints (checkpoint.every, checkpoint.resume) are written by worker 0
+from a snapshot of the servers, in the all-reduce trainer's format
+(tessel.train.ps_checkpoint). Workers beat every fault.heartbeat_s; servers
+drop a worker whose beat stops for fault.hang_timeout_s and go on
+(tessel.parallel.ps).
 """
 
 from __future__ import annotations
