@@ -49,6 +49,9 @@ class Cluster:
     # measured on "this": {"op/group size": [alpha s, beta s/byte]} (tessel.planner.traffic);
     # empty for presets, whose collectives are priced by the alpha-beta formulas
     collectives: dict = field(default_factory=dict)
+    # measured on "this": {op: host memory a call adds beyond its buffers, per byte of them}
+    # (gloo copies; tessel.planner.probe.collective_workspace); empty for presets
+    collective_workspace: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

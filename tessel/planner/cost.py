@@ -380,10 +380,30 @@ class CostModel:
             transient = 2 * 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
         elif lay.zero == 2:
             transient = self.bucket_bytes
-        mem["buffers"] = transient
+        mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
         mem["baseline"] = self.cluster.baseline_memory
         mem["total"] = sum(mem.values())
         return mem
+
+    def _collective_workspace(self, lay: Layout, param_bytes: float) -> float:
+        """Host memory the backend's data-parallel collectives add (gloo works on copies; 0 on presets).
+
+        ZeRO-1/2 publish every parameter with all-gathers issued at once; ZeRO-2
+        reduce-scatters a bucket at a time, ZeRO-3 gathers a block at a time;
+        plain DP all-reduces a bucket at a time. param_bytes: this device's
+        fp32 parameters before sharding (one bucket at most holds them all).
+        """
+        w = self.cluster.collective_workspace
+        if not w or lay.dp * lay.ep == 1:
+            return 0.0
+        bucket = min(self.bucket_bytes, param_bytes)
+        if lay.zero in (1, 2):
+            per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
+            return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
+        if lay.zero >= 3:
+            block = 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
+            return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
+        return w.get("all_reduce", 0.0) * bucket
 
     # -- the whole step ----------------------------------------------------------------
     def estimate(self, lay: Layout) -> Estimate:

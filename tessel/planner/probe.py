@@ -82,7 +82,9 @@ def _probe_rank() -> dict:
     n = dist.get_world_size()
     dist.barrier()
     baseline = _baseline_rss()  # first, before the probe's own buffers raise the peak
-    out = {"baseline": baseline, "fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
+    workspace = collective_workspace()  # before other collectives warm the allocator up
+    out = {"baseline": baseline, "workspace": workspace,
+           "fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
            "bf16": measure_matmul_flops(torch.device("cpu"), torch.bfloat16)}
     small, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
     dist.all_reduce(big)
@@ -172,6 +174,57 @@ def _overlap(buf, n: int) -> float:
     return max(0.0, min(1.0, hidden / min(t_c, t_m)))
 
 
+WORKSPACE_BYTES = 16 * 2**20  # bigger than any earlier buffer of the probe, like a model's flat buffers
+
+
+def _status_bytes(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
+    """{op: peak host memory one call adds beyond its own buffers, per byte of its buffer}.
+
+    gloo works on copies: a reduce-scatter copies its input, an all-gather
+    stages its output (measured here at 4 ranks: about 1.0-1.35x and 1.0-2.5x,
+    an all-reduce 0.13-0.25x). That is memory the trainer's peak RSS holds
+    (ZeRO's publish all-gathers every parameter at once). Measured on each op's
+    first call, as the trainer's first step meets it: the peak is reset
+    (/proc/self/clear_refs "5") and read back (VmHWM). Empty where Linux's
+    /proc does not say (the planner then adds nothing).
+    """
+    import torch
+    import torch.distributed as dist
+    from tessel.parallel.tensor_comm import _all_gather_single, _reduce_scatter_single
+    n = dist.get_world_size()
+    numel = max(n, nbytes // 4 // n * n)
+    full, part = torch.ones(numel), torch.ones(numel // n)
+    calls = {"all_reduce": (lambda: dist.all_reduce(full), numel),
+             "reduce_scatter": (lambda: _reduce_scatter_single(part, full), numel),
+             "all_gather": (lambda: _all_gather_single(full, part), numel)}
+    out = {}
+    for op, (fn, size) in calls.items():
+        dist.barrier()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            return {}
+        before = _status_bytes("VmRSS:")
+        fn()
+        after = _status_bytes("VmHWM:")
+        if before is None or after is None:
+            return {}
+        out[op] = max(0.0, after - before) / (size * 4)
+    return out
+
+
 def _baseline_rss() -> float:
     """Peak RSS after one training step of a negligible model: the runtime's own footprint."""
     import torch
@@ -188,12 +241,14 @@ def _baseline_rss() -> float:
 
 def probe_this(world: int, refresh: bool = False) -> Cluster:
     """The cluster "this": one node of `world` ranks on this machine, measured (cached)."""
-    path = _cache_path("this", f"v2-w{world}")  # v2: with per-op collective fits
+    path = _cache_path("this", f"v3-w{world}")  # v3: with the collectives' host memory workspace
     if path.exists() and not refresh:
         return Cluster.from_dict(json.loads(path.read_text()))
     from tessel.spawn import spawn
     results = spawn(_probe_rank, world, timeout=300)
-    med = {k: statistics.median(r[k] for r in results) for k in results[0] if k != "collectives"}
+    med = {k: statistics.median(r[k] for r in results) for k in results[0] if k not in ("collectives", "workspace")}
+    workspace = {op: statistics.median(r["workspace"].get(op, 0.0) for r in results)
+                 for op in results[0]["workspace"]}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = Link(med["bandwidth"], med["latency"])
     fits = {}
@@ -204,6 +259,7 @@ def probe_this(world: int, refresh: bool = False) -> Cluster:
     cluster = Cluster("this", 1, world, {"fp32": med["fp32"], "bf16": med["bf16"]}, ram / world, link, link,
                       mem_bandwidth=med["mem_bandwidth"], efficiency=1.0, baseline_memory=med["baseline"],
                       overlap=med["overlap"], usable_memory=0.8, source="probe", collectives=fits,
+                      collective_workspace=workspace,
                       extra={"probed_at": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cluster.to_dict(), indent=1))

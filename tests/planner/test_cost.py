@@ -107,6 +107,26 @@ def test_memory_of_states_by_zero_stage_pp_and_tp():
     assert s0["grads"] == 4 * (13376 + 8192)  # accumulated whole over the micro-batches, then reduce-scattered
 
 
+def test_collective_workspace_by_zero_stage():
+    """gloo's copies (per byte of buffer, as the probe measures them) on top of the states."""
+    from dataclasses import replace
+    spec = tiny_spec()
+    P = spec.total_params
+    w = {"all_reduce": 0.25, "reduce_scatter": 1.5, "all_gather": 1.0}
+    plain, measured = CostModel(spec, flat_cluster(), "fp32"), CostModel(
+        spec, replace(flat_cluster(), collective_workspace=w), "fp32")
+    extra = {}
+    for zero in (0, 1, 2):
+        lay = Layout(dp=2, zero=zero, mb=1, ga=4)
+        extra[zero] = measured.estimate(lay).memory["buffers"] - plain.estimate(lay).memory["buffers"]
+    bucket = min(25 * 2**20, 4 * P)  # the whole tiny model fits one 25 MiB bucket
+    assert extra[0] == pytest.approx(0.25 * bucket)  # one bucket all-reduced at a time
+    assert extra[1] == pytest.approx(1.0 * 4 * P + 0.25 * bucket)  # publish gathers every parameter at once
+    assert extra[2] == pytest.approx(1.0 * 4 * P + 1.5 * bucket)  # buckets reduce-scattered
+    one_device = Layout(mb=1, ga=8)  # no data-parallel collectives, nothing added
+    assert measured.estimate(one_device).memory["buffers"] == plain.estimate(one_device).memory["buffers"]
+
+
 def test_in_flight_closed_forms_match_the_schedules():
     for p in (1, 2, 3, 4):
         for m in (1, 2, 4, 8):
