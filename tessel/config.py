@@ -280,8 +280,6 @@ def _check_ps(cfg: Config) -> None:
     _require(p.zero_stage == 0, "parallel.zero_stage", "must be 0 with parallel.dp_arch = 'ps' "
              "(the servers shard the optimizer state)")
     _require(p.ps_mode == "ssp" or p.ps_staleness == 0, "parallel.ps_staleness", "applies only to ps_mode = 'ssp'")
-    _require(not cfg.checkpoint.async_save, "checkpoint.async_save",
-             "is not supported with parallel.dp_arch = 'ps' (worker 0 writes the servers' snapshot itself)")
     _require(not cfg.runtime.elastic, "runtime.elastic", "is not supported with parallel.dp_arch = 'ps'")
 
 

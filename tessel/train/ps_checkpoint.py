@@ -10,13 +10,15 @@ PS run with any number of servers, or an all-reduce run in any layout, and a
 PS run resumes from an all-reduce checkpoint.
 
 The other workers do not stop: under BSP they wait at the next barrier while
-worker 0 writes; under ASP and SSP they go on (the snapshot is fuzzy there,
-see tessel.parallel.ps). On resume every rank reads the checkpoint: servers
+worker 0 writes (with checkpoint.async_save worker 0 writes on a thread and
+nobody waits); under ASP and SSP they go on (the snapshot is fuzzy there, see
+tessel.parallel.ps). On resume every rank reads the checkpoint: servers
 take their key ranges of it, workers their step and data position.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import shutil
 from pathlib import Path
 
@@ -71,21 +73,42 @@ def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state:
             "ps_updates": updates, "ps_mode": cfg.parallel.ps_mode}
 
 
-def save(cfg: Config, ps: ParameterServer, runner, step: int, sampler_state: dict, log=print) -> Path:
-    """Worker 0: snapshot the servers and commit `step_<step>` atomically; prune to checkpoint.keep."""
-    root = checkpoint_root(cfg)
-    tensors, updates = snapshot_tensors(ps, runner)
-    final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
-    root.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a save that died half-way
-    tmp.mkdir()
-    dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
-    commit(tmp, final, step, manifest_info(cfg, runner.model, step, sampler_state, updates))
-    for old in list_checkpoints(root)[cfg.checkpoint.keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-    log(f"[tessel checkpoint] saved step {step} ({updates} server updates) -> {final}")
-    return final
+class Writer:
+    """Worker 0's checkpoints: the servers' snapshot is taken at once; it is written at once, or
+    with checkpoint.async_save on a background thread while training goes on."""
+
+    def __init__(self, cfg: Config, ps: ParameterServer, runner, log=print):
+        self.cfg, self.ps, self.runner, self.log = cfg, ps, runner, log
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tessel-ps-ckpt") if cfg.checkpoint.async_save else None
+        self.pending: cf.Future | None = None
+
+    def save(self, step: int, sampler_state: dict) -> None:
+        """The state after `step` steps, committed atomically as `step_<step>`; prunes to checkpoint.keep."""
+        self.wait()  # one write at a time; a failed one raises here, on the training thread
+        tensors, updates = snapshot_tensors(self.ps, self.runner)  # owned copies: training may go on
+        info = manifest_info(self.cfg, self.runner.model, step, sampler_state, updates)
+        if self.pool is None:
+            self._write(tensors, step, info)
+        else:
+            self.pending = self.pool.submit(self._write, tensors, step, info)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def _write(self, tensors: dict, step: int, info: dict) -> None:
+        root = checkpoint_root(self.cfg)
+        final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a save that died half-way
+        tmp.mkdir()
+        dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
+        commit(tmp, final, step, info)
+        for old in list_checkpoints(root)[self.cfg.checkpoint.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.log(f"[tessel checkpoint] saved step {step} ({info['ps_updates']} server updates) -> {final}")
 
 
 def find(cfg: Config, log=print) -> tuple[Path, dict] | None:

@@ -95,6 +95,7 @@ class _Worker:
         # worker 0 validates alone, on the whole global batch (all-reduce DP averages the dp shards' means)
         self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1)
         self.lead = self.rank == 0
+        self.writer = ps_checkpoint.Writer(cfg, ps, self.runner) if self.lead else None
         # a resumed run appends to the metrics of the attempt it continues
         self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
                               append=cfg.checkpoint.resume is not None) if self.lead else None
@@ -128,14 +129,16 @@ class _Worker:
         with progress:
             for step in range(start, t.steps):
                 row = self.step(step)
-                if self.lead and every and (step + 1) % every == 0:
-                    ps_checkpoint.save(self.cfg, self.ps, self.runner, step + 1, self.sampler.state_dict())
+                if self.writer is not None and every and (step + 1) % every == 0:
+                    self.writer.save(step + 1, self.sampler.state_dict())
                 if self.lead and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                     val_loss = row["val_loss"] = self.evaluate()  # worker 0's weights, no collective
                 self.history.append(row)
                 if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
                     self.log.log(step, row)
                 progress.update(step, row)
+        if self.writer is not None:
+            self.writer.wait()  # the last checkpoint is committed before this worker says it is done
         self.ps.finish()
         return self.summary(val_loss)
 

@@ -25,7 +25,6 @@ def ps_config(*overrides: str):
     ("parallel.pp=2", "parallel.pp"),
     ("parallel.zero_stage=1", "parallel.zero_stage"),
     ("parallel.ps_staleness=2", "parallel.ps_staleness"),  # staleness without ssp
-    ("checkpoint.async_save=true", "checkpoint.async_save"),
     ("runtime.elastic=true", "runtime.elastic"),
 ])
 def test_ps_layout_rules_name_the_field(override, field):
@@ -100,7 +99,8 @@ def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     from tessel.train.checkpoint import verify
     six = ["train.steps=6", "checkpoint.every=2"]
     # 2 workers + 2 servers: parameters are cut across servers, and worker 0 joins the pieces
-    first = _train_ps(tmp_path / "full", "parallel.ps_servers=2", *six)
+    # (and writes them on a background thread: async_save)
+    first = _train_ps(tmp_path / "full", "parallel.ps_servers=2", *six, "checkpoint.async_save=true")
     out, _ = first.communicate(timeout=240)
     assert first.returncode == 0, out[-4000:]
     full = [r["loss"] for r in _rows(tmp_path / "full")]
