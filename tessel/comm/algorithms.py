@@ -366,10 +366,10 @@ class _HierStages:
         # receive buffers: per segment, one per local peer (reduce-scatter) and one from the other node
         space = scratch(len(self.local) * sum(m.numel() for m in mine), mine[0])
         offs = offsets_of([m.numel() for m in mine for _ in self.local])
-        bufs = [space.narrow(0, o, m.numel()) for o, m in zip(offs, (m for m in mine for _ in self.local))]
+        views = [space.narrow(0, o, m.numel()) for o, m in zip(offs, (m for m in mine for _ in self.local))]
         per = len(self.local)
-        rs_buf = [bufs[k * per:(k + 1) * per - 1] for k in range(len(mine))]
-        inter_buf = [bufs[(k + 1) * per - 1] for k in range(len(mine))]
+        rs_buf = [views[k * per:(k + 1) * per - 1] for k in range(len(mine))]
+        inter_buf = [views[(k + 1) * per - 1] for k in range(len(mine))]
         post_rs = lambda bufs: [exchange(None, me, b, r, g, TAG_INTRA_RS)[1] for b, r in zip(bufs, peers)]  # noqa: E731
         post_inter = lambda b: exchange(None, other, b, other, g, TAG_INTER)[1]  # noqa: E731
         rs_send = lambda c: [w for r in peers for w in exchange(c[idx[r]], r, None, me, g, TAG_INTRA_RS)[0]]  # noqa: E731

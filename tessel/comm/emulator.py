@@ -30,7 +30,7 @@ egress and switch port, both with the same settings):
   BBR split one uplink 3:1 between them, and the flow left alone at the end
   took tens of ms to pace back up to the line rate; under reno both finished
   together. But reno fills the 50 ms queue, which slows the flat ring, whose
-  steps wait on each other across the slow links (16 MiB: ring 227 ms vs 214
+  steps wait on each other across the slow links (16 MiB: ring 227 ms vs 214-225
   under BBR); with latency 10ms that is gone, and the ring/hierarchical ratio
   is the same as under BBR (1.44x, ring 217 ms, hierarchical 150 ms).
 

@@ -174,7 +174,7 @@ def _overlap(buf, n: int) -> float:
     return max(0.0, min(1.0, hidden / min(t_c, t_m)))
 
 
-WORKSPACE_BYTES = 16 * 2**20  # bigger than any earlier buffer of the probe, like a model's flat buffers
+WORKSPACE_BYTES = 16 * 2**20  # the size of a small model's flat buffers or of a gradient bucket
 
 
 def _status_bytes(key: str) -> float | None:
@@ -205,11 +205,12 @@ def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
     n = dist.get_world_size()
     numel = max(n, nbytes // 4 // n * n)
     full, part = torch.ones(numel), torch.ones(numel // n)
-    calls = {"all_reduce": (lambda: dist.all_reduce(full), numel),
-             "reduce_scatter": (lambda: _reduce_scatter_single(part, full), numel),
-             "all_gather": (lambda: _all_gather_single(full, part), numel)}
+    # each op's buffer is `full`: the all-reduced tensor, the reduce-scatter's input, the gathered output
+    calls = {"all_reduce": lambda: dist.all_reduce(full),
+             "reduce_scatter": lambda: _reduce_scatter_single(part, full),
+             "all_gather": lambda: _all_gather_single(full, part)}
     out = {}
-    for op, (fn, size) in calls.items():
+    for op, fn in calls.items():
         dist.barrier()
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -221,7 +222,7 @@ def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
         after = _status_bytes("VmHWM:")
         if before is None or after is None:
             return {}
-        out[op] = max(0.0, after - before) / (size * 4)
+        out[op] = max(0.0, after - before) / (numel * 4)
     return out
 
 
