@@ -171,8 +171,12 @@ class ParameterServer:
             off += p.numel()
 
     # ---- worker side -------------------------------------------------------
-    def _exchange(self, kind: int, payload: torch.Tensor | None) -> None:
-        """Send [header | slice] to every server, receive [header | weights slice] back, load them."""
+    def _round_trip(self, kind: int, payload: torch.Tensor | None, answer_tag: int | None = TAG_DOWN,
+                    width: int = 1) -> tuple[torch.Tensor | None, dict[int, list[int]]]:
+        """Send [header | slice] to every server; with answer_tag, receive [header | width slices] back.
+
+        Returns the answers assembled over the key space, (width, total), and each server's header.
+        """
         sends, recvs = [], []
         for k, srv in enumerate(self.servers):
             lo, hi = self.ranges[k]
@@ -180,19 +184,26 @@ class ParameterServer:
             head = torch.tensor([kind, self.rank, self.step_count, 0], dtype=WIRE, device=self.device)
             msg = torch.cat([head, body])
             sends.append((dist.isend(msg, srv, self.group, tag=TAG_UP), msg))
-            if kind != DONE:
-                buf = torch.empty(HEADER + hi - lo, dtype=WIRE, device=self.device)
-                recvs.append((dist.irecv(buf, srv, self.group, tag=TAG_DOWN), buf, k))
-        flat = torch.empty(self.total, dtype=WIRE, device=self.device)
+            if answer_tag is not None:
+                buf = torch.empty(HEADER + width * (hi - lo), dtype=WIRE, device=self.device)
+                recvs.append((dist.irecv(buf, srv, self.group, tag=answer_tag), buf, k))
+        flat = torch.empty(width, self.total, dtype=WIRE, device=self.device) if recvs else None
+        headers = {}
         for work, buf, k in recvs:
             work.wait()
             lo, hi = self.ranges[k]
-            flat[lo:hi] = buf[HEADER:]
-            self.last_header[self.servers[k]] = [int(v) for v in buf[:HEADER].tolist()]
+            flat[:, lo:hi] = buf[HEADER:].view(width, hi - lo)
+            headers[self.servers[k]] = [int(v) for v in buf[:HEADER].tolist()]
         for work, _ in sends:
             work.wait()
-        if recvs:
-            self.load_flat(flat)
+        return flat, headers
+
+    def _exchange(self, kind: int, payload: torch.Tensor | None) -> None:
+        """Send [header | slice] to every server, receive [header | weights slice] back, load them."""
+        flat, headers = self._round_trip(kind, payload, None if kind == DONE else TAG_DOWN)
+        self.last_header.update(headers)
+        if flat is not None:
+            self.load_flat(flat[0])
 
     def pull(self) -> None:
         self._exchange(PULL, None)
@@ -235,25 +246,9 @@ class ParameterServer:
 
         updates is the smallest count among the servers (they agree under BSP).
         """
-        width = 1 + len(self.state_keys)
-        sends, recvs = [], []
-        for k, srv in enumerate(self.servers):
-            lo, hi = self.ranges[k]
-            head = torch.tensor([SAVE, self.rank, self.step_count, 0], dtype=WIRE, device=self.device)
-            msg = torch.cat([head, torch.zeros(hi - lo, dtype=WIRE, device=self.device)])
-            sends.append((dist.isend(msg, srv, self.group, tag=TAG_UP), msg))
-            buf = torch.empty(HEADER + width * (hi - lo), dtype=WIRE, device=self.device)
-            recvs.append((dist.irecv(buf, srv, self.group, tag=TAG_SAVE), buf, k))
-        flat = torch.empty(width, self.total, dtype=WIRE, device=self.device)
-        updates = []
-        for work, buf, k in recvs:
-            work.wait()
-            lo, hi = self.ranges[k]
-            flat[:, lo:hi] = buf[HEADER:].view(width, hi - lo)
-            updates.append(int(buf[0].item()))
-        for work, _ in sends:
-            work.wait()
-        return flat[0], {key: flat[1 + i] for i, key in enumerate(self.state_keys)}, min(updates)
+        flat, headers = self._round_trip(SAVE, None, TAG_SAVE, width=1 + len(self.state_keys))
+        updates = min(head[0] for head in headers.values())
+        return flat[0], {key: flat[1 + i] for i, key in enumerate(self.state_keys)}, updates
 
     @torch.no_grad()
     def restore(self, flat: torch.Tensor, state: dict[str, torch.Tensor], updates: int) -> None:
@@ -362,15 +357,8 @@ class _ServerLoop:
     def _snapshot(self, w: int) -> None:
         """Weights, optimizer state and update count, as of now (between two updates), to worker w."""
         ps = self.ps
-        head = torch.tensor([self.stats.updates, 0, 0, 0], dtype=WIRE, device=ps.device)
         parts = [ps.shard.detach()] + [ps._state_flat(key) for key in ps.state_keys]
-        msg = torch.cat([head] + [t.to(WIRE) for t in parts])
-        if w in self.snapshots:
-            _quiet_wait(self.snapshots[w][0])
-        try:
-            self.snapshots[w] = (dist.isend(msg, w, ps.group, tag=TAG_SAVE), msg)
-        except Exception as err:  # noqa: BLE001 - its reader thread will report the death
-            log.warning("ps server %d: snapshot for worker %d failed: %r", ps.rank, w, err)
+        self._post(w, self.snapshots, TAG_SAVE, [self.stats.updates, 0, 0, 0], parts, "snapshot")
 
     def _on_push(self, w: int, grad: torch.Tensor) -> None:
         self.clock[w] += 1
@@ -433,14 +421,20 @@ class _ServerLoop:
         self.waiting.discard(w)
         self.stats.staleness.append((w, self.clock[w], low))
         self.stats.max_staleness = max(self.stats.max_staleness, self.clock[w] - low)
-        head = torch.tensor([self.stats.updates, low, self.clock[w], 0], dtype=WIRE, device=self.ps.device)
-        msg = torch.cat([head, self.ps.shard.detach().to(WIRE)])
-        if w in self.sends:
-            _quiet_wait(self.sends[w][0])  # the worker read it before pushing again
+        self._post(w, self.sends, TAG_DOWN, [self.stats.updates, low, self.clock[w], 0], [self.ps.shard.detach()],
+                   "answer")
+
+    def _post(self, w: int, slots: dict[int, tuple], tag: int, header: list[int], parts: list[torch.Tensor],
+              what: str) -> None:
+        """isend [header | parts] to worker w, once its previous message of this kind has gone."""
+        ps = self.ps
+        msg = torch.cat([torch.tensor(header, dtype=WIRE, device=ps.device)] + [t.to(WIRE) for t in parts])
+        if w in slots:
+            _quiet_wait(slots[w][0])  # the worker read it before asking again
         try:
-            self.sends[w] = (dist.isend(msg, w, self.ps.group, tag=TAG_DOWN), msg)
+            slots[w] = (dist.isend(msg, w, ps.group, tag=tag), msg)
         except Exception as err:  # noqa: BLE001 - its reader thread will report the death
-            log.warning("ps server %d: answer to worker %d failed: %r", self.ps.rank, w, err)
+            log.warning("ps server %d: %s to worker %d failed: %r", ps.rank, what, w, err)
 
 
 def _quiet_wait(work) -> None:
