@@ -47,6 +47,19 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{PREFIX}{step:08d}"
 
 
+def tmp_dir(root: Path, step: int) -> Path:
+    """Where step's files are written before the commit renames the directory to step_dir."""
+    return Path(root) / f".tmp-{PREFIX}{step:08d}"
+
+
+def fresh_dir(tmp: Path) -> None:
+    """Create tmp empty (and its parent); a leftover of a save that died half-way is removed."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -119,6 +132,22 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name[len(PREFIX):]), reverse=True)
 
 
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the `keep` newest committed checkpoints."""
+    for old in list_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def choose(root: Path, resume: str, log=print) -> Path | None:
+    """checkpoint.resume: 'auto' -> the newest valid checkpoint under root (or None); a path -> that
+    checkpoint, which must verify (no silent fallback)."""
+    if resume == "auto":
+        found = latest_valid(root, log)
+        return None if found is None else found[0]
+    verify(Path(resume))
+    return Path(resume)
+
+
 def latest_valid(root: Path, log=print) -> tuple[Path, dict] | None:
     """Newest checkpoint that verifies; each rejected one is reported with its reason."""
     for d in list_checkpoints(root):
@@ -158,12 +187,9 @@ class CheckpointManager:
     # ---- save -----------------------------------------------------------------
     def save(self, step: int, runner, optimizer, info: dict) -> None:
         self.wait()
-        final, tmp = step_dir(self.root, step), self.root / f".tmp-{PREFIX}{step:08d}"
+        final, tmp = step_dir(self.root, step), tmp_dir(self.root, step)
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a save that died half-way
-            tmp.mkdir()
+            fresh_dir(tmp)
         self._barrier()
         state = save_state(runner, optimizer, self.view)
         writer = JsonMetadataWriter(tmp, sync_files=True)
@@ -193,30 +219,19 @@ class CheckpointManager:
         if self.rank == 0:
             # DCP returns on the coordinator after every rank's files and the metadata are written
             commit(p.tmp, p.final, p.step, p.info)
-            self._prune()
+            prune(self.root, self.keep)
             self.log(f"[tessel checkpoint] saved step {p.step} -> {p.final}")
-
-    def _prune(self) -> None:
-        for old in list_checkpoints(self.root)[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
 
     # ---- load -----------------------------------------------------------------
     def find(self, resume: str) -> tuple[Path, dict] | None:
         """'auto' -> newest valid checkpoint under root (or None); a path -> that checkpoint, verified."""
-        choice = None
-        if self.rank == 0:
-            if resume == "auto":
-                found = latest_valid(self.root, self.log)
-                choice = None if found is None else found[0]
-            else:
-                verify(Path(resume))  # an explicit path must be valid: no silent fallback
-                choice = Path(resume)
+        choice = choose(self.root, resume, self.log) if self.rank == 0 else None
         choice = self._broadcast_path(choice)
-        return None if choice is None else (choice, _manifest(choice))  # rank 0 verified it
+        return None if choice is None else (choice, manifest_of(choice))  # rank 0 verified it
 
     def load(self, path: Path, runner, optimizer) -> dict:
         """Load the checkpoint at `path` into this rank's (possibly different) layout; returns the manifest."""
-        manifest = _manifest(path)
+        manifest = manifest_of(path)
         md = read_metadata(path)
         targets, put_back = load_targets(runner, optimizer, self.view, md.state_dict_metadata)
         try:
@@ -262,9 +277,10 @@ def _root_causes(err: CheckpointException) -> str:
     return "; ".join(lines)
 
 
-def _manifest(path: Path) -> dict:
+def manifest_of(path: Path) -> dict:
+    """A checkpoint's manifest as written (verify() checks the files against it)."""
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
 __all__ = ["CheckpointManager", "CheckpointError", "UnsafeCheckpointError", "verify", "latest_valid",
-           "list_checkpoints", "step_dir", "commit"]
+           "list_checkpoints", "step_dir", "tmp_dir", "fresh_dir", "commit", "prune", "choose", "manifest_of"]

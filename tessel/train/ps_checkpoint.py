@@ -19,7 +19,6 @@ take their key ranges of it, workers their step and data position.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import shutil
 from pathlib import Path
 
 import torch
@@ -27,9 +26,9 @@ import torch.distributed.checkpoint as dcp
 
 from tessel.config import Config
 from tessel.parallel.ps import ParameterServer
-from tessel.train.checkpoint import commit, latest_valid, list_checkpoints, step_dir, verify
+from tessel.train.checkpoint import choose, commit, fresh_dir, manifest_of, prune, step_dir, tmp_dir
 from tessel.train.logical import OPTIM_PREFIX, model_tensors
-from tessel.train.resilience import _plain, checkpoint_root
+from tessel.train.resilience import check_model, checkpoint_root, run_info
 from tessel.train.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
 from tessel.train.trainer import build_optimizer, build_scheduler, lr_at
 
@@ -65,11 +64,9 @@ def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state:
     sched = build_scheduler(opt, t).state_dict()
     factor = lr_at(step, t) / t.lr  # LambdaLR's multiplier at `step`, as the trainer's would stand
     sched.update(last_epoch=step, _step_count=step + 1, _last_lr=[b * factor for b in sched["base_lrs"]])
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "lr": g["initial_lr"] * factor}
-              for g in opt.param_groups]
-    return {"world_size": cfg.parallel.world_size, "model": cfg.model.model_dump(),
-            "layout": {**cfg.parallel.model_dump(), "grad_accum": t.grad_accum}, "global_batch": t.global_batch,
-            "sampler": sampler_state, "scheduler": _plain(sched), "param_groups": _plain(groups),
+    for g in opt.param_groups:  # a throwaway optimizer: its groups say what the trainer's would
+        g["lr"] = g["initial_lr"] * factor
+    return {**run_info(cfg, cfg.parallel.world_size, sampler_state, sched, opt.param_groups),
             "ps_updates": updates, "ps_mode": cfg.parallel.ps_mode}
 
 
@@ -99,32 +96,25 @@ class Writer:
 
     def _write(self, tensors: dict, step: int, info: dict) -> None:
         root = checkpoint_root(self.cfg)
-        final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that died half-way
-        tmp.mkdir()
+        final, tmp = step_dir(root, step), tmp_dir(root, step)
+        fresh_dir(tmp)
         dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
         commit(tmp, final, step, info)
-        for old in list_checkpoints(root)[self.cfg.checkpoint.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, self.cfg.checkpoint.keep)
         self.log(f"[tessel checkpoint] saved step {step} ({info['ps_updates']} server updates) -> {final}")
 
 
 def find(cfg: Config, log=print) -> tuple[Path, dict] | None:
     """The checkpoint checkpoint.resume names ('auto': the newest valid one, or None), verified."""
-    resume = cfg.checkpoint.resume
-    if resume is None:
+    if cfg.checkpoint.resume is None:
         return None
-    if resume == "auto":
-        return latest_valid(checkpoint_root(cfg), log)
-    return Path(resume), verify(Path(resume))
+    path = choose(checkpoint_root(cfg), cfg.checkpoint.resume, log)
+    return None if path is None else (path, manifest_of(path))
 
 
 def restore(cfg: Config, ps: ParameterServer, model: torch.nn.Module, path: Path, manifest: dict) -> int:
     """Servers load their key ranges; every rank returns the step to continue from."""
-    if manifest["model"] != _plain(cfg.model.model_dump()):
-        raise ValueError(f"{path} holds a different model: {manifest['model']}")
+    check_model(path, manifest, cfg)
     step = int(manifest["step"])
     if ps.is_server:
         flat, state = _load_flat(ps, model, path)

@@ -33,6 +33,19 @@ def _plain(obj):
     return json.loads(json.dumps(obj, default=_refuse))
 
 
+def run_info(cfg, world_size: int, sampler_state: dict, scheduler_state: dict, param_groups) -> dict:
+    """The plain-value training state a checkpoint's manifest holds beside its tensors."""
+    return {"world_size": world_size, "model": cfg.model.model_dump(),
+            "layout": {**cfg.parallel.model_dump(), "grad_accum": cfg.train.grad_accum},
+            "global_batch": cfg.train.global_batch, "sampler": sampler_state, "scheduler": _plain(scheduler_state),
+            "param_groups": _plain([{k: v for k, v in g.items() if k != "params"} for g in param_groups])}
+
+
+def check_model(path: Path, manifest: dict, cfg) -> None:
+    if manifest["model"] != _plain(cfg.model.model_dump()):
+        raise ValueError(f"{path} holds a different model: {manifest['model']}")
+
+
 def _refuse(o):
     if isinstance(o, tuple):
         return list(o)
@@ -129,18 +142,13 @@ class Guard:
         """`step` is the next step to run: the state after steps 0..step-1."""
         t = self.trainer
         self.heartbeat.set(step, "checkpoint")
-        info = {"world_size": self.world, "model": self.cfg.model.model_dump(),
-                "layout": {**self.cfg.parallel.model_dump(), "grad_accum": self.cfg.train.grad_accum},
-                "global_batch": self.cfg.train.global_batch, "sampler": t.sampler.state_dict(),
-                "scheduler": _plain(t.scheduler.state_dict()),
-                "param_groups": _plain([{k: v for k, v in g.items() if k != "params"}
-                                        for g in t.optimizer.param_groups])}
+        info = run_info(self.cfg, self.world, t.sampler.state_dict(), t.scheduler.state_dict(),
+                        t.optimizer.param_groups)
         self.ckpt.save(step, t.runner, t.optimizer, info)
 
     def restore(self, path: Path, manifest: dict) -> int:
         t = self.trainer
-        if manifest["model"] != _plain(self.cfg.model.model_dump()):
-            raise ValueError(f"{path} holds a different model: {manifest['model']}")
+        check_model(path, manifest, self.cfg)
         if manifest["global_batch"] != self.cfg.train.global_batch:
             self._say(f"[tessel checkpoint] warning: global batch {self.cfg.train.global_batch} differs from the "
                       f"checkpoint's {manifest['global_batch']}: the trajectory will differ")
