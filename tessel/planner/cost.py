@@ -335,13 +335,17 @@ class CostModel:
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
             transient = 4 * (dense + expert)
         elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
-            transient = 2 * 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
+            transient = 2 * self._largest_block_bytes(lay.tp)
         elif lay.zero == 2:
             transient = self.bucket_bytes
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
         mem["baseline"] = self.cluster.baseline_memory
         mem["total"] = sum(mem.values())
         return mem
+
+    def _largest_block_bytes(self, tp: int) -> float:
+        """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
+        return 4 * max(sum(p) for p in self.layer_params) / tp
 
     def _collective_workspace(self, lay: Layout, param_bytes: float) -> float:
         """Host memory the backend's data-parallel collectives add (gloo works on copies; 0 on presets).
@@ -359,7 +363,7 @@ class CostModel:
             per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
             return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
         if lay.zero >= 3:
-            block = 4 * max(sum(self.layer_params[i]) for i in range(self.spec.cfg.n_layer)) / lay.tp
+            block = self._largest_block_bytes(lay.tp)
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
 
