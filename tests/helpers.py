@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,3 +55,8 @@ def train_and_collect(cfg: Config, weights: bool = True) -> dict:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()} if weights else {}
     return {"losses": summary.losses, "state": state, "val_loss": summary.val_loss, "sample": summary.sample,
             "grad_norms": [row["grad_norm"] for row in trainer.history]}
+
+
+def metrics_rows(out_dir) -> list[dict]:
+    """The rows a run wrote to <out_dir>/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,11 +1,12 @@
 """End to end: `tessel train` on the tiny recipe, through torchrun, as a user runs it."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ def run_train(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 def test_tiny_recipe_trains_and_writes_metrics(tmp_path, precision):
     proc = run_train(tmp_path, f'train.precision="{precision}"')
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(20))  # a row per step
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"):
         assert all(key in r for r in rows), key

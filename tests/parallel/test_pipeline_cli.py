@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import metrics_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,6 @@ def test_tessel_train_pp_writes_trace_gantt_and_bubble(tmp_path):
     assert sum(e["cat"] in ("forward", "backward") for e in spans) == 2 * 8 * 2 * 2
     assert {e["pid"] for e in spans} == {0, 1}
     assert (out / "pipeline_gantt.png").read_bytes()[:4] == b"\x89PNG"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert len(rows) == 3 and all(0 < r["bubble"] < 1 for r in rows)
     assert "val_loss" in rows[-1]

@@ -6,7 +6,6 @@ The CLI runs (`python -m tessel train` under torchrun) share one uninterrupted
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -22,7 +21,7 @@ from torch.testing import assert_close
 from tessel.spawn import spawn
 from tessel.train.elastic import replan
 from tessel.train.fault import parse_faults, straggler_report
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import build_trainer, metrics_rows, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -78,7 +77,7 @@ def tessel_train(out: Path, *args: str, fault: str = "") -> subprocess.Completed
 
 def losses_by_step(out: Path) -> dict[int, float]:
     """The last logged loss of every step (a resumed attempt re-logs the steps it replays)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     return {r["step"]: r["loss"] for r in rows}
 
 
@@ -131,7 +130,7 @@ def test_elastic_4_to_2_ranks_keeps_global_batch_and_trajectory(reference, tmp_p
                  rtol=1e-5, atol=1e-5)
     # the injected straggler is named, as a warning and as a metric
     assert re.search(r"step 5: rank 1 is a straggler", log), log[-3000:]
-    rows = {json.loads(x)["step"]: json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()}
+    rows = {r["step"]: r for r in metrics_rows(out)}
     assert rows[5]["straggler_rank"] == 1 and rows[6]["straggler_rank"] == -1
 
 

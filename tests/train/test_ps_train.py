@@ -1,6 +1,5 @@
 """`tessel train` with parallel.dp_arch = "ps": config rules, and BSP training that matches all-reduce DP."""
 
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from tessel.config import ConfigError, build_config
+from tests.helpers import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_tessel_train_ps_bsp_matches_allreduce(tmp_path):
     ref = _allreduce_reference(tmp_path / "ref")  # meanwhile, here
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
-    ps = [json.loads(line) for line in (tmp_path / "ps" / "metrics.jsonl").read_text().splitlines()]
+    ps = metrics_rows(tmp_path / "ps")
     assert len(ps) == len(ref["losses"]) == 4
     assert all(r["staleness"] == 0 for r in ps)  # BSP: nobody is ever ahead
     # the same arithmetic but for the order of the gradient sum (the server's worker order vs
@@ -91,10 +91,6 @@ def test_tessel_train_ps_bsp_matches_allreduce(tmp_path):
     assert ps[-1]["loss"] < ps[0]["loss"]
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     from tessel.train.checkpoint import verify
     six = ["train.steps=6", "checkpoint.every=2"]
@@ -103,7 +99,7 @@ def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     first = _train_ps(tmp_path / "full", "parallel.ps_servers=2", *six, "checkpoint.async_save=true")
     out, _ = first.communicate(timeout=240)
     assert first.returncode == 0, out[-4000:]
-    full = [r["loss"] for r in _rows(tmp_path / "full")]
+    full = [r["loss"] for r in metrics_rows(tmp_path / "full")]
     ckpt = tmp_path / "full" / "checkpoints" / "step_00000002"
     manifest = verify(ckpt)  # whole and checksummed
     assert manifest["step"] == 2 and manifest["ps_updates"] == 2 and manifest["sampler"]["step"] == 2
@@ -113,7 +109,7 @@ def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     ref = _allreduce_reference(tmp_path / "ref", *six, f'checkpoint.resume="{ckpt}"')
     out, _ = again.communicate(timeout=240)
     assert again.returncode == 0, out[-4000:]
-    resumed = _rows(tmp_path / "again")
+    resumed = metrics_rows(tmp_path / "again")
     assert [r["step"] for r in resumed] == [2, 3, 4, 5]
     # the servers get back the same float32 weights, moments and update count, the workers the same
     # data position: the same arithmetic in the same order, so bit for bit the uninterrupted run
@@ -126,4 +122,4 @@ def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     back = _train_ps(tmp_path / "back", *six, f'checkpoint.resume="{tmp_path / "ref" / "checkpoints" / "step_00000004"}"')
     out, _ = back.communicate(timeout=240)
     assert back.returncode == 0, out[-4000:]
-    assert_close([r["loss"] for r in _rows(tmp_path / "back")], full[4:], rtol=1e-5, atol=1e-6)
+    assert_close([r["loss"] for r in metrics_rows(tmp_path / "back")], full[4:], rtol=1e-5, atol=1e-6)
