@@ -41,6 +41,13 @@ import torch.distributed as dist
 STALL_EXIT_CODE = 43
 
 
+class FatalError(RuntimeError):
+    """A deterministic failure that a restart would only repeat (disk full, a bad input found late).
+
+    The rank reports it in one line, without a traceback, and the launcher does
+    not restart the run (tessel.launch)."""
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
