@@ -128,3 +128,16 @@ def layout_config(base: Config, layout: Layout, seq_len: int | None = None) -> C
     if seq_len is not None:
         raw["train"]["seq_len"] = seq_len
     return build_config(raw)
+
+
+def config_layout(cfg: Config) -> Layout:
+    """The layout a recipe trains: the inverse of layout_config.
+
+    A Layout has no pp_layout (the cost model balances layers over stages) and
+    no parameter server (tessel.planner.fit prices dp_arch = "ps" itself).
+    """
+    p, t = cfg.parallel, cfg.train
+    mb = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)  # exact: check_layout divides
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero_stage, mb=mb, m=p.micro_batches,
+                  ga=t.grad_accum, schedule=p.schedule, v=p.virtual_stages, sp=p.sequence_parallel,
+                  recompute=p.recompute)

@@ -119,8 +119,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
         shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
-        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards)
-        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards)
+        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards,
+                                    cfg.model.vocab_size)
+        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards,
+                                        cfg.model.vocab_size)
         with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
             self.n_params = count_params(GPT(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
