@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import typer
 
@@ -18,10 +18,18 @@ def root() -> None:
     """tessel: distributed training of large models on torch.distributed."""
 
 
-def fail(err: ConfigError) -> None:
-    """Config errors are the user's to fix: one line naming the field, exit 2, no traceback."""
-    typer.secho(f"error: invalid config: {err}", fg="red", err=True)
+def fail(err: ConfigError) -> NoReturn:
+    """Bad input is the user's to fix: one line naming the field or argument, exit 2, no traceback.
+
+    Recipe fields are dotted (parallel.tp); command-line ones are flags (--world) or, for
+    positional arguments, upper case (METRICS)."""
+    is_argument = err.field.startswith("-") or err.field.isupper()
+    _error_line(str(err) if is_argument else f"invalid config: {err}")
     raise typer.Exit(2)
+
+
+def _error_line(message: str) -> None:
+    typer.secho("error: " + " ".join(message.split()), fg="red", err=True)  # one line, whatever the message
 
 
 @app.command()
@@ -29,29 +37,47 @@ def train(
     recipe: Optional[str] = typer.Argument(None, help="TOML recipe; defaults apply when omitted"),
     set_: List[str] = typer.Option([], "--set", help="override a field: --set parallel.dp=2"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a rank dies"),
-    resume: Optional[str] = typer.Option(None, "--resume", help="'auto' (newest valid checkpoint) or a path"),
-    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="elastic node range MIN:MAX (re-plans dp)"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="'auto' (newest valid checkpoint of this "
+                                         "run) or a checkpoint folder"),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="nodes: N, or an elastic range MIN:MAX "
+                                         "(re-plans dp); more than one needs TESSEL_RDZV_ENDPOINT"),
     nproc: Optional[int] = typer.Option(None, "--nproc-per-node", help="ranks per node; other than the "
                                         "layout's world size, the layout is re-planned (elastic)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the run whose files are in "
+                                   "logging.out_dir (deletes its metrics and checkpoints)"),
+    force: bool = typer.Option(False, "--force", help="start even if the planner estimates more memory per "
+                               "rank than the device has"),
+    grace_s: float = typer.Option(120.0, "--grace", help="seconds a signalled run gets to finish its step "
+                                  "and save before it is killed"),
 ) -> None:
     """Train the reference GPT with the recipe's parallel layout."""
-    from tessel.launch import reexec, run_rank, under_torchrun
+    from tessel.launch import LaunchOptions, launch, preflight, run_rank, under_torchrun
 
-    extra = []
-    if resume is not None:
-        extra.append(f'checkpoint.resume="{resume}"')
-    if (nnodes and ":" in nnodes) or nproc is not None:
-        extra.append("runtime.elastic=true")
+    opts = LaunchOptions(max_restarts, resume, nnodes, nproc, overwrite, force, grace_s)
     try:
-        cfg = load_config(recipe, [*set_, *extra])
-        if nproc is not None and not under_torchrun():
-            from tessel.train.elastic import replan
-            replan(cfg, nproc)  # rejects a size the layout cannot take, before anything is spawned
+        cfg = load_config(recipe, set_)
+        if under_torchrun():  # started by the user's torchrun: this process is a rank
+            if resume is not None:
+                cfg.checkpoint.resume = resume
+            run_rank(cfg, overwrite=overwrite)  # does not return
+        checked = preflight(cfg, opts)
+        code = launch(checked, opts)
     except ConfigError as err:
         fail(err)
-    if under_torchrun():
-        run_rank(cfg)  # does not return
-    raise typer.Exit(reexec(cfg, sys.argv[1:], max_restarts, nnodes, nproc))
+    raise typer.Exit(code)
+
+
+@app.command("_rank", hidden=True)
+def rank_entry(config: str = typer.Argument(..., help="the validated config the launcher wrote")) -> None:
+    """One rank of a launched run (tessel train starts these through torchrun)."""
+    from pathlib import Path
+
+    from tessel.config import Config
+    from tessel.launch import run_rank
+    from tessel.train.preempt import ControlDir
+    import os
+    cfg = Config.model_validate_json(Path(config).read_text())
+    run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
 
 
 _PLAN_OPTS = dict(
@@ -80,8 +106,10 @@ def plan(
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
     from tessel.planner import commands
     try:
-        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, refresh=refresh)
-        commands.plan(prob, layout, as_json, out, top)
+        commands.check_plan_args(top, out)
+        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
+                                refresh=refresh)
+        commands.plan(prob, as_json, out, top)
     except ConfigError as err:
         fail(err)
 
@@ -100,20 +128,23 @@ def simulate(
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
     from tessel.planner import commands
     try:
-        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, refresh=refresh)
-        commands.simulate(prob, layout, trace, png, as_json)
+        commands.check_simulate_args(trace, png)
+        prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
+                                refresh=refresh)
+        commands.simulate(prob, trace, png, as_json)
     except ConfigError as err:
         fail(err)
+
+
 @app.command()
 def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tessel train"),
          out: str = typer.Option("curves.png", "--out", help="PNG to write")) -> None:
     """Plot loss, validation loss, throughput and learning rate of a run."""
-    from pathlib import Path
-
-    from tessel.observe.plots import plot_metrics
-    if not Path(metrics).is_file():
-        typer.secho(f"error: no such file: {metrics}", fg="red", err=True)
-        raise typer.Exit(2)
+    from tessel.observe.plots import check_plot_args, plot_metrics
+    try:
+        check_plot_args(metrics, out)
+    except ConfigError as err:
+        fail(err)
     typer.echo(plot_metrics(metrics, out))
 
 
@@ -137,26 +168,24 @@ def bench_comm(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all", help="comma-separated"),
     algorithms: str = typer.Option("", help="comma-separated subset of native,ring,hierarchical (all)"),
     sizes: str = typer.Option("4K,1M,16M", help="comma-separated sizes in bytes (K/M/G suffixes)"),
-    iters: int = typer.Option(5, min=1),
-    warmup: int = typer.Option(1, min=0),
+    iters: int = typer.Option(5, help="timed calls per size (at least 1)"),
+    warmup: int = typer.Option(1, help="untimed calls first (0 or more)"),
     topology: Optional[str] = typer.Option(None, help="topology file from `tessel probe`"),
     node_size: Optional[int] = typer.Option(None, "--node-size", help="ranks per node when there is no topology file"),
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the rows as JSON (rank 0)"),
 ) -> None:
     """nccl-tests-style table: op, algorithm, size, time, algbw, busbw."""
-    from tessel.comm.bench import ALGORITHMS, parse_size, run_rank
+    from tessel.comm.bench import check_args, run_rank
     from tessel.launch import under_torchrun
 
-    op_list = [o.strip() for o in ops.split(",") if o.strip()]
-    bad = [o for o in op_list if o not in ALGORITHMS]
-    if bad:
-        typer.secho(f"error: unknown op(s) {bad}; known: {list(ALGORITHMS)}", fg="red", err=True)
-        raise typer.Exit(2)
+    try:
+        op_list, algos, size_list = check_args(world, ops, algorithms, sizes, iters, warmup, topology,
+                                               node_size, json_out)
+    except ConfigError as err:
+        fail(err)
     if not under_torchrun():
         raise typer.Exit(_standalone(world))
-    algos = [a.strip() for a in algorithms.split(",") if a.strip()]
-    run_rank(op_list, algos, [parse_size(x) for x in sizes.split(",")], iters, warmup, topology,
-             node_size, json_out)
+    run_rank(op_list, algos, size_list, iters, warmup, topology, node_size, json_out)
 
 
 @app.command()
@@ -164,19 +193,49 @@ def probe(
     world: int = typer.Option(4, "--world", help="local ranks when not already under torchrun"),
     out: str = typer.Option("runs/topology.json", help="where rank 0 writes the topology file"),
     size_mb: float = typer.Option(4.0, help="bandwidth message size (MiB)"),
-    reps: int = typer.Option(3, min=1),
+    reps: int = typer.Option(3, help="measurements per pair (at least 1)"),
 ) -> None:
     """Measure bandwidth/latency between every pair of ranks; infer nodes; write a topology file."""
+    from tessel.comm.probe import check_args, run_rank
     from tessel.launch import under_torchrun
 
+    try:
+        check_args(world, out, size_mb, reps)
+    except ConfigError as err:
+        fail(err)
     if not under_torchrun():
         raise typer.Exit(_standalone(world))
-    from tessel.comm.probe import run_rank
     run_rank(out, size_mb, reps)
 
 
-def main() -> None:
-    app()
+def main(argv: Optional[List[str]] = None) -> None:
+    """Run the command line (argv defaults to sys.argv[1:]).
+
+    typer runs without its standalone mode so that click's usage errors (a value that does
+    not parse, an unknown option) reach us and print one line, as our own checks do, instead
+    of a boxed panel; exit codes from typer.Exit come back as the return value."""
+    try:
+        code = app(argv, standalone_mode=False)
+    except typer.TyperException as err:  # click's errors; usage errors carry exit code 2
+        message = _usage_message(err)
+        if message:  # empty for a bare `tessel` or `tessel bench`: the help is already printed
+            _error_line(message)
+        sys.exit(err.exit_code)
+    except typer.Abort:
+        _error_line("aborted")
+        sys.exit(1)
+    sys.exit(code or 0)
+
+
+def _usage_message(err: typer.TyperException) -> str:
+    """`--world: input should be a valid integer` rather than click's `Invalid value for '--world': ...`;
+    positional arguments upper case (METRICS), as fail() names them."""
+    if isinstance(err, typer.BadParameter) and err.param is not None:
+        param = err.param
+        name = param.opts[0] if param.param_type_name == "option" else param.name.upper()
+        what = err.message or f"missing {param.param_type_name}"  # a MissingParameter has no message
+        return f"{name}: {what[:1].lower()}{what[1:]}"
+    return err.format_message()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ rank sends in all-to-all.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from tessel.comm import algorithms as A
 from tessel.comm import all_to_all as X
+from tessel.comm.topology import Topology
+from tessel.config import ConfigError, at_least, output_file
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ALGORITHMS = {
@@ -39,9 +42,72 @@ def bus_factor(op: str, n: int) -> float:
 
 def parse_size(text: str) -> int:
     """'16M' -> 16 MiB in bytes; K, M, G suffixes are powers of 1024."""
-    text = text.strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+    body = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(body[-1:], 1)
+    try:
+        size = int(float(body[:-1] if mult > 1 else body) * mult)
+    except (ValueError, OverflowError):  # not a number, or nan / inf
+        raise ConfigError("--sizes", f"'{text}' is not a size like 4K, 1M or 16M") from None
+    if size < 1:
+        raise ConfigError("--sizes", f"'{text}' is less than one byte")
+    return size
+
+
+def check_args(world: int, ops: str, algorithms: str, sizes: str, iters: int, warmup: int,
+               topology: str | None, node_size: int | None, json_out: str | None):
+    """Every flag of `tessel bench comm`, checked before a rank is spawned (and again in each rank).
+
+    Returns the parsed (ops, algorithms, sizes); an empty algorithm list means all of them."""
+    at_least("--world", world, 1)
+    at_least("--iters", iters, 1)
+    at_least("--warmup", warmup, 0)
+    op_list, algos = parse_ops(ops, algorithms)
+    size_list = [parse_size(x) for x in sizes.split(",")]
+    check_nodes(ranks(world), topology, node_size)
+    if json_out is not None:
+        output_file("--json", json_out)
+    return op_list, algos, size_list
+
+
+def parse_ops(ops: str, algorithms: str) -> tuple[list[str], list[str]]:
+    """--ops and --algorithms as lists of known names, at least one pair of them measurable."""
+    op_list = [o.strip() for o in ops.split(",") if o.strip()]
+    algos = [a.strip() for a in algorithms.split(",") if a.strip()]
+    bad = [o for o in op_list if o not in ALGORITHMS]
+    if bad or not op_list:
+        raise ConfigError("--ops", f"unknown op(s) {bad or ops!r}; choose from {', '.join(OPS)}")
+    known = sorted({a for names in ALGORITHMS.values() for a in names})
+    bad = [a for a in algos if a not in known]
+    if bad:
+        raise ConfigError("--algorithms", f"unknown algorithm(s) {bad}; choose from {', '.join(known)}")
+    if algos and not any(a in ALGORITHMS[o] for o in op_list for a in algos):
+        raise ConfigError("--algorithms", f"none of {algos} implements {', '.join(op_list)} (an empty table)")
+    return op_list, algos
+
+
+def ranks(world: int) -> int:
+    """The ranks the benchmark runs on: torchrun's world when already under it, else --world."""
+    from tessel.launch import under_torchrun
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else world
+
+
+def check_nodes(world: int, topology: str | None, node_size: int | None) -> None:
+    """--topology (a file `tessel probe` wrote for this world) or --node-size (dividing it)."""
+    described = _load_topology(topology).world_size if topology is not None else world
+    if described != world:
+        raise ConfigError("--topology", f"{topology} describes {described} ranks, the benchmark runs {world}")
+    at_least("--node-size", node_size, 1)
+    if node_size is not None and world % node_size:
+        raise ConfigError("--node-size", f"{node_size} does not divide the {world} ranks")
+
+
+def _load_topology(path: str) -> Topology:
+    try:
+        return Topology.load(path)
+    except OSError as err:
+        raise ConfigError("--topology", f"cannot read {path}: {err.strerror}") from None
+    except (ValueError, TypeError, AttributeError) as err:  # bad JSON, bad fields, not a JSON object
+        raise ConfigError("--topology", f"{path} is not a topology file from `tessel probe`: {err}") from None
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.comm.topology import Topology
+from tessel.config import ConfigError, at_least, output_file
 
 TAG = 91
 
@@ -194,6 +195,15 @@ def format_topology(topo: Topology) -> str:
 
 def _fmt(x):
     return "-" if x is None else f"{x:.2f}"
+
+
+def check_args(world: int, out: str, size_mb: float, reps: int) -> None:
+    """Every flag of `tessel probe`, checked before a rank is spawned."""
+    at_least("--world", world, 1)
+    if not (size_mb > 0 and math.isfinite(size_mb)):
+        raise ConfigError("--size-mb", f"must be a positive number of MiB (got {size_mb})")
+    at_least("--reps", reps, 1)
+    output_file("--out", out)
 
 
 def run_rank(out: str, size_mb: float, reps: int) -> None:

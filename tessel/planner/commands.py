@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tessel.config import Config, ConfigError, build_config, load_config, to_toml
+from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
 from tessel.planner.cluster import Cluster, get_cluster
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout, layout_config, parse_layout
@@ -24,12 +24,62 @@ class Problem:
     world: int
     global_batch: int
     cost: CostModel
+    layout: Layout | None = None  # --layout, checked against the recipe's rules; None: search
+
+
+def check_plan_args(top: int, out: str | None) -> None:
+    """`tessel plan`'s own flags (resolve checks the ones it shares with simulate)."""
+    at_least("--top", top, 1)
+    if out is not None:
+        output_file("--out", out)
+
+
+def check_simulate_args(trace: str, png: str) -> None:
+    output_file("--trace", trace)
+    output_file("--png", png)
+
+
+def check_problem_args(cluster: str, world: int | None, model: str | None, global_batch: int | None,
+                       precision: str | None) -> None:
+    """The flags plan and simulate share, checked before a recipe is read or a machine measured."""
+    at_least("--world", world, 1)
+    at_least("--global-batch", global_batch, 1)
+    if cluster.lower() != "this":  # a preset costs nothing to build, and building it checks the name and --world
+        get_cluster(cluster, world)
+    if model is not None:
+        preset(model)
+    if precision is not None and precision not in ("fp32", "bf16"):
+        raise ConfigError("--precision", f"'{precision}' is not one of fp32, bf16")
 
 
 def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int | None, model: str | None,
-            global_batch: int | None, precision: str | None, calibrate: bool = True,
+            global_batch: int | None, precision: str | None, layout: str | None = None, calibrate: bool = True,
             refresh: bool = False) -> Problem:
-    """Recipe + flags -> the model, cluster and batch to plan for. ConfigError names any bad field."""
+    """Recipe + flags -> the model, cluster and batch to plan for. ConfigError names any bad field.
+
+    Everything the user gave is checked before the cluster "this" is measured (processes) or
+    the model profiled on it (seconds)."""
+    check_problem_args(cluster, world, model, global_batch, precision)
+    base, spec = _recipe_and_model(recipe, overrides, model, precision)
+    gb = global_batch if global_batch is not None else spec.global_batch
+    if world is None and recipe and not model:
+        world = base.parallel.world_size
+    if world is None:  # one node of a preset; this machine as a single rank
+        world = 1 if cluster.lower() == "this" else get_cluster(cluster).world
+    lay = checked_layout(base, world, gb, layout) if layout else None
+    cl = get_cluster(cluster, world, refresh=refresh)
+    cal = None
+    if cl.name == "this" and calibrate:
+        from tessel.planner.probe import profile_model
+        sizes = [b for b in MICRO_BATCHES if b <= gb]
+        cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
+    cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
+    return Problem(base, spec, cl, world, gb, cm, lay)
+
+
+def _recipe_and_model(recipe: str | None, overrides: list[str], model: str | None,
+                      precision: str | None) -> tuple[Config, ModelSpec]:
+    """The recipe (or the defaults) with --model's preset and --precision written in."""
     base = load_config(recipe, overrides) if recipe else build_config({}, overrides)
     if model:
         spec = preset(model)
@@ -45,42 +95,27 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
         spec = from_config(base.model, base.train.seq_len, base.train.global_batch,
                            name=Path(recipe).stem if recipe else "default")
     if precision:
-        if precision not in ("fp32", "bf16"):
-            raise ConfigError("--precision", f"'{precision}' is not one of fp32, bf16")
         base = build_config({**base.model_dump(exclude_none=True), "train": {
             **base.train.model_dump(), "precision": precision}})
-    gb = global_batch or spec.global_batch
-    if gb < 1:
-        raise ConfigError("--global-batch", "must be at least 1")
-    world = world or (base.parallel.world_size if recipe and not model else None)
-    cl = get_cluster(cluster, world, refresh=refresh)
-    world = world or cl.world
-    cal = None
-    if cl.name == "this" and calibrate:
-        from tessel.planner.probe import profile_model
-        sizes = [b for b in MICRO_BATCHES if b <= gb]
-        cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
-    cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
-    return Problem(base, spec, cl, world, gb, cm)
+    return base, spec
 
 
-def checked_layout(prob: Problem, text: str) -> Layout:
+def checked_layout(base: Config, world: int, global_batch: int, text: str) -> Layout:
     """Parse --layout and run it through tessel.config's rules (errors name the field)."""
-    lay = parse_layout(text, prob.global_batch)
-    if lay.world != prob.world:
-        raise ConfigError("--layout", f"dp*tp*pp*ep = {lay.world} but --world is {prob.world}")
-    if lay.global_batch != prob.global_batch:
+    lay = parse_layout(text, global_batch)
+    if lay.world != world:
+        raise ConfigError("--layout", f"dp*tp*pp*ep = {lay.world} but --world is {world}")
+    if lay.global_batch != global_batch:
         raise ConfigError("--layout", f"mb*m*ga*dp*ep = {lay.global_batch} but the global batch is "
-                          f"{prob.global_batch}")
-    layout_config(prob.base, lay)
+                          f"{global_batch}")
+    layout_config(base, lay)
     return lay
 
 
-def plan(prob: Problem, layout: str | None, as_json: bool, out: str | None, top: int,
-         console: Console | None = None) -> dict:
+def plan(prob: Problem, as_json: bool, out: str | None, top: int, console: Console | None = None) -> dict:
     console = console or Console(width=max(Console().width, 150))
-    if layout:
-        est = prob.cost.estimate(checked_layout(prob, layout))
+    if prob.layout is not None:
+        est = prob.cost.estimate(prob.layout)
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
         result = search(prob.cost, prob.world, prob.global_batch)
@@ -104,7 +139,7 @@ def plan(prob: Problem, layout: str | None, as_json: bool, out: str | None, top:
         if prob.cluster.source == "preset":
             console.print("[dim]preset cluster: compute priced at the spec-sheet peak (nothing measured), so "
                           "step times are lower bounds; the ranking is what to read[/dim]")
-        if layout:
+        if prob.layout is not None:
             console.print(plan_table(ranked, "predicted cost of the given layout"))
             for line in lines:
                 console.print(line)
@@ -124,10 +159,10 @@ def _breakdown(est: Estimate, cluster: Cluster) -> list[str]:
             f"{cluster.memory * cluster.usable_memory / 2**30:.1f} GiB usable"]
 
 
-def simulate(prob: Problem, layout: str | None, trace: str, png: str, as_json: bool) -> dict:
+def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
     from tessel.planner.simulate import simulate_plan, write_png, write_trace
-    if layout:
-        est = prob.cost.estimate(checked_layout(prob, layout))
+    if prob.layout is not None:
+        est = prob.cost.estimate(prob.layout)
     else:
         best = search(prob.cost, prob.world, prob.global_batch).best
         if best is None:
