@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessel.mesh import AXES, Mesh
 from tessel.parallel.norms import shard_axes, shard_dims
+from tessel.train.manifest import CheckpointError
 
 LOGICAL_SHAPE_ATTR = "tessel_logical_shape"
 OPTIM_PREFIX = "optim/"
@@ -212,27 +213,55 @@ def _custom_logical(view: LogicalView, named: dict[str, torch.Tensor], key: str,
     return view.to_logical(t, p, key)
 
 
-def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dict, list]:
-    """Targets for DCP.load, and how to put each back. `saved`: fqn -> TensorStorageMetadata."""
-    named = model_tensors(runner)
-    targets, put_back = {}, []
-    owned = getattr(optimizer, "checkpoint_model_names", None)
-    owned = owned() if owned is not None else set()
-    for k, v in named.items():
-        fqn = f"model/{k}"
-        if k in owned:
-            continue  # the strategy loads it (its storage may be sharded: ZeRO-3)
+def check_shapes(saved: dict, model: dict[str, torch.Size], params: dict[str, torch.Size]) -> None:
+    """Before anything is read: every model tensor the run loads is in the checkpoint with its logical
+    shape, and every optimizer state of a parameter that is not a scalar (AdamW's exp_avg, exp_avg_sq)
+    has that parameter's shape. `saved`: fqn -> TensorStorageMetadata; model, params: name -> shape."""
+    for name, want in model.items():
+        fqn = f"model/{name}"
         if fqn not in saved:
-            raise KeyError(f"the checkpoint has no '{k}' (its model differs from this one)")
-        targets[fqn] = view.empty_like_logical(v, k)
-        put_back.append((fqn, lambda t, v=v: copy_local_(v, t)))
+            raise CheckpointError(f"the checkpoint has no '{name}' (its model differs from this one)")
+        _same_shape(fqn, saved[fqn].size, want)
+    for name, want in params.items():
+        prefix = f"{OPTIM_PREFIX}{name}/"
+        for fqn in (f for f in saved if f.startswith(prefix)):
+            if saved[fqn].size != torch.Size([]):  # the step count is a scalar
+                _same_shape(fqn, saved[fqn].size, want)
+
+
+def _same_shape(fqn: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"'{fqn}' has shape {list(got)} in the checkpoint, but this run's is {list(want)}")
+
+
+def module_shapes(module: nn.Module) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
+    """(model tensors, parameters) -> logical shape, named as a checkpoint names them, for an unsharded
+    module (one built on the meta device will do)."""
+    named = {strip_wrappers(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    return ({k: v.shape for k, v in named.items()}, {k: p.shape for k, p in _unique(named).items()})
+
+
+def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dict, list]:
+    """Targets for DCP.load, and how to put each back. `saved`: fqn -> TensorStorageMetadata.
+    CheckpointError if a saved shape differs from this run's (check_shapes)."""
+    named = model_tensors(runner)
+    owned = getattr(optimizer, "checkpoint_model_names", None)
+    owned = owned() if owned is not None else set()  # the strategy loads those (its storage may be sharded: ZeRO-3)
     # a strategy with its own hook loads its optimizer state itself (load_checkpoint_tensors)
     custom = getattr(optimizer, "checkpoint_tensors", None) is not None
-    for name, p in ({} if custom else _unique(named)).items():
+    params = {} if custom else _unique(named)
+    check_shapes(saved, {k: view.logical_shape(v, v, k) for k, v in named.items() if k not in owned},
+                 {name: view.logical_shape(p, p, name) for name, p in params.items()})
+    targets, put_back = {}, []
+    for k, v in named.items():
+        if k not in owned:
+            targets[f"model/{k}"] = view.empty_like_logical(v, k)
+            put_back.append((f"model/{k}", lambda t, v=v: copy_local_(v, t)))
+    for name, p in params.items():
         prefix = f"{OPTIM_PREFIX}{name}/"
         for fqn in (f for f in saved if f.startswith(prefix)):
             md = saved[fqn]
-            if tuple(md.size) == tuple(view.logical_shape(p, p, name)) and md.size != torch.Size([]):
+            if md.size != torch.Size([]):  # shaped like p (checked above)
                 targets[fqn] = view.empty_like_logical(p, fqn, dtype=md.properties.dtype)
             else:
                 targets[fqn] = torch.zeros(md.size, dtype=md.properties.dtype, device=p.device)

@@ -26,9 +26,12 @@ import torch.distributed.checkpoint as dcp
 
 from tessel.config import Config
 from tessel.parallel.ps import ParameterServer
-from tessel.train.checkpoint import choose, commit, fresh_dir, manifest_of, prune, step_dir, tmp_dir
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tessel.train.checkpoint import (choose, commit, disk_full_error, fresh_dir, manifest_of, prune, run_model,
+                                     step_dir, tmp_dir)
 from tessel.train.logical import OPTIM_PREFIX, model_tensors
-from tessel.train.resilience import check_model, checkpoint_root, run_info
+from tessel.train.resilience import checkpoint_root, run_info
 from tessel.train.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
 from tessel.train.trainer import build_optimizer, build_scheduler, lr_at
 
@@ -72,10 +75,11 @@ def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state:
 
 class Writer:
     """Worker 0's checkpoints: the servers' snapshot is taken at once; it is written at once, or
-    with checkpoint.async_save on a background thread while training goes on."""
+    with checkpoint.async_save on a background thread while training goes on. run_id: as for
+    tessel.train.checkpoint.CheckpointManager (the manifest's owner; pruning counts only its own)."""
 
-    def __init__(self, cfg: Config, ps: ParameterServer, runner, log=print):
-        self.cfg, self.ps, self.runner, self.log = cfg, ps, runner, log
+    def __init__(self, cfg: Config, ps: ParameterServer, runner, log=print, run_id: str | None = None):
+        self.cfg, self.ps, self.runner, self.log, self.run_id = cfg, ps, runner, log, run_id
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tessel-ps-ckpt") if cfg.checkpoint.async_save else None
         self.pending: cf.Future | None = None
 
@@ -97,24 +101,30 @@ class Writer:
     def _write(self, tensors: dict, step: int, info: dict) -> None:
         root = checkpoint_root(self.cfg)
         final, tmp = step_dir(root, step), tmp_dir(root, step)
-        fresh_dir(tmp)
-        dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
-        commit(tmp, final, step, info)
-        prune(root, self.cfg.checkpoint.keep)
+        try:
+            fresh_dir(tmp)
+            dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
+            commit(tmp, final, step, info, self.run_id)
+        except (OSError, CheckpointException) as err:
+            full = disk_full_error(err, tmp, root, self.run_id)
+            if full is None:
+                raise
+            raise full from None
+        prune(root, self.cfg.checkpoint.keep, self.run_id)
         self.log(f"[tessel checkpoint] saved step {step} ({info['ps_updates']} server updates) -> {final}")
 
 
-def find(cfg: Config, log=print) -> tuple[Path, dict] | None:
-    """The checkpoint checkpoint.resume names ('auto': the newest valid one, or None), verified."""
+def find(cfg: Config, log=print, run_id: str | None = None) -> tuple[Path, dict] | None:
+    """The checkpoint checkpoint.resume names ('auto': run `run_id`'s newest valid one of this model, or
+    None), verified."""
     if cfg.checkpoint.resume is None:
         return None
-    path = choose(checkpoint_root(cfg), cfg.checkpoint.resume, log)
+    path = choose(checkpoint_root(cfg), cfg.checkpoint.resume, log, model=run_model(cfg), run_id=run_id)
     return None if path is None else (path, manifest_of(path))
 
 
 def restore(cfg: Config, ps: ParameterServer, model: torch.nn.Module, path: Path, manifest: dict) -> int:
-    """Servers load their key ranges; every rank returns the step to continue from."""
-    check_model(path, manifest, cfg)
+    """Servers load their key ranges; every rank returns the step to continue from (find checked the model)."""
     step = int(manifest["step"])
     if ps.is_server:
         flat, state = _load_flat(ps, model, path)

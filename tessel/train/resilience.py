@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.train.checkpoint import CheckpointManager
+from tessel.train.checkpoint import CheckpointManager, run_model
 from tessel.train.fault import FaultInjector, ForwardTimer, Heartbeat, gather_times, log, straggler_report
 
 
@@ -41,11 +41,6 @@ def run_info(cfg, world_size: int, sampler_state: dict, scheduler_state: dict, p
             "param_groups": _plain([{k: v for k, v in g.items() if k != "params"} for g in param_groups])}
 
 
-def check_model(path: Path, manifest: dict, cfg) -> None:
-    if manifest["model"] != _plain(cfg.model.model_dump()):
-        raise ValueError(f"{path} holds a different model: {manifest['model']}")
-
-
 def _refuse(o):
     if isinstance(o, tuple):
         return list(o)
@@ -59,7 +54,9 @@ class Guard:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         c, f = cfg.checkpoint, cfg.fault
-        self.ckpt = CheckpointManager(checkpoint_root(cfg), trainer.mesh, c.keep, c.async_save)
+        # the run id: pruning and --resume auto touch only this run's checkpoints
+        self.ckpt = CheckpointManager(checkpoint_root(cfg), trainer.mesh, c.keep, c.async_save,
+                                      run_id=trainer.run_id)
         self.injector = FaultInjector(self.rank, checkpoint_root(cfg))
         self.heartbeat = Heartbeat(self.rank, self.world, f.heartbeat_s, f.hang_timeout_s, f.kill_stalled)
         if f.heartbeat_s > 0:
@@ -67,7 +64,7 @@ class Guard:
         self._instrument(trainer.runner)
         self.bad_in_row, self.rollbacks, self.start_step = 0, 0, 0
         if c.resume:
-            found = self.ckpt.find(c.resume)
+            found = self.ckpt.find(c.resume, model=run_model(cfg))  # auto skips other models' checkpoints
             if found is None:
                 self._say("[tessel checkpoint] no valid checkpoint to resume from: starting at step 0")
             else:
@@ -148,7 +145,6 @@ class Guard:
 
     def restore(self, path: Path, manifest: dict) -> int:
         t = self.trainer
-        check_model(path, manifest, self.cfg)
         if manifest["global_batch"] != self.cfg.train.global_batch:
             self._say(f"[tessel checkpoint] warning: global batch {self.cfg.train.global_batch} differs from the "
                       f"checkpoint's {manifest['global_batch']}: the trajectory will differ")
@@ -170,7 +166,7 @@ class Guard:
             raise RuntimeError(f"{f.nan_tolerance} non-finite steps in a row after {f.max_rollbacks} rollbacks: "
                                "giving up (lower the learning rate or inspect the data at these steps)")
         self.ckpt.wait()
-        found = self.ckpt.find("auto")
+        found = self.ckpt.find("auto", model=run_model(self.cfg))
         if found is None:
             raise RuntimeError(f"{f.nan_tolerance} non-finite steps in a row at step {step} and no checkpoint "
                                "to roll back to (set checkpoint.every)")

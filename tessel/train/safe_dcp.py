@@ -9,16 +9,24 @@ ints, dicts, arbitrary objects) are refused on both sides. Tensor payloads are
 read by DCP itself with torch.load(weights_only=True), which admits tensors
 and plain containers only; everything else a checkpoint holds (step, data
 position, schedules) goes into the JSON manifest of tessel.train.checkpoint.
+
+check_coverage() checks, before anything is read, that the metadata covers
+every tensor exactly (chunks in bounds, disjoint, adding up to the tensor).
+The writer reports a full disk as the OSError it is (disk_full_errno), not as
+the zip writer's enforce failure that DCP would otherwise pass on.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
@@ -79,7 +87,7 @@ def metadata_from_json(doc: dict) -> Metadata:
             if s["transforms"]:
                 raise UnsafeCheckpointError(f"storage transforms {s['transforms']} are not supported")
             storage[idx] = _StorageInfo(path, int(s["offset"]), int(s["length"]))
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UnsafeCheckpointError(f"malformed {METADATA_FILE}: {err!r}") from None
     return Metadata(state_dict_metadata=entries, storage_data=storage, storage_meta=StorageMeta(),
                     version=doc.get("version"))
@@ -89,9 +97,75 @@ def read_metadata(path: str | Path) -> Metadata:
     return metadata_from_json(json.loads((Path(path) / METADATA_FILE).read_text()))
 
 
+# ---- every tensor covered exactly ---------------------------------------------
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def _check_chunks(fqn: str, entry: TensorStorageMetadata) -> None:
+    size = list(entry.size)
+    for c in entry.chunks:
+        if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, size)):
+            raise UnsafeCheckpointError(f"'{fqn}': chunk at {list(c.offsets)} of size {list(c.sizes)} lies "
+                                        f"outside the tensor's size {size}")
+    for i, a in enumerate(entry.chunks):
+        for b in entry.chunks[i + 1:]:
+            if _overlap(a, b) and math.prod(a.sizes) and math.prod(b.sizes):
+                raise UnsafeCheckpointError(f"'{fqn}': chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    # in bounds and disjoint: they cover the tensor iff their volumes add up to it
+    covered = sum(math.prod(c.sizes) for c in entry.chunks)
+    if covered != math.prod(size):
+        raise UnsafeCheckpointError(f"'{fqn}': its chunks hold {covered} of its {math.prod(size)} elements")
+
+
+def check_coverage(md: Metadata) -> None:
+    """Every tensor is covered by its chunks exactly (in bounds, no overlap, no gap), and every chunk
+    has a storage entry; UnsafeCheckpointError naming the first tensor that is not."""
+    stored = {(idx.fqn, tuple(idx.offset or ())) for idx in md.storage_data}
+    for fqn, entry in md.state_dict_metadata.items():
+        _check_chunks(fqn, entry)
+        for c in entry.chunks:
+            if (fqn, tuple(c.offsets)) not in stored:
+                raise UnsafeCheckpointError(f"'{fqn}': its chunk at {list(c.offsets)} has no storage entry")
+
+
+# ---- a full disk, however deep DCP wraps it --------------------------------------
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_errno(err: BaseException | None) -> int | None:
+    """ENOSPC or EDQUOT if that is what `err` comes down to: the error itself, what caused it, or any
+    rank's failure inside a CheckpointException; None otherwise."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e.errno
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
 # ---- storage writer / reader ------------------------------------------------
 class JsonMetadataWriter(FileSystemWriter):
     """FileSystemWriter whose global metadata is JSON; refuses non-tensor values."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            # torch's zip writer reports a full disk as an enforce failure ("unexpected pos"), the
+            # OSError only in __context__, which the pickling that gathers failures to every rank
+            # drops: pass the OSError on itself
+            code = disk_full_errno(err)
+            if code is None:
+                raise
+            raise OSError(code, os.strerror(code), str(self.path)) from err
 
     def prepare_local_plan(self, plan):
         for item in plan.items:

@@ -1,11 +1,13 @@
-"""Checkpoints: resharding across layouts, checksums and fallback, safe loading."""
+"""Checkpoints: resharding across layouts, checksums and fallback, safe loading, a full disk."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ from tessel.config import Config
 from tessel.mesh import make_mesh
 from tessel.parallel.norms import mark_sharded
 from tessel.spawn import spawn
+from tessel.train import checkpoint
 from tessel.train.checkpoint import CheckpointError, CheckpointManager, commit, latest_valid, verify
+from tessel.train.fault import FatalError
 from tessel.train.logical import LOGICAL_SHAPE_ATTR
 from tessel.train.safe_dcp import METADATA_FILE, UnsafeCheckpointError
 from tests.helpers import build_trainer, tiny_config
@@ -36,6 +40,7 @@ LOAD_LAYOUTS = {"tp2": ["parallel.tp=2"], "dp4": ["parallel.dp=4"], "pp2dp2": ["
                 "dp2zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
                 "dp2tp2zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"]}
 SAVE_AT = 3  # checkpoint after 3 steps; the "next step" is step 3
+BARE = {"model": {}}  # the least a manifest holds (library use: no trainer state, a model of its own)
 # fp32. Layouts differ only in how the gradient sum is ordered (all-reduce over
 # dp, accumulation over micro-batches): the loss after 3 AdamW steps moves by
 # a few ulps (measured < 2e-6). A wrong or missing shard moves it by >1e-2.
@@ -133,7 +138,7 @@ def _sharded_roundtrip(root: str, save: bool, rows: int, logical_rows: int | Non
     if save:
         model.table.grad, model.bias.grad = torch.ones_like(model.table), torch.ones_like(model.bias)
         opt.step()
-        mgr.save(1, _Runner(model), opt, {})
+        mgr.save(1, _Runner(model), opt, BARE)
         return None
     with torch.no_grad():
         model.table.zero_()
@@ -169,7 +174,7 @@ def test_truncated_and_flipped_shards_fall_back_to_previous(tmp_path):
     weights = {}
     for step in (1, 2, 3):
         trainer.train_step(step)
-        mgr.save(step, runner, trainer.optimizer, {})
+        mgr.save(step, runner, trainer.optimizer, BARE)
         weights[step] = model.lm_head.weight.detach().clone()
     newest = tmp_path / "step_00000003"
     shard = _shard_file(newest)
@@ -197,7 +202,7 @@ def test_async_save_holds_the_state_of_its_step(tmp_path):
     mgr = CheckpointManager(tmp_path, mesh, async_save=True)
     trainer.train_step(0)
     at_save = model.lm_head.weight.detach().clone()
-    mgr.save(1, runner, trainer.optimizer, {})
+    mgr.save(1, runner, trainer.optimizer, BARE)
     trainer.train_step(1)  # training goes on while the files are written; the staged copy is unaffected
     mgr.wait()
     assert not torch.equal(model.lm_head.weight, at_save)
@@ -221,15 +226,16 @@ def _recommit(ckpt: Path) -> None:
     """What an attacker can do: re-checksum the tampered files so the manifest matches."""
     tmp = ckpt.with_name(".tmp-evil")
     ckpt.rename(tmp)
+    model = json.loads((tmp / "manifest.json").read_text())["model"]
     (tmp / "manifest.json").unlink()
-    commit(tmp, ckpt, 1, {})
+    commit(tmp, ckpt, 1, {"model": model})
 
 
 def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     cfg, mesh, model, runner, trainer = _tiny_state(0)
     trainer.train_step(0)
     mgr = CheckpointManager(tmp_path / "ck", mesh)
-    mgr.save(1, runner, trainer.optimizer, {})
+    mgr.save(1, runner, trainer.optimizer, BARE)
     ckpt = tmp_path / "ck" / "step_00000001"
     marker = tmp_path / "pwned"
 
@@ -270,3 +276,69 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
         mgr.load(ckpt, runner, trainer.optimizer)
     assert not marker.exists()
     assert not any("pickle" in f.name for f in os.scandir(ckpt))
+
+
+# ---- a full disk ----------------------------------------------------------------------------------
+def test_disk_full_while_writing_the_manifest_stops_in_one_line(tmp_path, monkeypatch):
+    cfg, mesh, model, runner, trainer = _tiny_state(0)
+    mgr = CheckpointManager(tmp_path, mesh)
+    trainer.train_step(0)
+    mgr.save(1, runner, trainer.optimizer, BARE)
+
+    def over_quota(tmp: Path, manifest: dict) -> None:
+        (tmp / "manifest.json").write_text("{")  # what was written before the quota ran out
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(tmp / "manifest.json"))
+    monkeypatch.setattr(checkpoint, "write_manifest", over_quota)
+    with pytest.raises(FatalError) as err:
+        mgr.save(2, runner, trainer.optimizer, BARE)
+    assert str(err.value) == (f"disk quota exceeded (EDQUOT) writing checkpoint {tmp_path / '.tmp-step_00000002'}; "
+                              f"the previous checkpoint {tmp_path / 'step_00000001'} is intact")
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+    verify(tmp_path / "step_00000001")
+
+
+def _checkpoint_bytes(root: Path) -> int:
+    """The size of one checkpoint of the tiny model with its AdamW state, saved by one process."""
+    cfg, mesh, model, runner, trainer = _tiny_state(0)
+    trainer.train_step(0)
+    CheckpointManager(root, mesh).save(1, runner, trainer.optimizer, BARE)
+    return sum(f.stat().st_size for f in (root / "step_00000001").iterdir())
+
+
+def _fill_disk(dirs: list[str]) -> list[tuple[bool, str]]:
+    """Train 6 steps on dp=2, checkpointing every 2, into each dir (synchronous, then async saves)."""
+    out = []
+    for d, async_save in zip(dirs, ("false", "true")):
+        cfg = tiny_config("parallel.dp=2", "train.steps=6", "checkpoint.every=2", "fault.heartbeat_s=0",
+                          f'checkpoint.dir="{d}"', f"checkpoint.async_save={async_save}")
+        try:
+            build_trainer(cfg)[0].fit()
+            out.append((False, "no error"))
+        except FatalError as err:
+            out.append((True, str(err)))
+    return out
+
+
+def test_disk_full_stops_every_rank_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills up) needs root")
+    # room for the step-2 checkpoint (two ranks add their RNG states), not for step 4's beside it
+    size_kib = _checkpoint_bytes(tmp_path / "measure") * 3 // 2 // 1024
+    dirs = [tmp_path / "sync", tmp_path / "async"]
+    mounted = []
+    try:
+        for d in dirs:
+            d.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(d)], check=True)
+            mounted.append(d)
+        results = spawn(_fill_disk, 2, [str(d) for d in dirs])
+        for d, by_rank in zip(dirs, zip(*results)):
+            for fatal, message in by_rank:
+                assert fatal, message
+                assert message == (f"no space left on device (ENOSPC) writing checkpoint {d / '.tmp-step_00000004'}; "
+                                   f"the previous checkpoint {d / 'step_00000002'} is intact")
+            assert sorted(os.listdir(d)) == ["step_00000002"]  # the partial step 4 is gone
+            assert verify(d / "step_00000002")["step"] == 2
+    finally:
+        for d in mounted:
+            subprocess.run(["umount", str(d)], check=False)
