@@ -51,15 +51,13 @@ def train(
                                   "and save before it is killed"),
 ) -> None:
     """Train the reference GPT with the recipe's parallel layout."""
-    from tessel.launch import LaunchOptions, launch, preflight, run_rank, under_torchrun
+    from tessel.launch import LaunchOptions, launch, preflight, run_rank, under_torchrun, with_resume
 
     opts = LaunchOptions(max_restarts, resume, nnodes, nproc, overwrite, force, grace_s)
     try:
         cfg = load_config(recipe, set_)
         if under_torchrun():  # started by the user's torchrun: this process is a rank
-            if resume is not None:
-                cfg.checkpoint.resume = resume
-            run_rank(cfg, overwrite=overwrite)  # does not return
+            run_rank(with_resume(cfg, resume), overwrite=overwrite)  # does not return
         checked = preflight(cfg, opts)
         code = launch(checked, opts)
     except ConfigError as err:
@@ -70,12 +68,12 @@ def train(
 @app.command("_rank", hidden=True)
 def rank_entry(config: str = typer.Argument(..., help="the validated config the launcher wrote")) -> None:
     """One rank of a launched run (tessel train starts these through torchrun)."""
+    import os
     from pathlib import Path
 
     from tessel.config import Config
     from tessel.launch import run_rank
     from tessel.train.preempt import ControlDir
-    import os
     cfg = Config.model_validate_json(Path(config).read_text())
     run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
 
@@ -153,13 +151,20 @@ app.add_typer(bench_app, name="bench")
 
 
 def _standalone(nproc: int) -> int:
-    """Re-run this command under torchrun on `nproc` local ranks (no-op under torchrun)."""
+    """Re-run this command under torchrun on `nproc` local ranks, supervised like `tessel train`:
+    a signal stops every rank and nothing outlives the command (tessel.supervise)."""
     import os
-    import subprocess
+
+    from tessel.supervise import Supervisor
+    from tessel.train.preempt import ControlDir
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", "-m", "tessel", *sys.argv[1:]]
-    return subprocess.run(cmd, env=env).returncode
+    control = ControlDir.create()
+    try:
+        return Supervisor(cmd, env, control, grace_s=10.0).run()
+    finally:
+        control.remove()
 
 
 @bench_app.command("comm")
@@ -221,9 +226,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         if message:  # empty for a bare `tessel` or `tessel bench`: the help is already printed
             _error_line(message)
         sys.exit(err.exit_code)
-    except typer.Abort:
+    except typer.Abort:  # Ctrl-C before any rank exists
         _error_line("aborted")
-        sys.exit(1)
+        sys.exit(128 + 2)
     sys.exit(code or 0)
 
 

@@ -12,11 +12,11 @@ def print_summary(summary) -> None:
     if summary.sample:
         console.print(Panel(summary.sample, title="sample", expand=False))
     table = Table(title="run summary", show_header=False)
-    first, last = summary.losses[0], summary.losses[-1]
+    loss = f"{summary.losses[0]:.3f} -> {summary.losses[-1]:.3f}" if summary.losses else "-"
     rows = [
         ("steps", f"{summary.steps}"),
         ("parameters", f"{summary.params:,}"),
-        ("train loss", f"{first:.3f} -> {last:.3f}"),
+        ("train loss", loss),
         ("val loss", "-" if summary.val_loss is None else f"{summary.val_loss:.3f}"),
         ("tokens/s (median)", f"{summary.tokens_per_s:,.0f}"),
         ("MFU (median)", f"{100 * summary.mfu:.2f}%"),

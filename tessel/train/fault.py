@@ -53,13 +53,14 @@ def log(msg: str) -> None:
 
 
 # ---- numerical faults --------------------------------------------------------
-def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor, device: torch.device) -> bool:
-    """True on every rank iff the loss and gradient norm are finite on every rank."""
-    bad = torch.tensor([0.0 if bool(torch.isfinite(loss).all()) and bool(torch.isfinite(grad_norm).all())
-                        else 1.0], device=device)
+def agree(loss: torch.Tensor, grad_norm: torch.Tensor, stop_signal: int, device: torch.device) -> tuple[bool, int]:
+    """One all-reduce per step, so every rank takes the same decisions: (the loss and gradient norm
+    are finite on every rank, the signal some rank was asked to stop on or 0)."""
+    finite = bool(torch.isfinite(loss).all()) and bool(torch.isfinite(grad_norm).all())
+    flags = torch.tensor([0.0 if finite else 1.0, float(stop_signal)], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags[0].item() == 0.0, int(flags[1].item())
 
 
 # ---- heartbeat and watchdog --------------------------------------------------

@@ -63,6 +63,7 @@ class Guard:
             self.heartbeat.start()
         self._instrument(trainer.runner)
         self.bad_in_row, self.rollbacks, self.start_step = 0, 0, 0
+        self.saved_step: int | None = None  # the step of this run's newest checkpoint
         if c.resume:
             found = self.ckpt.find(c.resume, model=run_model(cfg))  # auto skips other models' checkpoints
             if found is None:
@@ -138,6 +139,7 @@ class Guard:
     def save(self, step: int) -> None:
         """`step` is the next step to run: the state after steps 0..step-1."""
         t = self.trainer
+        self.saved_step = step
         self.heartbeat.set(step, "checkpoint")
         info = run_info(self.cfg, self.world, t.sampler.state_dict(), t.scheduler.state_dict(),
                         t.optimizer.param_groups)
@@ -176,6 +178,14 @@ class Guard:
         self.bad_in_row = 0
         self.trainer.optimizer.zero_grad(set_to_none=False)
         return self.restore(*found)
+
+    def preempt(self, step: int) -> None:
+        """The run was told to stop before `step`: save the state it reached, when checkpoints are on
+        (and the state is not suspect), then close."""
+        if self.cfg.checkpoint.every and self.bad_in_row == 0 and self.saved_step != step:
+            self._say(f"[tessel checkpoint] preemption checkpoint at step {step}")
+            self.save(step)
+        self.close()
 
     def close(self) -> None:
         self.ckpt.wait()

@@ -21,7 +21,8 @@ from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.zero_optim import decay_groups, default_decay, optimizer_params
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.fault import all_finite
+from tessel.train.fault import agree
+from tessel.train.preempt import Stopped, StopRequest
 from tessel.train.resilience import Guard
 
 
@@ -107,8 +108,12 @@ def mean_over(value: torch.Tensor, mesh: Mesh, *axes: str) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0):
+    def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0, run_id: str | None = None,
+                 stop: StopRequest | None = None):
         self.cfg, self.mesh, self.runner, self.rank = cfg, mesh, runner, rank
+        self.run_id = run_id  # checkpoints carry it; pruning and --resume auto touch only the run's own
+        self.stop = stop or StopRequest()  # the launcher's ranks install its signal handlers
+        self.stop_signal = 0  # set when every rank has agreed to stop after the current step
         t = cfg.train
         # a runner may bring its own optimizer (ZeRO's steps only this rank's shard);
         # the gradient norm is over what the optimizer steps (sharded grads are marked)
@@ -147,7 +152,7 @@ class Trainer:
         loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh)
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = all_finite(loss, grad_norm, self.mesh.device)  # every rank agrees to skip or not
+        finite, self.stop_signal = agree(loss, grad_norm, self.stop.pending(), self.mesh.device)
         if finite:
             self.optimizer.step()
         self.scheduler.step()
@@ -178,24 +183,52 @@ class Trainer:
         guard = Guard(self)  # resumes from a checkpoint when asked; checkpoints, heartbeat, rollback
         step = guard.start_step
         with progress:
-            while step < t.steps:
+            while step < t.steps and not self.stop_signal:
                 guard.begin_step(step)
                 row = self.train_step(step)
                 next_step = guard.end_step(step, row)  # the next step; earlier after a rollback
-                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                last = step + 1 == t.steps
+                if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
-                if self.log is not None and (step % self.cfg.logging.log_every == 0 or step + 1 == t.steps):
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal):
                     self.log.log(step, row)
                 progress.update(step, row)
                 step = next_step
+        if self.stop_signal:
+            guard.preempt(step)  # a preemption checkpoint (when checkpoints are on)
+            if self.log is not None:
+                self.log.close()
+            raise Stopped(self.stop_signal, step)
         guard.close()
         return self._summary(val_loss)
 
     def _summary(self, val_loss: float | None) -> Summary:
+        if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run
+            if self.log is not None:
+                self.log.close()
+            return summary_from_metrics(self.cfg)
         files = {}
         if hasattr(self.runner, "write_timeline"):  # collective: every rank hands in its events
             files.update(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
             files.update(close_log(self.log))
         return summarize(self.history, val_loss, self.n_params, self.sample(), files)
+
+
+def summary_from_metrics(cfg: Config) -> Summary:
+    """The Summary of a finished run from its metrics.jsonl (empty where there is none)."""
+    from tessel.observe.plots import read_metrics
+    path = Path(cfg.logging.out_dir) / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    last = {}
+    for row in rows:  # a resumed run re-logs the steps it replays: the last row of a step counts
+        last[row["step"]] = row
+    history = [last[s] for s in sorted(last)]
+    with torch.device("meta"):
+        n_params = count_params(GPT(cfg.model))
+    if not history:
+        return Summary(steps=0, losses=[], val_loss=None, tokens_per_s=0.0, mfu=0.0, peak_mem_mb=0.0,
+                       params=n_params, files={})
+    val = [r["val_loss"] for r in history if "val_loss" in r]
+    return summarize(history, val[-1] if val else None, n_params, "", {"metrics": str(path)})
