@@ -163,12 +163,19 @@ class TrainConfig(Strict):
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["fp32", "bf16"] = "fp32"
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, lt=2**63, description="numpy and torch seeds (0 <= seed < 2**63)")
     eval_every: int = Field(50, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(4, ge=1)
     sample_tokens: int = Field(200, ge=0)
-    sample_prompt: str = "def "
+    sample_prompt: str = Field("def ", description="the text sampling continues (not empty when sample_tokens > 0)")
     deterministic: bool = False
+
+    @model_validator(mode="after")
+    def _sampling(self) -> "TrainConfig":
+        if self.sample_tokens and not self.sample_prompt:
+            raise ValueError("train.sample_prompt is empty: sampling needs at least one token to continue "
+                             "(or set train.sample_tokens = 0)")
+        return self
 
 
 class DataConfig(Strict):
@@ -368,9 +375,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError("recipe", f"no such file: {path}")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError("recipe", f"{path} is not valid TOML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError("recipe", f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+        except OSError as err:
+            raise ConfigError("recipe", f"cannot read {path}: {err.strerror or err}") from None
     return build_config(raw, overrides)
 
 

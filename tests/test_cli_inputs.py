@@ -10,6 +10,7 @@ import multiprocessing.process
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tessel.cli
@@ -77,7 +78,70 @@ BAD = [
     (["plot", "{tmp}/empty.jsonl"], "METRICS"),
     (["plot", "{tmp}/good.jsonl", "--out", "{tmp}"], "--out"),
     (["plot", "{tmp}/good.jsonl", "--out", UNWRITABLE + "/curves.png"], "--out"),
+    # train: the command line
+    (["train", "{tmp}/tiny.toml", "--resume", "{tmp}/missing"], "--resume"),
+    (["train", "{tmp}/tiny.toml", "--resume", "{tmp}/ckroot"], "--resume"),  # the checkpoints root
+    (["train", "{tmp}/tiny.toml", "--resume", "{tmp}/ckroot/step_00000002"], "--resume"),  # no manifest
+    (["train", "{tmp}/tiny.toml", "--resume", ""], "--resume"),
+    (["train", "{tmp}/tiny.toml", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["train", "{tmp}/tiny.toml", "--nproc-per-node", "3"], "--nproc-per-node"),  # the layout cannot take 3
+    (["train", "{tmp}/tiny.toml", "--max-restarts", "-1"], "--max-restarts"),
+    (["train", "{tmp}/tiny.toml", "--nnodes", "4:2"], "--nnodes"),
+    (["train", "{tmp}/tiny.toml", "--nnodes", "3"], "--nnodes"),  # no rendezvous endpoint
+    (["train", "{tmp}/tiny.toml", "--nnodes", "two"], "--nnodes"),
+    (["train", "{tmp}/tiny.toml", "--grace", "0"], "--grace"),
+    (["train", "{tmp}/tiny.toml", "--overwrite", "--resume", "auto"], "--overwrite"),
+    # train: the recipe and the fields it sets
+    (["train", "{tmp}/latin1.toml"], "recipe"),  # not UTF-8
+    (["train", "{tmp}"], "recipe"),  # a folder
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.tp=3"], "parallel.tp"),
+    (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
+    (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
+    (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""'], "train.sample_prompt"),
+    (["train", "{tmp}/tiny.toml", "--set", 'runtime.device="cuda"'], "runtime.device"),  # no GPU here
+    (["train", "{tmp}/tiny.toml", "--set", 'runtime.backend="nccl"'], "runtime.backend"),
+    (["train", "{tmp}/tiny.toml", "--set", 'runtime.topology="{tmp}/not_json.jsonl"'], "runtime.topology"),
+    (["train", "{tmp}/tiny.toml", "--set", "model.n_layer=100000"], "memory"),
+    (["train", "{tmp}/tiny.toml", "--set", "train.global_batch=1000000000"], "memory"),
+    # train: folders
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/a_file"'], "logging.out_dir"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="' + UNWRITABLE + '"'], "logging.out_dir"),
+    (["train", "{tmp}/tiny.toml", "--set", "checkpoint.every=2", "--set", 'checkpoint.dir="{tmp}/a_file"'],
+     "checkpoint.dir"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/used"'], "logging.out_dir"),  # a run's files
+    # train: data
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/empty.bin"'],
+     "data.path"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/odd.bin"'],
+     "data.path"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/short.bin"'],
+     "train.seq_len"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'],
+     "data.path"),  # ids >= vocab_size: tp=1 crashed
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"',
+      "--set", "parallel.tp=2", "--set", "parallel.dp=1"], "data.path"),  # tp=2 trained on them silently
 ]
+
+
+TINY = """
+[model]
+vocab_size = 256
+n_layer = 2
+n_head = 4
+d_model = 32
+max_seq_len = 32
+[parallel]
+dp = 2
+[train]
+steps = 4
+global_batch = 8
+seq_len = 16
+warmup_steps = 2
+[data]
+source = "synthetic"
+[logging]
+out_dir = "{tmp}/out"
+"""
 
 
 @pytest.fixture
@@ -85,6 +149,17 @@ def tmp(tmp_path):
     for name, text in FILES.items():
         (tmp_path / name).write_text(text)
     Topology(world_size=2, nodes=[[0, 1]]).save(tmp_path / "topology2.json")
+    (tmp_path / "tiny.toml").write_text(TINY.format(tmp=tmp_path))
+    (tmp_path / "latin1.toml").write_bytes("[model]\n# caf\xe9\nn_layer = 2\n".encode("latin-1"))
+    (tmp_path / "ckroot" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text(FILES["good.jsonl"])
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    tokens.tofile(tmp_path / "train.bin")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(tokens.tobytes()[:-1])
+    tokens[:10].tofile(tmp_path / "short.bin")
+    np.where(np.arange(1000) == 500, 300, tokens).astype(np.uint16).tofile(tmp_path / "oov.bin")
     return tmp_path
 
 
@@ -124,8 +199,8 @@ def test_bad_input_is_refused_in_one_line(argv, field, tmp, no_spawn, capsys):
 
 
 def test_the_table_covers_every_command():
-    assert len(BAD) >= 22
-    assert {a[0] for a, _ in BAD} >= {"plan", "simulate", "probe", "bench", "plot"}
+    assert len(BAD) >= 30
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot"}
 
 
 REAL = [  # the installed entry point, in a process of its own
@@ -133,6 +208,9 @@ REAL = [  # the installed entry point, in a process of its own
     (["plan", "--world", "abc"], "--world"),
     (["bench", "comm", "--sizes", "1X"], "--sizes"),
     (["plot", "{tmp}/not_json.jsonl"], "METRICS"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/used"'], "logging.out_dir"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'],
+     "data.path"),
 ]
 
 

@@ -56,7 +56,7 @@ def test_at_least_twelve_distinct_rules():
 def no_spawn(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("a process was spawned for an invalid config")
-    monkeypatch.setattr(tessel.launch, "reexec", forbidden)
+    monkeypatch.setattr(tessel.launch, "launch", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
 
 

@@ -41,7 +41,8 @@ from tessel.parallel.ps import ParameterServer
 from tessel.parallel.step import LocalRunner
 from tessel.train import ps_checkpoint
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.trainer import Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize
+from tessel.train.trainer import (Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize,
+                                  summary_from_metrics)
 
 log = logging.getLogger("tessel.ps")
 
@@ -58,7 +59,7 @@ def roles(cfg: Config) -> tuple[list[int], list[int]]:
     return list(range(p.dp)), list(range(p.dp, p.dp + p.ps_servers))
 
 
-def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
+def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None) -> Summary | None:
     """One rank of a parameter-server run; a worker returns its Summary, a server None."""
     p, t = cfg.parallel, cfg.train
     workers, servers = roles(cfg)
@@ -70,7 +71,7 @@ def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
                          lr_at=lambda step: lr_at(step, t), state_keys=ps_checkpoint.STATE_KEYS,
                          hang_timeout_s=cfg.fault.hang_timeout_s if cfg.fault.heartbeat_s > 0 else 0.0,
                          heartbeat_s=cfg.fault.heartbeat_s)
-    found = ps_checkpoint.find(cfg, log=print if dist.get_rank() == 0 else (lambda msg: None))
+    found = ps_checkpoint.find(cfg, log=print if dist.get_rank() == 0 else (lambda msg: None), run_id=run_id)
     start = ps_checkpoint.restore(cfg, ps, model, *found) if found is not None else 0
     if found is not None and dist.get_rank() == 0:
         print(f"[tessel checkpoint] resumed from {found[0]} at step {start}", flush=True)
@@ -79,11 +80,12 @@ def train_rank_ps(cfg: Config, device: torch.device) -> Summary | None:
         log.info("ps server %d: %d updates, pushes %s, dead %s, max staleness %d", stats.rank, stats.updates,
                  stats.pushes, stats.dead, stats.max_staleness)
         return None
-    return _Worker(cfg, model, ps, worker_group, device).fit(start)
+    return _Worker(cfg, model, ps, worker_group, device, run_id).fit(start)
 
 
 class _Worker:
-    def __init__(self, cfg: Config, model: GPT, ps: ParameterServer, group, device: torch.device):
+    def __init__(self, cfg: Config, model: GPT, ps: ParameterServer, group, device: torch.device,
+                 run_id: str | None = None):
         self.cfg, self.ps, self.group, self.device = cfg, ps, group, device
         t, p = cfg.train, cfg.parallel
         self.rank = dist.get_rank()
@@ -91,11 +93,13 @@ class _Worker:
         self.runner = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision,
                                   vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
         tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
-        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, self.rank, p.dp)
+        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, self.rank, p.dp,
+                                    vocab_size=cfg.model.vocab_size)
         # worker 0 validates alone, on the whole global batch (all-reduce DP averages the dp shards' means)
-        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1)
+        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1,
+                                        vocab_size=cfg.model.vocab_size)
         self.lead = self.rank == 0
-        self.writer = ps_checkpoint.Writer(cfg, ps, self.runner) if self.lead else None
+        self.writer = ps_checkpoint.Writer(cfg, ps, self.runner, run_id=run_id) if self.lead else None
         # a resumed run appends to the metrics of the attempt it continues
         self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
                               append=cfg.checkpoint.resume is not None) if self.lead else None
@@ -148,6 +152,10 @@ class _Worker:
         return torch.stack(losses).mean().item()
 
     def summary(self, val_loss: float | None) -> Summary:
+        if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run
+            if self.log is not None:
+                self.log.close()
+            return summary_from_metrics(self.cfg)
         files, sample = {}, ""
         if self.log is not None:
             files = close_log(self.log, tensorboard=self.cfg.logging.tensorboard)
