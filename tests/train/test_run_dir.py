@@ -193,3 +193,27 @@ def test_trainer_resumed_at_the_last_step_returns_the_runs_summary(tmp_path):
                                  'checkpoint.resume="auto"'))[0]
     summary = trainer.fit()
     assert trainer.history == [] and summary.losses == done.losses and summary.steps == 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a disk that fills up) needs root")
+def test_disk_full_stops_the_run_in_one_line_without_restarts(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # one checkpoint of this model takes ~700 KB: step 2 fits in 1 MiB, step 4 does not
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        out = tmp_path / "run"
+        proc = tessel_train(tmp_path, out, "--max-restarts", "2", "--set", f'checkpoint.dir="{disk}"',
+                            "--set", "checkpoint.keep=10")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "ENOSPC" in errors[0] and ".tmp-step_00000004" in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert "resumed from" not in proc.stderr  # no restart repeated the failure
+        # step 3's save failed before its row was logged; a resume from step 2 runs steps 2 and 3 again
+        assert [r["step"] for r in metrics_rows(out)] == [0, 1, 2]
+        assert sorted(d.name for d in disk.iterdir() if d.name.startswith(("step_", ".tmp"))) == ["step_00000002"]
+        from tessel.train.checkpoint import verify
+        verify(disk / "step_00000002")  # the previous checkpoint is intact
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
