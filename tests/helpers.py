@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tessel.config import Config, build_config
+from tessel.config import Config, build_config, to_toml
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
 from tessel.parallelize import parallelize
 from tessel.train.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "model": {"vocab_size": 256, "n_layer": 2, "n_head": 4, "d_model": 32, "max_seq_len": 32},
     "train": {"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2,
@@ -28,6 +31,22 @@ def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     # a private directory per run: concurrent test sessions must not share metrics files
     out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")
     return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
+
+
+def write_recipe(path: Path, *overrides: str) -> Path:
+    """TINY with overrides, as the recipe file a user hands `tessel train` (out_dir is set per run)."""
+    path.write_text(to_toml(build_config({k: dict(v) for k, v in TINY.items()}, list(overrides))))
+    return path
+
+
+def train_command(recipe: Path, out: Path, *args: str) -> list[str]:
+    """`python -m tessel train RECIPE` writing to `out`, as a user types it."""
+    return [sys.executable, "-m", "tessel", "train", str(recipe), "--set", f'logging.out_dir="{out}"', *args]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run: this checkout on the path, one thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
 def build_trainer(cfg: Config, init_seed: int | None = None):

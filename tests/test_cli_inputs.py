@@ -20,6 +20,7 @@ import tessel.comm.probe  # noqa: F401
 import tessel.observe.plots  # noqa: F401
 import tessel.planner.commands  # noqa: F401
 from tessel.comm.topology import Topology
+from tests.helpers import write_recipe
 
 ROW = {"loss": 5.5, "tokens_per_s": 1000.0, "lr": 1e-3}
 FILES = {
@@ -97,7 +98,8 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "parallel.tp=3"], "parallel.tp"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
-    (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""'], "train.sample_prompt"),
+    (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""', "--set", "train.sample_tokens=8"],
+     "train.sample_prompt"),  # crashed after all of training
     (["train", "{tmp}/tiny.toml", "--set", 'runtime.device="cuda"'], "runtime.device"),  # no GPU here
     (["train", "{tmp}/tiny.toml", "--set", 'runtime.backend="nccl"'], "runtime.backend"),
     (["train", "{tmp}/tiny.toml", "--set", 'runtime.topology="{tmp}/not_json.jsonl"'], "runtime.topology"),
@@ -123,33 +125,12 @@ BAD = [
 ]
 
 
-TINY = """
-[model]
-vocab_size = 256
-n_layer = 2
-n_head = 4
-d_model = 32
-max_seq_len = 32
-[parallel]
-dp = 2
-[train]
-steps = 4
-global_batch = 8
-seq_len = 16
-warmup_steps = 2
-[data]
-source = "synthetic"
-[logging]
-out_dir = "{tmp}/out"
-"""
-
-
 @pytest.fixture
 def tmp(tmp_path):
     for name, text in FILES.items():
         (tmp_path / name).write_text(text)
     Topology(world_size=2, nodes=[[0, 1]]).save(tmp_path / "topology2.json")
-    (tmp_path / "tiny.toml").write_text(TINY.format(tmp=tmp_path))
+    write_recipe(tmp_path / "tiny.toml", "parallel.dp=2", f'logging.out_dir="{tmp_path / "out"}"')
     (tmp_path / "latin1.toml").write_bytes("[model]\n# caf\xe9\nn_layer = 2\n".encode("latin-1"))
     (tmp_path / "ckroot" / "step_00000002").mkdir(parents=True)
     (tmp_path / "used").mkdir()

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from tessel.supervise import descendants
-from tests.helpers import metrics_rows
+from tests.helpers import ROOT, cli_env, metrics_rows, train_command, write_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
 
 
@@ -128,49 +127,17 @@ def test_orphans_of_a_dead_child_are_killed_when_it_exits(tag):
 
 
 # ---- tessel train ----------------------------------------------------------------------------------
-RECIPE = f"""
-[model]
-vocab_size = 256
-n_layer = 2
-n_head = 4
-d_model = 32
-max_seq_len = 32
-[parallel]
-dp = 2
-[train]
-steps = {STEPS}
-global_batch = 8
-seq_len = 16
-lr = 1e-2
-min_lr = 1e-3
-warmup_steps = 2
-eval_every = 0
-sample_tokens = 0
-[data]
-source = "synthetic"
-[logging]
-progress = false
-tensorboard = false
-peak_flops = 1e9
-[checkpoint]
-every = 1000
-[runtime]
-timeout_s = 60
-"""
-
-
 def _recipe(tmp: Path) -> Path:
-    path = tmp / "recipe.toml"
-    path.write_text(RECIPE)
-    return path
+    return write_recipe(tmp / "recipe.toml", "parallel.dp=2", f"train.steps={STEPS}", "checkpoint.every=1000",
+                        "runtime.timeout_s=60")
 
 
 def _train_cmd(recipe: Path, out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "tessel", "train", str(recipe), "--set", f'logging.out_dir="{out}"', *args]
+    return train_command(recipe, out, *args)
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TESSEL_TEST_TAG": tag, **extra}
+    return cli_env(TESSEL_TEST_TAG=tag, **extra)
 
 
 def _wait_for_steps(out: Path, proc: subprocess.Popen, steps: int, timeout: float = 120) -> None:

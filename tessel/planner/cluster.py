@@ -11,7 +11,6 @@ fabric at once (an NVSwitch port, or its share of the node's NICs).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from tessel.config import ConfigError

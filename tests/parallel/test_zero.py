@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from tessel.mesh import make_mesh
-from tessel.models.gpt import GPT
 from tessel.parallel.norms import clip_grad_norm_, mark_sharded
 from tessel.parallel.zero import zero_parallel
 from tessel.parallel.zero_optim import state_bytes

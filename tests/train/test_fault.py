@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,56 +20,20 @@ from torch.testing import assert_close
 from tessel.spawn import spawn
 from tessel.train.elastic import replan
 from tessel.train.fault import parse_faults, straggler_report
-from tests.helpers import build_trainer, metrics_rows, tiny_config
+from tests.helpers import ROOT, build_trainer, cli_env, metrics_rows, tiny_config, train_command, write_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 HANG_TIMEOUT_S = 4.0
 HEARTBEAT_S = 0.5
-RECIPE = f"""
-[model]
-vocab_size = 256
-n_layer = 2
-n_head = 4
-d_model = 32
-max_seq_len = 32
-[parallel]
-dp = 4
-[train]
-steps = {STEPS}
-global_batch = 8
-seq_len = 16
-lr = 1e-2
-min_lr = 1e-3
-warmup_steps = 2
-eval_every = 0
-sample_tokens = 0
-[data]
-source = "synthetic"
-[logging]
-progress = false
-tensorboard = false
-peak_flops = 1e9
-[checkpoint]
-every = 2
-keep = 10
-[fault]
-heartbeat_s = {HEARTBEAT_S}
-hang_timeout_s = {HANG_TIMEOUT_S}
-straggler_every = 1
-straggler_factor = 3.0
-straggler_min_s = 0.3
-[runtime]
-timeout_s = 60
-"""
+RECIPE = ["parallel.dp=4", f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
+          f"fault.heartbeat_s={HEARTBEAT_S}", f"fault.hang_timeout_s={HANG_TIMEOUT_S}", "fault.straggler_every=1",
+          "fault.straggler_factor=3.0", "fault.straggler_min_s=0.3", "runtime.timeout_s=60"]
 
 
 def tessel_train(out: Path, *args: str, fault: str = "") -> subprocess.CompletedProcess:
-    recipe = out.parent / "recipe.toml"
-    recipe.write_text(RECIPE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TESSEL_FAULT": fault}
-    cmd = [sys.executable, "-m", "tessel", "train", str(recipe), "--set", f'logging.out_dir="{out}"', *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    recipe = write_recipe(out.parent / "recipe.toml", *RECIPE)
+    proc = subprocess.run(train_command(recipe, out, *args), env=cli_env(TESSEL_FAULT=fault), capture_output=True,
+                          text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 

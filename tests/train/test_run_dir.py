@@ -18,9 +18,8 @@ import pytest
 
 from tessel.config import ConfigError
 from tessel.train.run_dir import LOCK, OutDirLock, claim, read_run_id
-from tests.helpers import metrics_rows, tiny_config
+from tests.helpers import ROOT, cli_env, metrics_rows, tiny_config, train_command, write_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(out: Path, *overrides: str):
@@ -100,44 +99,14 @@ def test_read_only_out_dir_is_refused(tmp_path):
 
 
 # ---- through the CLI ---------------------------------------------------------------------------
-RECIPE = """
-[model]
-vocab_size = 256
-n_layer = 2
-n_head = 4
-d_model = 32
-max_seq_len = 32
-[parallel]
-dp = 2
-[train]
-steps = 6
-global_batch = 8
-seq_len = 16
-warmup_steps = 2
-eval_every = 0
-sample_tokens = 0
-[data]
-source = "synthetic"
-[logging]
-progress = false
-tensorboard = false
-peak_flops = 1e9
-[checkpoint]
-every = 2
-keep = 2
-[fault]
-heartbeat_s = 0
-"""
-
-
 def tessel_train(tmp: Path, out: Path, *args: str, wait: bool = True):
-    recipe = tmp / "recipe.toml"
-    recipe.write_text(RECIPE)
-    cmd = [sys.executable, "-m", "tessel", "train", str(recipe), "--set", f'logging.out_dir="{out}"', *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    recipe = write_recipe(tmp / "recipe.toml", "parallel.dp=2", "train.steps=6", "checkpoint.every=2",
+                          "checkpoint.keep=2", "fault.heartbeat_s=0")
+    cmd = train_command(recipe, out, *args)
     if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        return subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_second_run_on_a_folder_is_refused_then_overwrites_or_resumes_a_finished_run(tmp_path):
@@ -217,3 +186,15 @@ def test_disk_full_stops_the_run_in_one_line_without_restarts(tmp_path):
         verify(disk / "step_00000002")  # the previous checkpoint is intact
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_resume_path_with_quotes_and_backslashes_travels_as_a_value(tmp_path):
+    """--resume used to be pasted into a TOML string: a '"' or '\\' in the path broke it."""
+    from tessel.launch import LaunchOptions, preflight
+    from tests.helpers import build_trainer
+    saved = tmp_path / 'we"ird\\name'
+    build_trainer(_cfg(tmp_path / "first", "train.steps=2", "checkpoint.every=2", "fault.heartbeat_s=0",
+                       f"checkpoint.dir={json.dumps(str(saved))}"))[0].fit()
+    cfg = _cfg(tmp_path / "second", "train.steps=4")
+    checked = preflight(cfg, LaunchOptions(resume=str(saved / "step_00000002")))
+    assert checked.cfg.checkpoint.resume == str(saved / "step_00000002") and checked.resume_step == 2
