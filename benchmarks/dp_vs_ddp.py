@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tessel.config import ModelConfig
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT, cross_entropy
-from tessel.parallel.data import data_parallel
+from tessel.parallel.data.data_parallel import data_parallel
 from tessel.spawn import spawn
 
 

@@ -35,11 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tessel.calibrate.profile import probe_this, profile_model
 from tessel.config import build_config, to_toml
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import layout_config, parse_layout
 from tessel.planner.model_spec import from_config
-from tessel.planner.probe import probe_this, profile_model
 
 WORLD = 4
 BASE = {

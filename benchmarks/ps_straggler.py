@@ -5,8 +5,8 @@
 A tiny GPT trains on the stdlib corpus (byte tokens). Worker 0 is slowed 3x by
 an injected sleep of twice its own compute time after every step. Each mode
 trains for the same wall-clock budget: the parameter server with one server
-rank and `--workers` workers (tessel.parallel.ps), and the PyTorch peer,
-all-reduce DP over the same number of ranks (tessel.parallel.data with the
+rank and `--workers` workers (tessel.parallel.ps.parameter_server), and the PyTorch peer,
+all-reduce DP over the same number of ranks (tessel.parallel.data.data_parallel with the
 backend's all-reduce). Reported: worker steps/s (gradients computed per second,
 all workers together), optimizer updates/s, and the training loss of a fast
 worker against time (saved as a plot). The last line is the ASP/BSP
@@ -52,7 +52,7 @@ def _straggle(worker: int, compute_s: float) -> None:
 
 
 def _ps_run(mode: str, seconds: float, staleness: int):
-    from tessel.parallel.ps import ParameterServer
+    from tessel.parallel.ps.parameter_server import ParameterServer
     torch.manual_seed(0)
     model = GPT(MODEL)
     workers = list(range(1, dist.get_world_size()))
@@ -78,7 +78,7 @@ def _ps_run(mode: str, seconds: float, staleness: int):
 
 def _dp_run(seconds: float):
     from tessel.mesh import make_mesh
-    from tessel.parallel.data import data_parallel
+    from tessel.parallel.data.data_parallel import data_parallel
     torch.manual_seed(0)
     mesh = make_mesh({"dp": dist.get_world_size()})
     model = data_parallel(GPT(MODEL), mesh)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tessel.config import ModelConfig
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT, cross_entropy
-from tessel.parallel.zero import zero_parallel
+from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.spawn import spawn
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)

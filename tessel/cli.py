@@ -73,7 +73,7 @@ def rank_entry(config: str = typer.Argument(..., help="the validated config the 
 
     from tessel.config import Config
     from tessel.launch import run_rank
-    from tessel.train.preempt import ControlDir
+    from tessel.train.fault.preempt import ControlDir
     cfg = Config.model_validate_json(Path(config).read_text())
     run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
 
@@ -102,7 +102,7 @@ def plan(
     top: int = typer.Option(8, "--top", help="rows in the table"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
-    from tessel.planner import commands
+    from tessel import planning as commands
     try:
         commands.check_plan_args(top, out)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -124,7 +124,7 @@ def simulate(
     png: str = typer.Option("runs/simulate/timeline.png", "--png", help="timeline image output"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
-    from tessel.planner import commands
+    from tessel import planning as commands
     try:
         commands.check_simulate_args(trace, png)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -156,7 +156,7 @@ def _standalone(nproc: int) -> int:
     import os
 
     from tessel.supervise import Supervisor
-    from tessel.train.preempt import ControlDir
+    from tessel.train.fault.preempt import ControlDir
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", "-m", "tessel", *sys.argv[1:]]
@@ -180,7 +180,7 @@ def bench_comm(
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the rows as JSON (rank 0)"),
 ) -> None:
     """nccl-tests-style table: op, algorithm, size, time, algbw, busbw."""
-    from tessel.comm.bench import check_args, run_rank
+    from tessel.calibrate.bench import check_args, run_rank
     from tessel.launch import under_torchrun
 
     try:
@@ -201,7 +201,7 @@ def probe(
     reps: int = typer.Option(3, help="measurements per pair (at least 1)"),
 ) -> None:
     """Measure bandwidth/latency between every pair of ranks; infer nodes; write a topology file."""
-    from tessel.comm.probe import check_args, run_rank
+    from tessel.calibrate.topology_probe import check_args, run_rank
     from tessel.launch import under_torchrun
 
     try:

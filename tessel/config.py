@@ -8,23 +8,14 @@ so a bad recipe fails in a second with a message that names the field.
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AXES = ("pp", "dp", "ep", "tp")  # default rank order: pp outermost, tp innermost
-
-
-class ConfigError(ValueError):
-    """A recipe broke a rule. `field` is the dotted path of the culprit."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
+from tessel.axes import AXES, Axis
+from tessel.errors import ConfigError
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
 
@@ -133,7 +124,7 @@ class ParallelConfig(Strict):
     ps_mode: Literal["bsp", "asp", "ssp"] = Field("bsp", description="parameter-server consistency")
     ps_staleness: int = Field(0, ge=0, description="ssp: steps a worker may run ahead of the slowest")
     ps_servers: int = Field(1, ge=1, description="server ranks added after the dp worker ranks")
-    rank_order: list[Literal["pp", "dp", "ep", "tp"]] = Field(default_factory=lambda: list(AXES))
+    rank_order: list[Axis] = Field(default_factory=lambda: list(AXES))
 
     @property
     def world_size(self) -> int:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.config import Config, ConfigError, at_least, check_layout
-from tessel.train.fault import FatalError
-from tessel.train.preempt import ControlDir, StopRequest, Stopped
+from tessel.errors import FatalError
+from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 RDZV_ENV = "TESSEL_RDZV_ENDPOINT"
@@ -100,8 +100,8 @@ def ranks_per_node(cfg: Config, opts: LaunchOptions) -> int:
     """Ranks this launch starts on each node; a count the layout cannot take is refused here.
 
     With --nproc-per-node or an elastic --nnodes range the ranks re-plan dp for the world they
-    find (runtime.elastic; tessel.train.elastic); here the smallest world is checked."""
-    from tessel.train.elastic import replan
+    find (runtime.elastic; tessel.train.fault.elastic); here the smallest world is checked."""
+    from tessel.train.fault.elastic import replan
     low, _ = opts.node_range
     world = cfg.parallel.world_size
     nproc = opts.nproc or cfg.runtime.nproc_per_node or world // low
@@ -132,7 +132,7 @@ def check_devices(cfg: Config, nproc: int) -> None:
 
 def check_environment(cfg: Config) -> None:
     """Inputs that reach the ranks outside the recipe: the topology file and TESSEL_FAULT."""
-    from tessel.train.fault import parse_faults
+    from tessel.train.fault.injection import parse_faults
     if cfg.runtime.topology is not None:
         from tessel.comm.topology import Topology
         try:
@@ -148,7 +148,7 @@ def check_environment(cfg: Config) -> None:
 
 def check_resume(cfg: Config) -> int | None:
     """The step an explicit --resume PATH continues from (checked whole: files, model, shapes)."""
-    from tessel.train.checkpoint import CheckpointError, check_resume_target
+    from tessel.train.checkpoint.manager import CheckpointError, check_resume_target
     if cfg.checkpoint.resume in (None, "auto"):
         return None
     try:
@@ -192,8 +192,8 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
 # ---- the launcher --------------------------------------------------------------------------------
 def torchrun_command(cfg: Config, opts: LaunchOptions, nproc: int, rank_args: list[str]) -> list[str]:
     """`python -m torch.distributed.run` with one process per rank: standalone on one node, c10d
-    rendezvous on TESSEL_RDZV_ENDPOINT for many nodes or an elastic range (tessel.train.elastic)."""
-    from tessel.train.elastic import rendezvous_args
+    rendezvous on TESSEL_RDZV_ENDPOINT for many nodes or an elastic range (tessel.train.fault.elastic)."""
+    from tessel.train.fault.elastic import rendezvous_args
     low, high = opts.node_range
     if low == high == 1 and not opts.nnodes:
         rdzv = ["--standalone", "--nnodes=1"]
@@ -320,7 +320,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
         stop.install()
     device = init_distributed(r.device, r.backend, r.threads_per_rank, r.timeout_s)
     if r.elastic:
-        from tessel.train.elastic import replan_for_world
+        from tessel.train.fault.elastic import replan_for_world
         cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
     check_layout(cfg, world_size=dist.get_world_size())
     if cfg.parallel.dp_arch == "ps":  # no mesh: the servers are ranks outside the dp layout

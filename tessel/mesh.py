@@ -17,7 +17,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "ep", "tp")
+from tessel.axes import AXES
+
 # Combinations that strategies reduce over: non-expert gradients over dp x ep,
 # the global gradient norm over everything that shards parameters.
 DEFAULT_COMBOS = (("dp", "ep"),)

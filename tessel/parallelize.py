@@ -16,12 +16,12 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, Block, cross_entropy
 from tessel.models.moe import moe_layers, with_aux_losses
-from tessel.parallel.data import data_parallel
-from tessel.parallel.expert import moe_metrics, shard_experts
+from tessel.parallel.data.data_parallel import data_parallel
+from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
-from tessel.parallel.zero import zero_dtypes, zero_parallel
-from tessel.parallel.step import LocalRunner
+from tessel.parallel.runner import LocalRunner
+from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
 
 
 @dataclass
@@ -41,7 +41,7 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         return plan
     from tessel.models.moe import MoE
     from tessel.models.plan import gpt_tp_plan
-    from tessel.parallel.tensor import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
+    from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
     apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
@@ -90,7 +90,7 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             **zero_dtypes(cfg.parallel))
         return plan
     if mesh.size("dp", "ep") > 1:
-        from tessel.comm.reducer import dp_reducer
+        from tessel.parallel.data.reducer import dp_reducer
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
         plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
                                    reducer=reducer)
@@ -98,7 +98,7 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: Config):
-    """Returns a runner (see tessel.parallel.step) that owns the parallelized model."""
+    """Returns a runner (see tessel.parallel.runner) that owns the parallelized model."""
     if cfg.parallel.dp_arch == "ps":
         raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")
     plan = Plan(model, cross_entropy, model)

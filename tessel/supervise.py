@@ -11,7 +11,7 @@ torchrun dies its ranks are re-parented to init and train on. The supervisor:
 - on SIGINT, SIGTERM or SIGHUP writes a stop request into the run's control
   folder and sends the signal to every descendant but the child itself (the
   ranks finish their step, save a checkpoint and exit; see
-  tessel.train.preempt), waits `grace_s`, then SIGKILLs every descendant; a
+  tessel.train.fault.preempt), waits `grace_s`, then SIGKILLs every descendant; a
   second SIGINT kills at once;
 - when the child exits, SIGKILLs and reaps whatever descendants remain;
 - returns 128 + the signal when a signal stopped the run.
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from tessel.train.preempt import ControlDir
+from tessel.train.fault.preempt import ControlDir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1

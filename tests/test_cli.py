@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics_rows
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, metrics_rows
 
 
 def run_train(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -13,12 +13,12 @@ import sys
 import numpy as np
 import pytest
 
-import tessel.cli
 # imported now, not inside a test: a first matplotlib import may run fc-list, which no_spawn forbids
-import tessel.comm.bench  # noqa: F401
-import tessel.comm.probe  # noqa: F401
+import tessel.calibrate.bench  # noqa: F401
+import tessel.calibrate.topology_probe  # noqa: F401
+import tessel.cli
 import tessel.observe.plots  # noqa: F401
-import tessel.planner.commands  # noqa: F401
+import tessel.planning  # noqa: F401
 from tessel.comm.topology import Topology
 from tests.helpers import write_recipe
 

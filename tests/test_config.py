@@ -96,7 +96,7 @@ def test_overrides_parse_as_toml_and_round_trip():
 
 
 def test_zero_checkpoints_allowed_on_data_parallel_layouts():
-    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero_ckpt) on dp-only layouts
+    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero.checkpoint) on dp-only layouts
     for stage in (1, 2, 3):
         cfg = build_config({}, ["parallel.dp=2", f"parallel.zero_stage={stage}", "checkpoint.every=10"])
         assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage

@@ -76,7 +76,7 @@ TREE = textwrap.dedent("""
 SUPERVISED = textwrap.dedent("""
     import os, sys
     from tessel.supervise import Supervisor
-    from tessel.train.preempt import ControlDir
+    from tessel.train.fault.preempt import ControlDir
     control = ControlDir.create()
     code = Supervisor([sys.executable, "-c", sys.argv[1]], dict(os.environ), control, grace_s=1.0).run()
     control.remove()

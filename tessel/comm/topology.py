@@ -1,6 +1,6 @@
 """Which ranks share a node: read from a topology file, or derived from the launch.
 
-The file is written by `tessel probe` (see tessel.comm.probe for the format)
+The file is written by `tessel probe` (see tessel.calibrate.topology_probe for the format)
 and read here by the data-parallel hierarchical all-reduce, the mesh check
 (`mesh.check_topology(topology.nproc_per_node)`) and the planner
 (`intra_gbps` / `inter_gbps` / `latency_us` summarize the links).

@@ -12,7 +12,7 @@ zeros, so only the residual carries them on.
                    token's place (B, T, C); dropped tokens get zeros
 
 The dispatcher is the seam for expert parallelism: LocalDispatcher (here)
-keeps every expert on this device; tessel.parallel.expert swaps in one that
+keeps every expert on this device; tessel.parallel.expert.expert_parallel swaps in one that
 moves tokens to the experts' ranks by all-to-all. This file stays single-device.
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020,

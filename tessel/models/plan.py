@@ -1,7 +1,7 @@
 """How the reference GPT is split by tensor parallelism: data, not code.
 
 Module name pattern (fnmatch, whole name) -> style; the first matching pattern
-wins. tessel.parallel.tensor.STYLES says what each style does:
+wins. tessel.parallel.tensor.tensor_parallel.STYLES says what each style does:
 
 - enter: the module's input enters the tensor-parallel region once (Megatron's
   f; the sequence-parallel all-gather), shared by the column-parallel layers in it

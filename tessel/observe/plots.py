@@ -12,7 +12,6 @@ from tessel.config import ConfigError, output_file
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-
 PLOTTED = ("step", "loss", "tokens_per_s", "lr")  # what every row of metrics.jsonl must carry to be drawn
 
 

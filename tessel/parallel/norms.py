@@ -4,10 +4,7 @@ A parameter may be sharded over some mesh axes (tensor-parallel weights over
 tp, experts over ep, ZeRO-2/3 gradients over dp) and replicated over the rest.
 Its squared norm is summed over the axes that shard it and counted once over
 the axes that replicate it. Pipeline stages hold disjoint parameters, so every
-sum also runs over pp. Each parameter declares its sharding in the attribute
-`tessel_shard_axes` (a tuple of axis names; absent means replicated), and the
-tensor dim each axis splits in `tessel_shard_dims` ({axis: dim}), which layout-
-independent checkpoints use to rebuild the logical tensor.
+sum also runs over pp. Each parameter declares its sharding (tessel.sharding).
 """
 
 from __future__ import annotations
@@ -18,39 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import AXES
 from tessel.mesh import Mesh
-
-SHARD_ATTR = "tessel_shard_axes"
-DIMS_ATTR = "tessel_shard_dims"
-REPLICA_ATTR = "tessel_replica"
-
-
-def mark_replica(p: torch.Tensor) -> None:
-    """p is a copy of a parameter that another pipeline stage holds and counts (a tied
-    embedding on the last stage): it is updated like the original but left out of the norm."""
-    setattr(p, REPLICA_ATTR, True)
-
-
-def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
-    """Declare p a shard over `axes`; `dim` is the tensor dim they split (None: not a plain split)."""
-    current = getattr(p, SHARD_ATTR, ())
-    setattr(p, SHARD_ATTR, tuple(dict.fromkeys((*current, *axes))))
-    if dim is not None:
-        dims = dict(getattr(p, DIMS_ATTR, {}))
-        dims.update({a: dim for a in axes})
-        setattr(p, DIMS_ATTR, dims)
-
-
-def shard_dims(p: torch.Tensor) -> dict[str, int]:
-    return dict(getattr(p, DIMS_ATTR, {}))
-
-
-def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
-    return getattr(p, SHARD_ATTR, ())
+from tessel.sharding import is_replica, shard_axes
 
 
 def _reduce_axes(axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
-    from tessel.mesh import AXES
     wanted = set(axes) | {"pp"}
     return tuple(a for a in AXES if a in wanted and mesh.size(a) > 1)
 
@@ -59,7 +29,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], mesh: Mesh) -> torch.Tensor
     """L2 norm of all gradients of the whole model, identical on every rank."""
     sums: dict[tuple[str, ...], torch.Tensor] = {}
     for p in dict.fromkeys(params):
-        if p.grad is None or getattr(p, REPLICA_ATTR, False):
+        if p.grad is None or is_replica(p):
             continue
         key = _reduce_axes(shard_axes(p), mesh)
         sq = p.grad.detach().float().pow(2).sum()

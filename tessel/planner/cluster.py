@@ -3,7 +3,7 @@
 Presets come from vendor spec sheets (dense, no sparsity). Latencies are not on
 spec sheets; the preset values are typical small-message collective latencies
 (a few microseconds inside an NVSwitch node, ~10 us across InfiniBand) and are
-labelled as such. "this" is measured by `probe_this` (tessel.planner.probe).
+labelled as such. "this" is measured by `probe_this` (tessel.calibrate.profile).
 
 Bandwidths are per device and per direction: what one GPU can push into the
 fabric at once (an NVSwitch port, or its share of the node's NICs).
@@ -49,7 +49,7 @@ class Cluster:
     # empty for presets, whose collectives are priced by the alpha-beta formulas
     collectives: dict = field(default_factory=dict)
     # measured on "this": {op: host memory a call adds beyond its buffers, per byte of them}
-    # (gloo copies; tessel.planner.probe.collective_workspace); empty for presets
+    # (gloo copies; tessel.calibrate.profile.collective_workspace); empty for presets
     collective_workspace: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -107,7 +107,7 @@ def get_cluster(name: str, world: int | None = None, refresh: bool = False) -> C
     """A preset by name (sized to `world` devices), or "this" (probed, cached)."""
     key = name.lower()
     if key == "this":
-        from tessel.planner.probe import probe_this
+        from tessel.calibrate.profile import probe_this
         return probe_this(world or 1, refresh=refresh)
     if key not in PRESETS:
         raise ConfigError("--cluster", f"unknown cluster '{name}'; choose one of {sorted(PRESETS) + ['this']}")

@@ -21,6 +21,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from tessel.axes import AXES
 from tessel.planner.cluster import Cluster, Link, link_for
 from tessel.planner.layout import Layout
 from tessel.planner.memory import head_activation_bytes, layer_activation_bytes, recompute_layer_bytes, zero_shards
@@ -28,7 +29,7 @@ from tessel.planner.model_spec import ModelSpec
 from tessel.planner.traffic import (Call, dp_step_calls, ep_block_calls, tp_block_calls, tp_edge_calls,
                                     tp_moe_block_calls)
 
-ORDER = ("pp", "dp", "ep", "tp")
+ORDER = AXES  # tessel.mesh lays ranks out in this order by default
 ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
 
 
@@ -78,7 +79,7 @@ def sent_bytes(calls: list[Call], n: int) -> float:
 
 @dataclass
 class Calibration:
-    """Measured on this machine by tessel.planner.probe.profile_model; None fields fall back to the cluster."""
+    """Measured on this machine by tessel.calibrate.profile.profile_model; None fields fall back to the cluster."""
     # (tokens per micro-batch, achieved FLOP/s of a full forward+backward at that size)
     flops_points: list[tuple[int, float]] = field(default_factory=list)
     opt_s_per_param: float | None = None  # clip + AdamW step, seconds per parameter on this rank

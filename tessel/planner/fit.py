@@ -21,12 +21,12 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from tessel.calibrate.profile import _cache_path
 from tessel.config import Config, ConfigError
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import config_layout
 from tessel.planner.model_spec import ModelSpec, from_config
-from tessel.planner.probe import _cache_path
 
 GiB = 2**30
 # An idle CPU rank's own footprint, before it holds a model: measured on this project's machine
@@ -169,7 +169,7 @@ def _cluster(budget: Budget) -> Cluster:
 
 
 def _ps_memory(cfg: Config, cost: CostModel, budget: Budget) -> MemoryFit:
-    """A parameter server's busiest rank (tessel.parallel.ps; every rank builds the whole model).
+    """A parameter server's busiest rank (tessel.parallel.ps.parameter_server; every rank builds the whole model).
 
     A worker: the model, its gradients, its activations, and the flat gradient
     it pushes and flat weights it is answered with; no optimizer. A server: the

@@ -4,12 +4,12 @@ The alpha-beta formulas of tessel.planner.cost price a collective from a link's
 bandwidth and latency. On a GPU cluster that is a fair model; on gloo over CPU
 ranks that share cores, each call also pays a large fixed cost (wake-ups,
 scheduling, Python), and the all-gather, reduce-scatter and all-to-all paths
-have their own speeds. So the probe (tessel.planner.probe) times every op at
+have their own speeds. So the probe (tessel.calibrate.profile) times every op at
 several sizes on the concurrent groups a layout uses and fits, per op and group
 size, time = alpha + beta * bytes; a call list is then priced call by call.
 
 The call lists below are read off the code, not guessed:
-- tessel.parallel.tensor / tensor_comm (Megatron f/g, Shoeybi et al. 2019;
+- tessel.parallel.tensor.tensor_parallel / comm (Megatron f/g, Shoeybi et al. 2019;
   sequence-parallel g/g-bar, Korthikanti et al. 2022): per block, each of the
   attention and MLP regions is entered once (f: all-reduce in backward; SP:
   all-gather forward, reduce-scatter backward) and left once (g: all-reduce
@@ -17,9 +17,9 @@ The call lists below are read off the code, not guessed:
   weight's gradient is all-reduced (CopyToTP on the weight). The vocab-parallel
   embedding leaves a region, the head enters one, and the vocab-parallel
   cross-entropy all-reduces the row max and (target logit, sum of exp).
-- tessel.parallel.expert: dispatch exchanges per-expert counts, then the
+- tessel.parallel.expert.expert_parallel: dispatch exchanges per-expert counts, then the
   tokens; combine sends them back; backward mirrors both token exchanges.
-- tessel.parallel.data and zero: gradient buckets (first 1 MiB, then
+- tessel.parallel.data.data_parallel and zero: gradient buckets (first 1 MiB, then
   bucket_mb); ZeRO-1 all-reduces them, ZeRO-2 reduce-scatters them, and both
   all-gather the updated shards after the step; ZeRO-3 gathers each block
   (unit) before its forward and its backward and reduce-scatters its gradient.
@@ -115,7 +115,7 @@ def ep_block_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capaci
 
 
 def bucket_sizes(grad_bytes: float, bucket_bytes: float, first_bytes: float = 2**20) -> list[tuple[float, int]]:
-    """(size, how many) of the gradient buckets tessel.parallel.data.build_buckets cuts: a bucket
+    """(size, how many) of the gradient buckets tessel.parallel.data.data_parallel.build_buckets cuts: a bucket
     closes once it holds its limit (first 1 MiB, then bucket_bytes); what is left forms the last.
 
     Parameters are whole, so real buckets overshoot their limit by up to one
@@ -154,7 +154,7 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
     Stages 2 and 3 under a pipeline (`whole_step`): gradients accumulate over
     the micro-batches and are reduce-scattered once, on the rank's last
     backward; stage 2 gathers the updated shards after the step, stage 3 the
-    whole stage when the step starts (tessel/parallel/pipeline/zero3.py).
+    whole stage when the step starts (tessel/parallel/zero/pipeline.py).
     """
     buckets = bucket_sizes(grad_bytes, bucket_bytes)
     if zero <= 1:

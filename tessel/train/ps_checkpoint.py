@@ -1,8 +1,8 @@
 """Checkpoints of a parameter-server run, in the all-reduce trainer's format.
 
-Worker 0 asks the servers for a snapshot (tessel.parallel.ps: weights, AdamW
+Worker 0 asks the servers for a snapshot (tessel.parallel.ps.parameter_server: weights, AdamW
 moments, update count) and writes it alone, as the logical, unsharded tensors
-that tessel.train.checkpoint writes for every layout: `model/<name>`,
+that tessel.train.checkpoint.manager writes for every layout: `model/<name>`,
 `optim/<name>/{exp_avg,exp_avg_sq,step}`, plus the same manifest (sampler,
 scheduler, optimizer hyper-parameters). The same atomic commit (temporary
 directory, checksums, rename) and pruning apply. So a PS checkpoint resumes a
@@ -12,7 +12,7 @@ PS run resumes from an all-reduce checkpoint.
 The other workers do not stop: under BSP they wait at the next barrier while
 worker 0 writes (with checkpoint.async_save worker 0 writes on a thread and
 nobody waits); under ASP and SSP they go on (the snapshot is fuzzy there, see
-tessel.parallel.ps). On resume every rank reads the checkpoint: servers
+tessel.parallel.ps.parameter_server). On resume every rank reads the checkpoint: servers
 take their key ranges of it, workers their step and data position.
 """
 
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-
-from tessel.config import Config
-from tessel.parallel.ps import ParameterServer
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tessel.train.checkpoint import (choose, commit, disk_full_error, fresh_dir, manifest_of, prune, run_model,
-                                     step_dir, tmp_dir)
-from tessel.train.logical import OPTIM_PREFIX, model_tensors
-from tessel.train.resilience import checkpoint_root, run_info
-from tessel.train.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
+from tessel.config import Config
+from tessel.parallel.ps.parameter_server import ParameterServer
+from tessel.train.checkpoint.logical import OPTIM_PREFIX, model_tensors
+from tessel.train.checkpoint.manager import (choose, commit, disk_full_error, fresh_dir, manifest_of, prune, run_model,
+                                             step_dir, tmp_dir)
+from tessel.train.checkpoint.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
+from tessel.train.fault.guard import checkpoint_root, run_info
 from tessel.train.trainer import build_optimizer, build_scheduler, lr_at
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state; its step is the update count
@@ -61,7 +60,7 @@ def snapshot_tensors(ps: ParameterServer, runner) -> tuple[dict[str, torch.Tenso
 
 
 def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state: dict, updates: int) -> dict:
-    """What tessel.train.resilience saves beside the tensors, for the state after `step` steps."""
+    """What tessel.train.fault.guard saves beside the tensors, for the state after `step` steps."""
     t = cfg.train
     opt = build_optimizer(list(model.parameters()), t)  # the trainer's groups and hyper-parameters
     sched = build_scheduler(opt, t).state_dict()
@@ -76,7 +75,7 @@ def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state:
 class Writer:
     """Worker 0's checkpoints: the servers' snapshot is taken at once; it is written at once, or
     with checkpoint.async_save on a background thread while training goes on. run_id: as for
-    tessel.train.checkpoint.CheckpointManager (the manifest's owner; pruning counts only its own)."""
+    tessel.train.checkpoint.manager.CheckpointManager (the manifest's owner; pruning counts only its own)."""
 
     def __init__(self, cfg: Config, ps: ParameterServer, runner, log=print, run_id: str | None = None):
         self.cfg, self.ps, self.runner, self.log, self.run_id = cfg, ps, runner, log, run_id
@@ -129,7 +128,7 @@ def restore(cfg: Config, ps: ParameterServer, model: torch.nn.Module, path: Path
     if ps.is_server:
         flat, state = _load_flat(ps, model, path)
         same_mode = manifest.get("ps_mode") == cfg.parallel.ps_mode and "ps_updates" in manifest
-        # lr follows updates (BSP) or updates per worker (ASP, SSP): see tessel.parallel.ps
+        # lr follows updates (BSP) or updates per worker (ASP, SSP): see tessel.parallel.ps.parameter_server
         per_step = 1 if cfg.parallel.ps_mode == "bsp" else len(ps.workers)
         ps.restore(flat, state, int(manifest["ps_updates"]) if same_mode else step * per_step)
     ps.step_count = step

@@ -4,7 +4,7 @@ Ranks 0 .. dp-1 are workers. Each holds the whole model, takes its shard of
 every global batch (the same shards as all-reduce DP), runs forward and
 backward through the same LocalRunner (grad_accum chunks, precision), pushes
 its gradients and loads the weights the servers answer with
-(tessel.parallel.ps). Ranks dp .. dp+ps_servers-1 are servers: they own key
+(tessel.parallel.ps.parameter_server). Ranks dp .. dp+ps_servers-1 are servers: they own key
 ranges of the parameters and apply the trainer's optimizer there: AdamW
 without decay on vectors, warm-up then cosine learning rate, gradient
 clipping. Under BSP that is the arithmetic of all-reduce DP; ASP and SSP let
@@ -20,7 +20,7 @@ Checkpoints (checkpoint.every, checkpoint.resume) are written by worker 0
 from a snapshot of the servers, in the all-reduce trainer's format
 (tessel.train.ps_checkpoint). Workers beat every fault.heartbeat_s; servers
 drop a worker whose beat stops for fault.hang_timeout_s and go on
-(tessel.parallel.ps).
+(tessel.parallel.ps.parameter_server).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from tessel.models.gpt import GPT, count_params, cross_entropy, flops_per_token
 from tessel.models.moe import with_aux_losses
 from tessel.observe.metrics import MetricsLog, device_peak_flops
 from tessel.observe.progress import Progress
-from tessel.parallel.ps import ParameterServer
-from tessel.parallel.step import LocalRunner
+from tessel.parallel.ps.parameter_server import ParameterServer
+from tessel.parallel.runner import LocalRunner
 from tessel.train import ps_checkpoint
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.trainer import (Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize,

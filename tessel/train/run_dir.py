@@ -8,7 +8,7 @@ A run claims `logging.out_dir` before any rank starts (tessel.launch):
   another host, refuses the claim.
 - **Identity.** `run.json` names the run (`run_id`). Checkpoints carry it in
   their manifest, so pruning and `--resume auto` touch only the run's own
-  (tessel.train.checkpoint).
+  (tessel.train.checkpoint.manager).
 - **Fresh or resumed.** A fresh run refuses a folder that holds another run's
   files, unless told to `--overwrite` them (which removes exactly those files)
   or to `--resume` (which continues the run that lives there: run.json's id,
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.config import Config, ConfigError
-from tessel.train.checkpoint import PREFIX, latest_valid, newest_run_id
-from tessel.train.manifest import run_model, run_of
+from tessel.train.checkpoint.manager import PREFIX, latest_valid, newest_run_id
+from tessel.train.checkpoint.manifest import run_model, run_of
 
 LOCK = ".tessel.lock"
 RUN_FILE = "run.json"

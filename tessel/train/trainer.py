@@ -19,11 +19,11 @@ from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.zero_optim import decay_groups, default_decay, optimizer_params
+from tessel.parallel.zero.optim import decay_groups, default_decay, optimizer_params
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.fault import agree
-from tessel.train.preempt import Stopped, StopRequest
-from tessel.train.resilience import Guard
+from tessel.train.fault.guard import Guard
+from tessel.train.fault.numerics import agree
+from tessel.train.fault.preempt import Stopped, StopRequest
 
 
 def build_optimizer(params: list[nn.Parameter], t: TrainConfig,

@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from tessel.calibrate import bench as B
 from tessel.comm import algorithms as A
 from tessel.comm import all_to_all as X
-from tessel.comm import bench as B
 from tessel.spawn import spawn
 
 SIZES = [0, 1, 2, 7, 1001]  # empty, one element, fewer than ranks, not divisible, several pieces

@@ -8,8 +8,8 @@ from torch.testing import assert_close
 
 from tessel.config import ModelConfig
 from tessel.models.gpt import GPT, cross_entropy
-from tessel.models.moe import (MoE, Router, assign_slots, capacity, load_balancing_loss, moe_layers,
-                               top_k_gates, with_aux_losses)
+from tessel.models.moe import (MoE, Router, assign_slots, capacity, load_balancing_loss, moe_layers, top_k_gates,
+                               with_aux_losses)
 
 
 def _cfg(**kw) -> ModelConfig:

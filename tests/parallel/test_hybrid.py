@@ -13,7 +13,7 @@ not split over tp or ep; under ZeRO-3 gathered for the check).
 import torch
 from torch.testing import assert_close
 
-from tessel.parallel.norms import shard_axes
+from tessel.sharding import shard_axes
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config, train_and_collect
 
@@ -58,7 +58,7 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 NORM_TOL = dict(rtol=1e-4, atol=1e-6)
 # Final weights: AdamW divides by sqrt(v), so where a gradient is near zero the
 # ~1e-7 relative differences above grow to ~1e-5 absolute in a weight; the same
-# bounds as tests/parallel/test_zero.py. A lost tied-gradient sum or a stale
+# bounds as tests/parallel/zero/test_zero_parallel.py. A lost tied-gradient sum or a stale
 # stage moves weights by ~lr = 1e-2.
 WEIGHT_TOL = dict(rtol=1e-4, atol=2e-5)
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - loaded in the launcher before the check (validate_data); not timed here
@@ -16,8 +15,9 @@ from tessel.planner.cluster import get_cluster
 from tessel.planner.fit import CPU_RANK_ALLOWANCE, CUDA_RANK_ALLOWANCE, check_memory, param_count
 from tessel.planner.layout import Layout, config_layout, layout_config
 from tessel.planner.model_spec import from_config
+from tests.helpers import ROOT  # noqa: E402
 
-RECIPES = sorted(Path(__file__).resolve().parents[2].glob("recipes/*.toml"))
+RECIPES = sorted(ROOT.glob("recipes/*.toml"))
 MiB, GiB = 2**20, 2**30
 
 
@@ -86,7 +86,7 @@ def test_a_parameter_server_is_priced_by_its_busiest_role():
 
 def test_a_cached_probe_supplies_the_runtime_baseline(tmp_path):
     probe = replace(get_cluster("a100"), name="this", baseline_memory=123 * MiB, collective_workspace={"x": 1.0})
-    path = tmp_path / "planner" / "this-v3-w2.json"  # where tessel.planner.probe.probe_this caches it
+    path = tmp_path / "planner" / "this-v3-w2.json"  # where tessel.calibrate.profile.probe_this caches it
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(probe.to_dict()))
     cfg = load_config(RECIPES[0], ['runtime.device="cpu"'])

@@ -10,9 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from tessel.config import ConfigError, build_config
-from tests.helpers import metrics_rows
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, metrics_rows
 
 
 def ps_config(*overrides: str):
@@ -58,7 +56,7 @@ def _allreduce_reference(out: Path, *extra: str) -> dict:
     """The all-reduce layout's arithmetic on one rank: dp = 2 becomes 2 accumulation chunks.
 
     Chunk k of the global batch is exactly dp rank k's shard, and the mean of the chunks'
-    mean losses is all-reduce DP's average (tests/parallel/test_data.py checks DP against
+    mean losses is all-reduce DP's average (tests/parallel/data/test_data_parallel.py checks DP against
     this single-process run); one process instead of a second torchrun keeps the test short.
     """
     from tessel.config import load_config
@@ -92,7 +90,7 @@ def test_tessel_train_ps_bsp_matches_allreduce(tmp_path):
 
 
 def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
-    from tessel.train.checkpoint import verify
+    from tessel.train.checkpoint.manager import verify
     six = ["train.steps=6", "checkpoint.every=2"]
     # 2 workers + 2 servers: parameters are cut across servers, and worker 0 joins the pieces
     # (and writes them on a background thread: async_save)

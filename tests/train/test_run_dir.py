@@ -21,7 +21,6 @@ from tessel.train.run_dir import LOCK, OutDirLock, claim, read_run_id
 from tests.helpers import ROOT, cli_env, metrics_rows, tiny_config, train_command, write_recipe
 
 
-
 def _cfg(out: Path, *overrides: str):
     return tiny_config(f'logging.out_dir="{out}"', *overrides)
 
@@ -182,7 +181,7 @@ def test_disk_full_stops_the_run_in_one_line_without_restarts(tmp_path):
         # step 3's save failed before its row was logged; a resume from step 2 runs steps 2 and 3 again
         assert [r["step"] for r in metrics_rows(out)] == [0, 1, 2]
         assert sorted(d.name for d in disk.iterdir() if d.name.startswith(("step_", ".tmp"))) == ["step_00000002"]
-        from tessel.train.checkpoint import verify
+        from tessel.train.checkpoint.manager import verify
         verify(disk / "step_00000002")  # the previous checkpoint is intact
     finally:
         subprocess.run(["umount", str(disk)], check=False)

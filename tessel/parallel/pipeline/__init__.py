@@ -9,10 +9,9 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT
-from tessel.parallel.norms import mark_replica
-from tessel.parallel.pipeline.partition import (balanced_layout, param_costs, split_model, time_costs,
-                                                uniform_layout)
+from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
 from tessel.parallel.pipeline.runner import PipelineRunner
+from tessel.sharding import mark_replica
 
 
 def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
@@ -44,7 +43,7 @@ def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
                     extra_metrics=None) -> PipelineRunner:
-    from tessel.comm.reducer import dp_reducer
+    from tessel.parallel.data.reducer import dp_reducer
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     zero = optimizer = None
@@ -53,12 +52,12 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
             if c.is_last:
                 mark_replica(c.lm_head.weight)  # the first stage's copy is the one the norm counts
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (pipeline/zero3.py)
-        from tessel.parallel.pipeline.zero3 import PipelineZero3
-        from tessel.parallel.zero_optim import ZeroAdamW
+        from tessel.parallel.zero.optim import ZeroAdamW
+        from tessel.parallel.zero.pipeline import PipelineZero3
         zero = PipelineZero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
-        from tessel.parallel.zero import zero_parallel
+        from tessel.parallel.zero.zero_parallel import zero_parallel
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
                                         weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
     return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,

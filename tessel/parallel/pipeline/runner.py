@@ -1,6 +1,6 @@
 """PipelineRunner: executes a schedule's action lists on this rank's model chunks.
 
-It has the methods of tessel.parallel.step.LocalRunner, so the trainer does not
+It has the methods of tessel.parallel.runner.LocalRunner, so the trainer does not
 know a pipeline is there: parameters(), forward_backward(x, y) -> the step's
 mean loss on every rank, evaluate(), generate(). After the flush it finishes
 what spans stages: data-parallel reduction (one DataParallel per chunk, synced
@@ -25,15 +25,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.parallel.data import DataParallel
-from tessel.parallel.norms import mark_replica
+from tessel.parallel.data.data_parallel import DataParallel
 from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.clock import StepClock
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
-from tessel.parallel.step import autocast_for, generate_tokens
-
+from tessel.parallel.runner import autocast_for, generate_tokens
+from tessel.sharding import mark_replica
 
 RECV_LOOKAHEAD = 2  # receives posted ahead of need under gloo (each holds one activation buffer)
 

@@ -1,0 +1,1 @@
+"""Measuring this machine: link probes, the model profile, collective benchmarks, the multi-node emulator."""

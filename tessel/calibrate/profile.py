@@ -1,0 +1,416 @@
+"""Measure "this machine" and profile the reference model on it: the planner's calibration.
+
+Two measurements, both cached as JSON under the tessel cache directory:
+
+- `probe_this(world)`: `world` ranks started with tessel.spawn.spawn, all
+  measuring at once (so cores shared by several ranks are priced as they are
+  shared): matmul FLOP/s per rank with one thread (fp32, bf16), gloo
+  all-reduce latency and bandwidth, a fit alpha + beta * bytes for each
+  collective the trainer uses (all-reduce, all-gather, reduce-scatter,
+  all-to-all, p2p) and each group size, how much of an all-reduce hides behind
+  concurrent compute, memory bandwidth, and the resident memory a rank holds
+  before it holds any model (Python, torch, gloo, the trainer's modules).
+- `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
+  backward of the reference GPT at several micro-batch sizes, whole and as one
+  rank of each tensor-parallel degree holds it (with and without its
+  collectives), the clipped AdamW step, and the trainer's per-step bookkeeping.
+
+Nothing here is fitted to published numbers: every constant is a stopwatch
+reading on this machine. torch.distributed is imported only inside the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from tessel.planner.cluster import Cluster, Link
+from tessel.planner.cost import Calibration
+from tessel.planner.search import tp_degrees
+from tessel.planner.traffic import fit_alpha_beta
+
+
+def _cache_path(kind: str, key: str) -> Path:
+    root = os.environ.get("TESSEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tessel")
+    return Path(root) / "planner" / f"{kind}-{key}.json"
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rss_bytes() -> float:
+    import resource
+    import sys
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _own_session() -> None:
+    """Run this rank in its own session, as torchrun does (start_new_session=True).
+
+    Linux's autogroup scheduler (kernel.sched_autogroup_enabled) shares the
+    CPU fairly between sessions, not processes. Ranks spawned into the
+    parent's session split one share among themselves, while `tessel train`'s
+    ranks get one share each: on a loaded machine the probe would then see
+    several times less CPU than the trainer it is meant to predict.
+    """
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader
+
+
+def _probe_rank() -> dict:
+    _own_session()
+    import torch
+    import torch.distributed as dist
+
+    import tessel.cli  # noqa: F401 - the trainer's process imports these too
+    import tessel.train.trainer  # noqa: F401
+    from tessel.observe.metrics import measure_matmul_flops
+
+    n = dist.get_world_size()
+    dist.barrier()
+    baseline = _baseline_rss()  # first, before the probe's own buffers raise the peak
+    workspace = collective_workspace()  # before other collectives warm the allocator up
+    out = {"baseline": baseline, "workspace": workspace,
+           "fp32": measure_matmul_flops(torch.device("cpu"), torch.float32),
+           "bf16": measure_matmul_flops(torch.device("cpu"), torch.bfloat16)}
+    small, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
+    dist.all_reduce(big)
+    dist.barrier()
+    t_small = _median_time(lambda: dist.all_reduce(small), 30)
+    dist.barrier()
+    t_big = _median_time(lambda: dist.all_reduce(big), 7)
+    alpha = t_small / max(1, 2 * (n - 1))
+    beta_time = max(t_big - 2 * (n - 1) * alpha, 1e-9)
+    out["latency"] = alpha
+    out["bandwidth"] = 2 * (n - 1) / n * big.numel() * 4 / beta_time if n > 1 else float("inf")
+    out["overlap"] = _overlap(big, n)
+    out["collectives"] = _collective_points(n)
+    a = torch.empty(2**23)  # 32 MiB: streams through memory, like the optimizer step
+    out["mem_bandwidth"] = 3 * a.numel() * 4 / _median_time(lambda: a.mul_(1.0000001).add_(1e-9), 5)
+    return out
+
+
+# sizes of the collective probe: a TP activation of one micro-batch is 16 KiB-1 MiB here,
+# a gradient bucket 1-25 MiB; the smallest shows the per-call cost alone
+PROBE_BYTES = (64, 16 * 2**10, 256 * 2**10, 4 * 2**20)
+
+
+def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
+    """{"op/group size": [(bytes, median seconds)]} for every op of tessel.planner.traffic.
+
+    Every group size g dividing the world is timed with all n/g groups busy at
+    once (contiguous ranks, as tp groups are laid out): the cores are shared
+    as they are when every tp group of a layout communicates. p2p is one
+    batched isend/irecv between the ranks of a pair, half a ping-pong.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
+    out = {}
+    for g in [g for g in range(2, n + 1) if n % g == 0]:
+        group, me = _contiguous_group(g)
+
+        def p2p(buf, group=group, me=me):
+            peer = dist.get_global_rank(group, 1 - me)
+            for sender in (0, 1):
+                op = dist.isend if me == sender else dist.irecv
+                for w in dist.batch_isend_irecv([dist.P2POp(op, buf, peer, group=group)]):
+                    w.wait()
+        for nbytes in PROBE_BYTES:
+            numel = max(g, nbytes // 4 // g * g)
+            x, big = torch.ones(numel), torch.ones(numel * g)
+            part = torch.empty(numel // g)
+            calls = {"all_reduce": lambda: dist.all_reduce(x, group=group),
+                     "all_gather": lambda: _all_gather_single(big, x, group=group),
+                     "reduce_scatter": lambda: _reduce_scatter_single(part, x, group=group),
+                     "all_to_all": lambda: dist.all_to_all_single(big[:numel], x, group=group)}
+            if g == 2:
+                calls["p2p"] = lambda: p2p(x)
+            sizes = {"all_gather": numel * g * 4}  # all_gather is priced by its gathered output
+            reps = 15 if nbytes <= 2**16 else (7 if nbytes <= 2**20 else 4)
+            for op, fn in calls.items():
+                fn()  # warm-up: connection set-up, allocations
+                dist.barrier()
+                t = _median_time(fn, reps) / (2 if op == "p2p" else 1)
+                out.setdefault(f"{op}/{g}", []).append((sizes.get(op, numel * 4), t))
+    return out
+
+
+def _overlap(buf, n: int) -> float:
+    """Fraction of an all-reduce that hides behind concurrent matmuls (0: none, 1: all)."""
+    import torch
+    import torch.distributed as dist
+    if n == 1:
+        return 1.0
+    a = torch.randn(192, 192)
+
+    def compute():
+        for _ in range(40):
+            a @ a
+    t_c = _median_time(compute, 3)
+    dist.barrier()
+    t_m = _median_time(lambda: dist.all_reduce(buf), 3)
+    dist.barrier()
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+    t_b = _median_time(both, 3)
+    hidden = t_c + t_m - t_b
+    return max(0.0, min(1.0, hidden / min(t_c, t_m)))
+
+
+WORKSPACE_BYTES = 16 * 2**20  # the size of a small model's flat buffers or of a gradient bucket
+
+
+def _status_bytes(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
+    """{op: peak host memory one call adds beyond its own buffers, per byte of its buffer}.
+
+    gloo works on copies: a reduce-scatter copies its input, an all-gather
+    stages its output (measured here at 4 ranks: about 1.0-1.35x and 1.0-2.5x,
+    an all-reduce 0.13-0.25x). That is memory the trainer's peak RSS holds
+    (ZeRO's publish all-gathers every parameter at once). Measured on each op's
+    first call, as the trainer's first step meets it: the peak is reset
+    (/proc/self/clear_refs "5") and read back (VmHWM). Empty where Linux's
+    /proc does not say (the planner then adds nothing).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
+    n = dist.get_world_size()
+    numel = max(n, nbytes // 4 // n * n)
+    full, part = torch.ones(numel), torch.ones(numel // n)
+    # each op's buffer is `full`: the all-reduced tensor, the reduce-scatter's input, the gathered output
+    calls = {"all_reduce": lambda: dist.all_reduce(full),
+             "reduce_scatter": lambda: _reduce_scatter_single(part, full),
+             "all_gather": lambda: _all_gather_single(full, part)}
+    out = {}
+    for op, fn in calls.items():
+        dist.barrier()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            return {}
+        before = _status_bytes("VmRSS:")
+        fn()
+        after = _status_bytes("VmHWM:")
+        if before is None or after is None:
+            return {}
+        out[op] = max(0.0, after - before) / (numel * 4)
+    return out
+
+
+def _baseline_rss() -> float:
+    """Peak RSS after one training step of a negligible model: the runtime's own footprint."""
+    import torch
+
+    from tessel.config import ModelConfig, TrainConfig
+    from tessel.models.gpt import GPT, cross_entropy
+    from tessel.train.trainer import build_optimizer
+    model = GPT(ModelConfig(vocab_size=256, n_layer=1, n_head=2, d_model=8, max_seq_len=8))
+    opt = build_optimizer(list(model.parameters()), TrainConfig())
+    x = torch.randint(0, 256, (1, 8))
+    cross_entropy(model(x), x).backward()
+    opt.step()
+    return _rss_bytes()
+
+
+def probe_this(world: int, refresh: bool = False) -> Cluster:
+    """The cluster "this": one node of `world` ranks on this machine, measured (cached)."""
+    path = _cache_path("this", f"v3-w{world}")  # v3: with the collectives' host memory workspace
+    if path.exists() and not refresh:
+        return Cluster.from_dict(json.loads(path.read_text()))
+    from tessel.spawn import spawn
+    results = spawn(_probe_rank, world, timeout=300)
+    med = {k: statistics.median(r[k] for r in results) for k in results[0] if k not in ("collectives", "workspace")}
+    workspace = {op: statistics.median(r["workspace"].get(op, 0.0) for r in results)
+                 for op in results[0]["workspace"]}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = Link(med["bandwidth"], med["latency"])
+    fits = {}
+    for key in results[0]["collectives"]:  # the median over ranks of each point, then one fit per op
+        pts = [(x, statistics.median(r["collectives"][key][i][1] for r in results))
+               for i, (x, _) in enumerate(results[0]["collectives"][key])]
+        fits[key] = list(fit_alpha_beta(pts))
+    cluster = Cluster("this", 1, world, {"fp32": med["fp32"], "bf16": med["bf16"]}, ram / world, link, link,
+                      mem_bandwidth=med["mem_bandwidth"], efficiency=1.0, baseline_memory=med["baseline"],
+                      overlap=med["overlap"], usable_memory=0.8, source="probe", collectives=fits,
+                      collective_workspace=workspace,
+                      extra={"probed_at": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cluster.to_dict(), indent=1))
+    return cluster
+
+
+# ---- profiling the reference model --------------------------------------------
+
+def _tp_shaped(model, cfg, tp: int, group=None, rank: int = 0):
+    """The model as one tp rank holds it; with group None, the communication left out.
+
+    tessel.parallel.tensor.tensor_parallel's layers shard by ctx.size and talk only when
+    ctx.group is set: without a group this times exactly the matmuls (q, k, v,
+    wo, gate, up, down, vocab head) and attention of 1/tp of the heads and
+    columns that a tp rank runs, whose efficiency falls as the matrices
+    shrink. With the rank's real tp group it is the layer as the trainer runs
+    it, collectives included.
+    """
+    from tessel.models.gpt import cross_entropy
+    from tessel.models.moe import MoE
+    from tessel.models.plan import gpt_tp_plan
+    from tessel.parallel.tensor.tensor_parallel import TPContext, VocabParallelLoss, apply_plan
+    if tp == 1:
+        return model, cross_entropy
+    ctx = TPContext(group, tp, rank, False)
+    moe_blocks = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+    apply_plan(model, gpt_tp_plan(moe_blocks, cfg.n_layer), ctx)
+    return model, VocabParallelLoss(ctx, cfg.vocab_size)
+
+
+def _contiguous_group(size: int) -> tuple[object, int]:
+    """(this rank's group of `size` consecutive ranks, as tp groups are laid out, its rank in it).
+
+    Collective: every rank creates every group of the world's partition, in the same order."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, dist.get_world_size(), size)]
+    return groups[rank // size], rank % size
+
+
+def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
+                  tp_sizes: list[int], rounds: int = 5) -> dict:
+    _own_session()
+    import torch
+    import torch.distributed as dist
+
+    from tessel.config import ModelConfig
+    from tessel.models.gpt import GPT
+    from tessel.parallel.runner import autocast_for
+    from tessel.planner.model_spec import ModelSpec
+
+    cfg = ModelConfig(**model_raw)
+    spec = ModelSpec("profile", cfg, seq_len, 1)
+    dev = torch.device("cpu")
+    batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
+    groups = {tp: _contiguous_group(tp) for tp in tp_sizes if tp > 1}
+    # (tp, with its collectives?) -> the model as one tp rank runs it
+    models = {}
+    for tp in tp_sizes:
+        for real in ((False, True) if tp > 1 else (False,)):
+            torch.manual_seed(0)
+            models[tp, real] = _tp_shaped(GPT(cfg), cfg, tp, *(groups[tp] if real else (None, 0)))
+
+    def fwd_bwd(key, x):
+        model, loss_fn = models[key]
+        with autocast_for(dev, precision):
+            loss = loss_fn(model(x), x)
+        loss.backward()
+    for key in models:
+        for x in batches.values():
+            fwd_bwd(key, x)  # warm-up: allocations and kernel choice
+    # shapes take turns, round after round, so a change in the machine's load hits them all alike
+    times: dict[tuple, list[float]] = {(key, mb): [] for key in models for mb in micro_batches}
+    for _ in range(rounds):
+        for key, mb in times:
+            dist.barrier()
+            times[key, mb].append(_median_time(lambda: fwd_bwd(key, batches[mb]), 1))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    # whole-model FLOPs per second of one rank's time: a tp rank does 1/tp of them in that time
+    points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / med[(tp, False), mb])
+                   for mb in micro_batches] for tp in tp_sizes}
+    # what the tp collectives add to a micro-batch's forward + backward, issued between the
+    # matmuls as the trainer issues them (ranks that arrive apart wait for each other)
+    tp_comm = {tp: [(mb * seq_len, med[(tp, True), mb] - med[(tp, False), mb]) for mb in micro_batches]
+               for tp in tp_sizes if tp > 1}
+
+    t_opt, t_over = _time_step_rest(models[1, False][0], seq_len, max(micro_batches))
+    n_params = sum(p.numel() for p in models[1, False][0].parameters())
+    return {"points": points, "tp_comm": tp_comm, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
+
+
+def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
+    """(clip + AdamW step, per-step bookkeeping) seconds of the whole model on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from tessel.config import TrainConfig
+    from tessel.train.data import BatchSampler
+    from tessel.train.trainer import build_optimizer
+    params = list(model.parameters())
+    opt = build_optimizer(params, TrainConfig())
+
+    def opt_step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    opt_step()
+    dist.barrier()
+    t_opt = _median_time(opt_step, 5)
+    sampler = BatchSampler(torch.randint(0, 256, (100_000,)).numpy(), seq_len, mb, 0)
+    scalar = torch.zeros(1)
+    keys: list = [None] * dist.get_world_size()
+
+    def bookkeeping():
+        # what Trainer.train_step adds to any layout: the batch, the loss mean, the gradient
+        # norm's agreement on its keys (all_gather_object) and the all-finite vote
+        sampler.next()
+        dist.all_reduce(scalar)
+        dist.all_gather_object(keys, [()])
+        dist.all_reduce(scalar)
+    dist.barrier()
+    return t_opt, _median_time(bookkeeping, 10)
+
+
+def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int], precision: str = "fp32",
+                  refresh: bool = False) -> Calibration:
+    """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
+    raw = model_cfg.model_dump(exclude_none=True)
+    tps = tp_degrees(model_cfg, world)
+    key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v3"],
+                                  sort_keys=True).encode()).hexdigest()[:12]
+    path = _cache_path("profile", key)
+    if path.exists() and not refresh:
+        d = json.loads(path.read_text())
+    else:
+        from tessel.spawn import spawn
+        results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, tps, timeout=600)
+
+        def across_ranks(field: str, tp) -> list[tuple[int, float]]:
+            rows = [r[field][tp] for r in results]
+            return [(x, statistics.median(row[i][1] for row in rows)) for i, (x, _) in enumerate(rows[0])]
+        d = {"points": {str(tp): across_ranks("points", tp) for tp in tps},
+             "tp_comm": {str(tp): across_ranks("tp_comm", tp) for tp in tps if tp > 1},
+             "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
+             "overhead": statistics.median(r["overhead"] for r in results)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(d, indent=1))
+    tp_points = {int(tp): [tuple(p) for p in pts] for tp, pts in d["points"].items()}
+    tp_comm = {int(tp): [tuple(p) for p in pts] for tp, pts in d["tp_comm"].items()}
+    return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points, tp_comm)

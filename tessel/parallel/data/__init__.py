@@ -1,0 +1,1 @@
+"""Data parallelism: a bucketed all-reduce of gradients overlapped with backward, and its reducers."""

@@ -1,0 +1,241 @@
+"""Synchronous data parallelism: bucketed gradient all-reduce overlapped with backward.
+
+The scheme of PyTorch DDP (Li et al. 2020, "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training") and Horovod's tensor fusion: parameters
+are grouped into buckets in reverse registration order (roughly the order in
+which backward produces their gradients). Each gradient lives in a view of its
+bucket's flat buffer, so autograd accumulates straight into the buffer; when the
+last gradient of a bucket is ready, the bucket's all-reduce starts
+asynchronously while backward goes on with earlier layers. The engine's final
+callback waits for the reductions and divides by the group size.
+
+Works on any nn.Module:
+
+    model = data_parallel(model, mesh)            # reduce over mesh axis "dp"
+    with model.no_sync():                         # accumulation micro-steps
+        loss_fn(model(x0), y0).backward()
+    loss_fn(model(x1), y1).backward()             # grads are averaged here
+
+Parameters sharded over one of the data axes (experts over ep, see
+tessel.parallel.expert.expert_parallel) are summed only over the data axes that replicate
+them, and still divided by the number of data shards: the all-to-all's backward
+has already summed the contributions of the other ep ranks' tokens into them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.mesh import Mesh
+from tessel.sharding import shard_axes
+
+# A reducer receives a flat buffer and a group and returns a waitable work
+# handle; it sums in place. `native` is the backend's own all-reduce; the comm
+# package registers ring and hierarchical algorithms under other names.
+Reducer = Callable[[torch.Tensor, object], object]
+
+
+def native_all_reduce(buf: torch.Tensor, group) -> object:
+    return dist.all_reduce(buf, group=group, async_op=True)
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    offsets: list[int]
+    axes: tuple[str, ...] = ()  # the mesh axes this bucket is summed over
+    group: object = None
+    pending: int = 0
+    work: object = None
+    ready: set[int] = field(default_factory=set)
+
+    def view_of(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+
+def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None,
+                  axes_of: Callable[[nn.Parameter], tuple[str, ...]] = lambda p: (),
+                  align: int = 1) -> list[Bucket]:
+    """Group params (already in expected gradient order) into flat buffers by dtype/device/axes.
+
+    The first bucket is small (1 MiB by default, as in DDP): its gradients are the
+    first ready, and a small bucket lets communication start early in backward.
+    `axes_of(p)` names the mesh axes p's gradient is summed over; buckets never mix them.
+    Each buffer is zero-padded to a multiple of `align` elements (ZeRO cuts it in equal shards).
+    """
+    first_bucket_bytes = min(bucket_bytes, first_bucket_bytes or 2**20)
+    buckets: list[Bucket] = []
+    open_by_key: dict[tuple, tuple[list, int]] = {}
+
+    def close(key):
+        plist, nbytes = open_by_key.pop(key)
+        numels = [p.numel() for p in plist]
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        buf = torch.zeros(-(-sum(numels) // align) * align, dtype=key[0], device=key[1])
+        buckets.append(Bucket(plist, buf, offsets, axes=key[2]))
+
+    for p in params:
+        key = (p.dtype, p.device, axes_of(p))
+        plist, nbytes = open_by_key.get(key, ([], 0))
+        plist.append(p)
+        nbytes += p.numel() * p.element_size()
+        open_by_key[key] = (plist, nbytes)
+        if nbytes >= (bucket_bytes if buckets else first_bucket_bytes):
+            close(key)
+    for key in list(open_by_key):
+        close(key)
+    return buckets
+
+
+class GradientSyncWrapper(nn.Module):
+    """A module wrapper whose backward reduces gradients unless inside no_sync()."""
+
+    sync_gradients = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block reduces them all."""
+        old, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = old
+
+
+class DataParallel(GradientSyncWrapper):
+    """Wraps a module; its gradients are averaged over `axes` of the mesh after backward."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp",),
+                 bucket_mb: float = 25.0, reducer: Reducer = native_all_reduce,
+                 params: Sequence[nn.Parameter] | None = None, broadcast: bool = True):
+        super().__init__()
+        self.module = module
+        self.axes = tuple(axes)
+        self.group = mesh.group(*self.axes)
+        self.group_size = mesh.size(*self.axes)
+        self.reducer = reducer
+        self.sync_gradients = True
+        if params is None:
+            params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+        if broadcast and self.group is not None:
+            self._broadcast(module, mesh)
+        # reverse order approximates the order in which gradients become ready
+        self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), axes_of=self.reduce_axes)
+        for bucket in self.buckets:
+            bucket.group = _group(mesh, bucket.axes)
+        self._where: dict[int, tuple[int, int]] = {}
+        for b_idx, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b_idx, i)
+        self._next_to_launch = 0
+        self._callback_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in params] if self.group is not None else []
+
+    def reduce_axes(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The data axes over which p is replicated (all of them unless p is sharded over one)."""
+        return tuple(a for a in self.axes if a not in shard_axes(p))
+
+    def _broadcast(self, module: nn.Module, mesh: Mesh) -> None:
+        # each tensor from the first rank of the axes that replicate it: shards stay distinct
+        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {self.axes: list(module.buffers())}
+        for p in module.parameters():
+            by_axes.setdefault(self.reduce_axes(p), []).append(p)
+        for axes, tensors in by_axes.items():
+            group = _group(mesh, axes)
+            if group is not None and tensors:
+                broadcast_tensors(tensors, src=mesh.group_ranks(axes)[0], group=group)
+
+    # ---- backward-time machinery --------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b_idx, i = self._where[id(p)]
+        bucket = self.buckets[b_idx]
+        view = bucket.view_of(i)
+        if p.grad.data_ptr() != view.data_ptr():
+            # first gradient since zero_grad(set_to_none=True): move it into the bucket,
+            # so later accumulations land in the buffer with no copy
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.sync_gradients:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        # every rank must issue its collectives in the same order: launch by bucket index
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.work = self.reducer(bucket.buffer, bucket.group) if bucket.group is not None else None
+            self._next_to_launch += 1
+
+    def _finish(self) -> None:
+        # parameters that got no gradient this backward still take part (as zeros),
+        # so every rank reduces the same buckets
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if i not in bucket.ready:
+                    view = bucket.view_of(i)
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        view.zero_() if p.grad is None else view.copy_(p.grad)
+                        p.grad = view
+                    bucket.ready.add(i)
+        self._launch_ready_in_order()
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.buffer.div_(self.group_size)
+            bucket.work = None
+            bucket.ready.clear()
+        self._next_to_launch = 0
+        self._callback_queued = False
+
+
+def _group(mesh: Mesh, axes: tuple[str, ...]):
+    """mesh.group(*axes), creating it if this combination is new (collective: the
+    layout is the same on every rank, so all ranks reach here with the same axes)."""
+    if mesh.size(*axes) == 1:
+        return None
+    try:
+        return mesh.group(*axes)
+    except KeyError:
+        mesh.build_groups([axes])
+        return mesh.group(*axes)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int, group=None) -> None:
+    """Broadcast tensors from global rank `src`, flattened per dtype to send few messages."""
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for t in dict.fromkeys(tensors):
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for t in group_tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def data_parallel(module: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp",), bucket_mb: float = 25.0,
+                  reducer: Reducer = native_all_reduce) -> DataParallel:
+    """tessel's data parallelism for any nn.Module. See the module docstring."""
+    return DataParallel(module, mesh, axes, bucket_mb, reducer)

@@ -1,0 +1,1 @@
+"""Expert parallelism: experts sharded over ep, tokens dispatched by all-to-all."""

@@ -1,0 +1,158 @@
+"""Expert parallelism: experts sharded over the mesh axis "ep", tokens moved by all-to-all.
+
+Each rank of an ep group holds E/ep consecutive experts (rank j: experts
+[j*E/ep, (j+1)*E/ep)). Every rank routes its own tokens (capacity is counted
+per rank, GShard's "group"), then:
+
+    dispatch: sort my kept assignments by expert -> exchange per-expert counts
+              (all-to-all of E integers) -> all_to_all_single of the tokens with
+              variable split sizes -> regroup what arrived by local expert
+    experts:  each local expert runs on its contiguous rows
+    combine:  undo the regrouping -> all_to_all_single back with the splits
+              swapped -> undo the sort; MoE.forward weights by the gates
+
+Routing decisions never leave the rank that made them, so the router, the
+capacity cut and the aux loss are exactly those of a single device fed the same
+rank-sized batch; only the expert matmuls happen elsewhere.
+
+Composition with data parallelism: the experts of one ep coordinate are
+replicated over dp; non-expert parameters over dp x ep. Expert weights are
+marked sharded over ep, and tessel.parallel.data.data_parallel reduces each gradient over
+the data axes that replicate it (see DataParallel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.mesh import Mesh
+from tessel.models.moe import MoE, Routing, moe_layers, sort_by_expert, weighted_scatter
+from tessel.sharding import mark_sharded
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAllDispatch(torch.autograd.Function):
+    """GShard's dispatch (Lepikhin et al. 2020, Sec. 3.2, Algorithm 2:
+    `dispatched_expert_inputs = AllToAll(...)`): rows of x go to the ranks that
+    hold their experts, in_splits[j] rows to rank j, out_splits[j] rows arrive
+    from rank j. Its gradient is the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class AllToAllCombine(torch.autograd.Function):
+    """GShard's combine (Lepikhin et al. 2020, Algorithm 2: `expert_outputs =
+    AllToAll(...)` before the gate-weighted einsum): expert outputs travel back
+    to the ranks that own the tokens; the gradient goes the dispatch way."""
+
+    @staticmethod
+    def forward(ctx, y, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(y, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class AllToAllDispatcher:
+    """Same interface as tessel.models.moe.LocalDispatcher, for experts sharded over ep."""
+
+    def __init__(self, n_experts: int, group, ep: int):
+        self.n_experts, self.group, self.ep = n_experts, group, ep
+        self.local = n_experts // ep
+
+    def dispatch(self, x: torch.Tensor, r: Routing) -> tuple[torch.Tensor, list[int], object]:
+        # x: (N, C) my tokens; rows bound for rank j are contiguous once sorted by global expert id
+        rows, s = sort_by_expert(x, r, self.n_experts)  # (M, C), s.counts (E,) rows I send per expert
+        recv = torch.empty_like(s.counts)  # (ep*El,) rows each source sends to each of my experts
+        dist.all_to_all_single(recv, s.counts, group=self.group)  # counts first: they are the splits
+        send_splits = s.counts.view(self.ep, self.local).sum(1).tolist()
+        recv_counts = recv.view(self.ep, self.local)  # (source rank, local expert)
+        recv_splits = recv_counts.sum(1).tolist()
+        arrived = AllToAllDispatch.apply(rows, recv_splits, send_splits, self.group)
+        regroup = None
+        if self.local > 1:  # arrived rows are ordered (source, expert): regroup as (expert, source)
+            local_id = torch.arange(self.local, device=x.device).repeat(self.ep)
+            regroup = torch.argsort(local_id.repeat_interleave(recv_counts.reshape(-1)), stable=True)
+            arrived = arrived.index_select(0, regroup)
+        return arrived, recv_counts.sum(0).tolist(), (s, regroup, send_splits, recv_splits)
+
+    def combine(self, y: torch.Tensor, state: object) -> torch.Tensor:
+        s, regroup, send_splits, recv_splits = state
+        if regroup is not None:
+            y = y.index_select(0, _inverse(regroup))  # back to (source, expert) order
+        back = AllToAllCombine.apply(y, send_splits, recv_splits, self.group)  # (M, C), my sorted rows
+        return weighted_scatter(back, s)  # (N, C)
+
+
+def shard_experts(model: nn.Module, mesh: Mesh) -> list[MoE]:
+    """Keep this rank's experts in every MoE layer and give it an all-to-all dispatcher."""
+    ep, j = mesh.size("ep"), mesh.coord("ep")
+    layers = moe_layers(model)
+    for moe in layers:
+        local = moe.n_experts // ep
+        for lin in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down):
+            shard = nn.Parameter(lin.weight.detach()[j * local:(j + 1) * local].clone(),
+                                 requires_grad=lin.weight.requires_grad)
+            mark_sharded(shard, "ep", dim=0)
+            lin.weight = shard
+        moe.dispatcher = AllToAllDispatcher(moe.n_experts, mesh.group("ep"), ep)
+    return layers
+
+
+def moe_metrics(layers: list[MoE], mesh: Mesh) -> dict[str, float]:
+    """Per-expert load, drop rate and aux losses of the last step, summed over the data shards.
+
+    Keys: moe/load/L{i}/e{j} (share of the i-th MoE layer's assignments that chose
+    expert j, before capacity), moe/load_max_min (worst max/min load ratio over layers;
+    min counted as at least one token), moe/drop_rate, moe/aux_loss and
+    moe/z_loss (per forward, summed over layers, averaged over shards).
+    Collective over (dp, ep): every rank of the group must call it.
+    """
+    if not layers:
+        return {}
+    stats = [m.pop_stats() for m in layers]
+    if not stats[0]:
+        return {}
+    E = layers[0].n_experts
+    # one vector: per layer [load (E), dropped, aux, z, forwards]
+    flat = torch.cat([torch.cat([s["load"], torch.stack([s["dropped"], s["aux_loss"], s["z_loss"], s["forwards"]])])
+                      for s in stats]).to(mesh.device)
+    group = mesh.group("dp", "ep")
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    per = flat.view(len(layers), E + 4).cpu()
+    load, dropped, aux, z, fwd = per[:, :E], per[:, E], per[:, E + 1], per[:, E + 2], per[:, E + 3]
+    out: dict[str, float] = {}
+    share = load / load.sum(1, keepdim=True).clamp_min(1)
+    for i in range(len(layers)):
+        for e in range(E):
+            out[f"moe/load/L{i}/e{e}"] = share[i, e].item()
+    out["moe/load_max_min"] = (load.max(1).values / load.min(1).values.clamp_min(1)).max().item()
+    out["moe/drop_rate"] = (dropped.sum() / load.sum().clamp_min(1)).item()
+    out["moe/aux_loss"] = (aux / fwd).sum().item()
+    out["moe/z_loss"] = (z / fwd).sum().item()
+    return out

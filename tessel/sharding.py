@@ -1,0 +1,88 @@
+"""What a parameter carries about how it is sharded, owned in one place.
+
+A parameter (or a tensor that stands for one: a ZeRO segment) may be a shard
+over some mesh axes (tensor-parallel weights over tp, experts over ep, ZeRO-2/3
+segments over dp) and replicated over the rest. It carries one `Sharding`
+record:
+- `axes`: the mesh axes that shard it, in the order they were applied;
+- `dims`: {axis: tensor dim} for the axes that split a plain tensor dim
+  (layout-independent checkpoints rebuild the logical tensor from them);
+- `logical_shape`: the whole, unpadded shape when the shard is padded (a
+  vocabulary that tp does not divide);
+- `replica`: a copy of a parameter that another pipeline stage holds and
+  counts (a tied embedding on the last stage): updated like the original but
+  left out of the gradient norm.
+
+Strategies mark parameters as they cut them (tensor, expert, then ZeRO, which
+copies the marks of what it flattens onto its segments: so a mark must be set
+before ZeRO runs, which tessel.parallelize's fixed order guarantees). Readers:
+the global gradient norm (tessel.parallel.norms), the data-parallel and ZeRO
+reducers (the axes a gradient still needs reducing over), checkpoints
+(tessel.train.checkpoint.logical).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+ATTR = "tessel_sharding"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    axes: tuple[str, ...] = ()
+    dims: tuple[tuple[str, int], ...] = ()  # (axis, dim) pairs: hashable, like the rest
+    logical_shape: tuple[int, ...] | None = None
+    replica: bool = False
+
+
+def sharding(p: torch.Tensor) -> Sharding:
+    """The record p carries (replicated and whole when it carries none)."""
+    return p.__dict__.get(ATTR, Sharding())
+
+
+def _set(p: torch.Tensor, record: Sharding) -> None:
+    p.__dict__[ATTR] = record
+
+
+def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
+    """Declare p a shard over `axes` (added to those it has); `dim` is the tensor dim they split
+    (None: not a plain split, e.g. a flat ZeRO segment)."""
+    s = sharding(p)
+    dims = dict(s.dims)
+    if dim is not None:
+        dims.update({a: dim for a in axes})
+    _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, *axes))), dims=tuple(dims.items())))
+
+
+def mark_replica(p: torch.Tensor) -> None:
+    """p is a copy of a parameter that another pipeline stage holds and counts (a tied
+    embedding on the last stage): it is updated like the original but left out of the norm."""
+    _set(p, replace(sharding(p), replica=True))
+
+
+def set_logical_shape(p: torch.Tensor, shape) -> None:
+    """p's whole shape without padding (a padded tp shard of the vocabulary)."""
+    _set(p, replace(sharding(p), logical_shape=tuple(shape)))
+
+
+def copy_sharding(src: torch.Tensor, dst: torch.Tensor) -> None:
+    _set(dst, sharding(src))
+
+
+def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
+    return sharding(p).axes
+
+
+def shard_dims(p: torch.Tensor) -> dict[str, int]:
+    return dict(sharding(p).dims)
+
+
+def logical_shape(p: torch.Tensor) -> tuple[int, ...] | None:
+    return sharding(p).logical_shape
+
+
+def is_replica(p: torch.Tensor) -> bool:
+    return sharding(p).replica

@@ -1,0 +1,1 @@
+"""Checkpoints: layout-independent, atomic, checksummed, validated, owned by their run."""

@@ -1,0 +1,288 @@
+"""Layout-independent state: every tensor as its LOGICAL (unsharded) self.
+
+A parameter sharded over mesh axes declares it (tessel.sharding: the axes and
+{axis: tensor dim}). Here each
+local shard becomes a DTensor over a torch DeviceMesh made from tessel's own
+process groups, with Shard(dim) on the axes that split it and Replicate on the
+rest. DCP then writes each logical tensor once, in chunks, and on load every
+rank reads exactly the region its own (possibly different) layout needs:
+dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
+
+- Pipeline stages keep the full model's parameter names, so a stage simply
+  holds a subset of the keys.
+- Padded shards (a vocabulary padded to a multiple of tp) may carry
+  `tessel_logical_shape`; the padding rows are dropped on save and left as
+  they are on load.
+- Optimizer state is keyed by parameter name (`optim/<name>/<key>`), not by
+  index, and is sharded like its parameter.
+- Strategies whose state does not follow mark_sharded (flat ZeRO buffers)
+  provide `checkpoint_tensors()` on the optimizer (logical tensors by the same
+  keys; it may override model/ keys) and `load_checkpoint_tensors(reader,
+  metadata)`, run after the rest is loaded; model/ keys listed by its optional
+  `checkpoint_model_names()` are left to it (tessel.parallel.zero.checkpoint). Its
+  tensors are whole over its own axes (dp) but may be tp or ep shards, shaped
+  like their parameter: those become DTensors here like any marked parameter,
+  and on load `LogicalView.local_slice` cuts a rank's shard from the whole.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tessel.mesh import AXES, Mesh
+from tessel.sharding import logical_shape, shard_axes, shard_dims
+from tessel.train.checkpoint.manifest import CheckpointError
+
+OPTIM_PREFIX = "optim/"
+
+
+def strip_wrappers(name: str) -> str:
+    """'module.layers.0.attn.wq.weight' (DataParallel) -> 'layers.0.attn.wq.weight'."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def model_tensors(runner) -> dict[str, torch.Tensor]:
+    """Name -> local parameter/persistent buffer, with the full model's names."""
+    custom = getattr(runner, "named_checkpoint_tensors", None)
+    if custom is not None:
+        return dict(custom())
+    module: nn.Module = runner.model
+    return {strip_wrappers(k): v for k, v in module.state_dict(keep_vars=True).items()}
+
+
+class LogicalView:
+    """Turns local shards into DTensors (and back) for one mesh."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.axes = [a for a in AXES if mesh.size(a) > 1]
+        self._dmesh = None
+
+    @property
+    def device_mesh(self):
+        if self._dmesh is None:
+            # built from tessel's own groups: no new process groups, no collective
+            grid = self.mesh.grid().reshape([self.mesh.size(a) for a in self.axes])
+            groups = [self.mesh.group(a) for a in self.axes]
+            from torch.distributed.device_mesh import DeviceMesh
+            self._dmesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.mesh.device.type,
+                                                mesh=grid, mesh_dim_names=tuple(self.axes))
+        return self._dmesh
+
+    def _placements(self, like: torch.Tensor, name: str):
+        axes = [a for a in shard_axes(like) if a in self.axes]
+        if not axes:
+            return None
+        dims = shard_dims(like)
+        missing = [a for a in axes if a not in dims]
+        if missing:
+            raise ValueError(f"{name} is sharded over {missing} without a tensor dim: "
+                             "mark it with mark_sharded(p, axis, dim=...) to checkpoint it")
+        return [Shard(dims[a]) if a in axes else Replicate() for a in self.axes]
+
+    def logical_shape(self, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Size:
+        given = logical_shape(like)
+        if given is not None:
+            return torch.Size(given)
+        shape = list(local.shape)
+        dims = shard_dims(like)
+        for a in shard_axes(like):
+            if a in self.axes:
+                shape[dims[a]] *= self.mesh.size(a)
+        return torch.Size(shape)
+
+    def to_logical(self, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+        """local shard (of `like`'s layout) -> DTensor of the logical tensor, or the tensor if replicated."""
+        placements = self._placements(like, name)
+        local = local.detach()
+        if placements is None:
+            return local
+        shape = self.logical_shape(local, like, name)
+        local = self._unpad(local, like, shape, name)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _unpad(self, local: torch.Tensor, like: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:
+        """Drop the rows of a padded shard that lie past the logical size (DTensor's chunk layout)."""
+        dims = shard_dims(like)
+        for a in shard_axes(like):
+            if a not in self.axes:
+                continue
+            d, n = dims[a], self.mesh.size(a)
+            per = local.size(d)
+            if per * n == shape[d]:
+                continue
+            if per != -(-shape[d] // n):
+                raise ValueError(f"{name}: a {per}-row shard over {n} ranks cannot hold a logical size "
+                                 f"{shape[d]} in DTensor's ceil-chunk layout")
+            start = self.mesh.coord(a) * per
+            local = local.narrow(d, 0, max(0, min(per, shape[d] - start)))
+        return local
+
+    def local_slice(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the logical tensor `full`, in `like`'s local layout (DTensor's
+        ceil-chunks; rows past the logical size, vocabulary padding, are zeros)."""
+        dims = shard_dims(like)
+        out = full
+        for a in shard_axes(like):
+            if a not in self.axes:
+                continue
+            d, per = dims[a], like.size(dims[a])
+            start = min(self.mesh.coord(a) * per, out.size(d))
+            piece = out.narrow(d, start, min(per, out.size(d) - start))
+            if piece.size(d) < per:
+                pad = list(piece.shape)
+                pad[d] = per - piece.size(d)
+                piece = torch.cat([piece, piece.new_zeros(pad)], dim=d)
+            out = piece
+        return out
+
+    def empty_like_logical(self, like: torch.Tensor, name: str, dtype=None) -> torch.Tensor:
+        """A load target with `like`'s local layout (a DTensor when sharded)."""
+        return self.to_logical(torch.zeros_like(like, dtype=dtype or like.dtype), like, name).detach()
+
+
+def copy_local_(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Write a loaded target back into a local tensor (padding rows stay as they are)."""
+    src = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    with torch.no_grad():
+        region = dst
+        for d in range(src.dim()):
+            if src.size(d) != dst.size(d):
+                region = region.narrow(d, 0, src.size(d))
+        region.copy_(src)
+
+
+# ---- the whole training state ----------------------------------------------
+def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict:
+    """optim/<param name>/<state key> -> local state tensor (only tensors; AdamW has only tensors)."""
+    out = {}
+    for name, p in _unique(named).items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if not torch.is_tensor(value):
+                raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
+            out[f"{OPTIM_PREFIX}{name}/{key}"] = (value, p)
+    return out
+
+
+def _unique(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """First name of every distinct tensor (tied embeddings appear once)."""
+    seen, out = set(), {}
+    for name, t in named.items():
+        if id(t) not in seen and isinstance(t, nn.Parameter):
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def save_state(runner, optimizer, view: LogicalView) -> dict[str, torch.Tensor]:
+    """The flat, tensor-only state dict that DCP writes (logical tensors)."""
+    named = model_tensors(runner)
+    state = {f"model/{k}": view.to_logical(v, v, k) for k, v in named.items()}
+    custom = getattr(optimizer, "checkpoint_tensors", None)
+    if custom is not None:
+        state.update({k: _custom_logical(view, named, k, t) for k, t in custom().items()})
+    else:
+        for key, (value, p) in optimizer_tensors(optimizer, named).items():
+            state[key] = view.to_logical(value, p, key) if value.shape == p.shape else value.detach()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state[f"rng/{rank}/cpu"] = torch.get_rng_state()
+    if view.mesh.device.type == "cuda":
+        state[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state(view.mesh.device)
+    return state
+
+
+def _custom_logical(view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
+    """A strategy hook's tensor (model/<name> or optim/<name>/<key>) shaped like its parameter:
+    a DTensor over the axes that parameter is marked sharded on (tp, ep); as it is otherwise."""
+    if key.startswith("model/"):
+        name = key[len("model/"):]
+    elif key.startswith(OPTIM_PREFIX):
+        name = key[len(OPTIM_PREFIX):].rsplit("/", 1)[0]
+    else:
+        return t
+    p = named.get(name)
+    if p is None or tuple(t.shape) != tuple(p.shape):
+        return t
+    return view.to_logical(t, p, key)
+
+
+def check_shapes(saved: dict, model: dict[str, torch.Size], params: dict[str, torch.Size]) -> None:
+    """Before anything is read: every model tensor the run loads is in the checkpoint with its logical
+    shape, and every optimizer state of a parameter that is not a scalar (AdamW's exp_avg, exp_avg_sq)
+    has that parameter's shape. `saved`: fqn -> TensorStorageMetadata; model, params: name -> shape."""
+    for name, want in model.items():
+        fqn = f"model/{name}"
+        if fqn not in saved:
+            raise CheckpointError(f"the checkpoint has no '{name}' (its model differs from this one)")
+        _same_shape(fqn, saved[fqn].size, want)
+    for name, want in params.items():
+        prefix = f"{OPTIM_PREFIX}{name}/"
+        for fqn in (f for f in saved if f.startswith(prefix)):
+            if saved[fqn].size != torch.Size([]):  # the step count is a scalar
+                _same_shape(fqn, saved[fqn].size, want)
+
+
+def _same_shape(fqn: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"'{fqn}' has shape {list(got)} in the checkpoint, but this run's is {list(want)}")
+
+
+def module_shapes(module: nn.Module) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
+    """(model tensors, parameters) -> logical shape, named as a checkpoint names them, for an unsharded
+    module (one built on the meta device will do)."""
+    named = {strip_wrappers(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    return ({k: v.shape for k, v in named.items()}, {k: p.shape for k, p in _unique(named).items()})
+
+
+def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dict, list]:
+    """Targets for DCP.load, and how to put each back. `saved`: fqn -> TensorStorageMetadata.
+    CheckpointError if a saved shape differs from this run's (check_shapes)."""
+    named = model_tensors(runner)
+    owned = getattr(optimizer, "checkpoint_model_names", None)
+    owned = owned() if owned is not None else set()  # the strategy loads those (its storage may be sharded: ZeRO-3)
+    # a strategy with its own hook loads its optimizer state itself (load_checkpoint_tensors)
+    custom = getattr(optimizer, "checkpoint_tensors", None) is not None
+    params = {} if custom else _unique(named)
+    check_shapes(saved, {k: view.logical_shape(v, v, k) for k, v in named.items() if k not in owned},
+                 {name: view.logical_shape(p, p, name) for name, p in params.items()})
+    targets, put_back = {}, []
+    for k, v in named.items():
+        if k not in owned:
+            targets[f"model/{k}"] = view.empty_like_logical(v, k)
+            put_back.append((f"model/{k}", lambda t, v=v: copy_local_(v, t)))
+    for name, p in params.items():
+        prefix = f"{OPTIM_PREFIX}{name}/"
+        for fqn in (f for f in saved if f.startswith(prefix)):
+            md = saved[fqn]
+            if md.size != torch.Size([]):  # shaped like p (checked above)
+                targets[fqn] = view.empty_like_logical(p, fqn, dtype=md.properties.dtype)
+            else:
+                targets[fqn] = torch.zeros(md.size, dtype=md.properties.dtype, device=p.device)
+            put_back.append((fqn, lambda t, p=p, key=fqn[len(prefix):]: _set_optim(optimizer, p, key, t)))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for kind in ("cpu", "cuda"):
+        fqn = f"rng/{rank}/{kind}"
+        if fqn in saved and (kind == "cpu" or view.mesh.device.type == "cuda"):
+            targets[fqn] = torch.zeros(saved[fqn].size, dtype=torch.uint8)
+            put_back.append((fqn, lambda t, kind=kind: _set_rng(kind, t, view.mesh.device)))
+    return targets, put_back
+
+
+def _set_optim(optimizer, p, key, loaded) -> None:
+    local = torch.zeros_like(p, dtype=loaded.dtype) if isinstance(loaded, DTensor) else None
+    if local is not None:
+        copy_local_(local, loaded)
+    optimizer.state[p][key] = local if local is not None else loaded.clone()
+
+
+def _set_rng(kind: str, state: torch.Tensor, device) -> None:
+    if kind == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)

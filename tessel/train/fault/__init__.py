@@ -1,0 +1,1 @@
+"""Fault handling inside a run: the guard, numerical faults, stragglers, injection, elasticity, stops."""
