@@ -1,21 +1,53 @@
-"""What one optimizer step does with its local batch, for layouts without a pipeline.
+"""The Runner the trainer calls, and the LocalRunner of layouts without a pipeline.
 
-A runner hides the layout from the trainer: it splits the rank's batch into
-accumulation chunks, runs forward and backward (skipping the gradient
-reduction on all but the last chunk), evaluates, and samples text. The
-pipeline issue provides a runner with the same methods.
+A runner hides the layout from the trainer: it runs one optimizer step's
+forward and backward on the rank's batch, evaluates, samples text, names the
+tensors a checkpoint holds, and reports what only it knows (MoE load, the
+pipeline's bubble and timeline). tessel.parallelize builds one for every
+layout: LocalRunner (plain, DP, TP, EP, ZeRO), the pipeline's runner, the
+parameter server's worker.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Runner(Protocol):
+    """What the trainer (tessel.train.trainer), its guard and its checkpoints call."""
+
+    optimizer: torch.optim.Optimizer | None  # a strategy that shards the optimizer (ZeRO) brings its own
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once."""
+
+    def named_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers (live tensors) under the full model's names."""
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gradients of the step's mean loss over the rank's batch (B, T); the loss, detached."""
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch without gradients."""
+
+    def generate(self, prompt: torch.Tensor, new_tokens: int, seed: int) -> torch.Tensor:
+        """prompt (B, T0) -> (B, T0 + new_tokens) sampled ids; collective, same result on every rank."""
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Layout-specific numbers for this step's metrics row; collective."""
+
+    def write_timeline(self, out_dir: str) -> dict[str, str]:
+        """Files describing the run's schedule (name -> path); collective; {} when there is none."""
+
+    def timed_modules(self) -> list[nn.Module]:
+        """The modules whose forward passes are this rank's compute (timed for stragglers)."""
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -32,6 +64,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def strip_wrappers(name: str) -> str:
+    """'module.layers.0.attn.wq.weight' (a DataParallel wrapper) -> 'layers.0.attn.wq.weight'."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 class LocalRunner:
@@ -58,6 +97,15 @@ class LocalRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(dict.fromkeys(self.model.parameters()))
+
+    def named_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {strip_wrappers(k): v for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def write_timeline(self, out_dir: str) -> dict[str, str]:
+        return {}  # one step is one forward and backward here: nothing to draw
+
+    def timed_modules(self) -> list[nn.Module]:
+        return [self.model]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of mean loss over the local batch; returns that loss (detached)."""

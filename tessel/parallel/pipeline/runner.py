@@ -31,7 +31,7 @@ from tessel.parallel.pipeline.clock import StepClock
 from tessel.parallel.pipeline.comm import StageLinks
 from tessel.parallel.pipeline.partition import PipelineStage
 from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, batches, build_schedule
-from tessel.parallel.runner import autocast_for, generate_tokens
+from tessel.parallel.runner import autocast_for, generate_tokens, strip_wrappers
 from tessel.sharding import mark_replica
 
 RECV_LOOKAHEAD = 2  # receives posted ahead of need under gloo (each holds one activation buffer)
@@ -161,13 +161,11 @@ class PipelineRunner:
 
     def named_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers (live tensors) under the full model's names, for checkpoints."""
-        out = {}
-        for chunk in self.chunks:
-            for name, t in chunk.state_dict(keep_vars=True).items():
-                while name.startswith("module."):  # a data-parallel wrapper around the chunk
-                    name = name[len("module."):]
-                out[name] = t
-        return out
+        return {strip_wrappers(name): t for chunk in self.chunks
+                for name, t in chunk.state_dict(keep_vars=True).items()}
+
+    def timed_modules(self) -> list[nn.Module]:
+        return list(self.chunks)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.gathered():

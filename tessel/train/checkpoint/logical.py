@@ -32,27 +32,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tessel.mesh import AXES, Mesh
+from tessel.axes import AXES
+from tessel.mesh import Mesh
+from tessel.parallel.runner import Runner, strip_wrappers
 from tessel.sharding import logical_shape, shard_axes, shard_dims
 from tessel.train.checkpoint.manifest import CheckpointError
 
 OPTIM_PREFIX = "optim/"
 
 
-def strip_wrappers(name: str) -> str:
-    """'module.layers.0.attn.wq.weight' (DataParallel) -> 'layers.0.attn.wq.weight'."""
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
-def model_tensors(runner) -> dict[str, torch.Tensor]:
+def model_tensors(runner: Runner) -> dict[str, torch.Tensor]:
     """Name -> local parameter/persistent buffer, with the full model's names."""
-    custom = getattr(runner, "named_checkpoint_tensors", None)
-    if custom is not None:
-        return dict(custom())
-    module: nn.Module = runner.model
-    return {strip_wrappers(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    return dict(runner.named_checkpoint_tensors())
 
 
 class LogicalView:

@@ -112,8 +112,13 @@ def test_resharding_matrix_next_step_loss(tmp_path):
 
 # ---- sharded parameters (the convention TP / ZeRO-3 use): logical tensors, padding ----------
 class _Runner:
+    """The part of tessel.parallel.runner.Runner that checkpoints use."""
+
     def __init__(self, model):
         self.model = model
+
+    def named_checkpoint_tensors(self) -> dict:
+        return dict(self.model.state_dict(keep_vars=True))
 
 
 def _sharded_model(mesh, rows: int, logical_rows: int | None):
