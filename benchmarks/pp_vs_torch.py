@@ -40,7 +40,7 @@ def _torch_schedule(model, cfg, mesh, rank, p):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from tessel.models.gpt import cross_entropy
-    from tessel.parallel.pipeline import choose_layout
+    from tessel.parallel.pipeline.pipeline_parallel import choose_layout
     from tessel.parallel.pipeline.partition import split_model
     layout = choose_layout(model, mesh, cfg)
     chunks = split_model(model, layout, rank, p)

@@ -18,7 +18,7 @@ from tessel.models.gpt import GPT, Block, cross_entropy
 from tessel.models.moe import moe_layers, with_aux_losses
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
-from tessel.parallel.pipeline import pipeline_chunks, pipeline_runner
+from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel

@@ -1,0 +1,72 @@
+"""The pipeline's apply step: choose the stage layout, cut this rank's chunks, build the runner.
+
+tessel.parallelize calls `pipeline_chunks` (the PP split, after TP and EP) and
+then `pipeline_runner` (which wraps the chunks in dp or ZeRO and hands back a
+tessel.parallel.runner.Runner).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tessel.config import Config
+from tessel.mesh import Mesh
+from tessel.models.gpt import GPT
+from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
+from tessel.parallel.pipeline.runner import PipelineRunner
+from tessel.parallel.zero.optim import ZeroAdamW
+from tessel.parallel.zero.pipeline import PipelineZero3
+from tessel.parallel.zero.zero_parallel import zero_parallel
+from tessel.sharding import mark_replica
+
+
+def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
+    """Blocks per virtual stage: the user's layout, equal counts, or balanced costs."""
+    p = cfg.parallel
+    stages = p.pp * p.virtual_stages
+    if p.pp_layout is not None:
+        return list(p.pp_layout)
+    if p.pp_balance == "layers":
+        return uniform_layout(cfg.model.n_layer, stages)
+    if p.pp_balance == "params":
+        blocks, head, tail = param_costs(model)
+    else:
+        micro = cfg.train.global_batch // (p.batch_shards * cfg.train.grad_accum * p.micro_batches)
+        blocks, head, tail = time_costs(model, micro, cfg.train.seq_len, mesh.device)
+        # ranks time differently; they must agree on one cut, so take the mean
+        costs = torch.tensor([*blocks, head, tail], dtype=torch.float64, device=mesh.device)
+        if dist.is_initialized():
+            dist.all_reduce(costs)
+        *blocks, head, tail = (costs / max(1, mesh.world_size)).tolist()
+    return balanced_layout(blocks, stages, head, tail)
+
+
+def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
+    """This rank's model chunks (one per virtual stage it runs)."""
+    layout = choose_layout(model, mesh, cfg)
+    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp")))
+
+
+def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
+                    extra_metrics=None) -> PipelineRunner:
+    p, t = cfg.parallel, cfg.train
+    reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
+    zero = optimizer = None
+    if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
+        for c in chunks:
+            if c.is_last:
+                mark_replica(c.lm_head.weight)  # the first stage's copy is the one the norm counts
+    if p.zero_stage == 3:  # whole parameters for a step, shards at rest (pipeline/zero3.py)
+        zero = PipelineZero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+        optimizer = ZeroAdamW(zero, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
+        zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
+                                        weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+    return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,
+                          cfg.model.d_model, t.precision, cfg.model.vocab_size, cfg.model.max_seq_len,
+                          p.bucket_mb, tied=cfg.model.tie_embeddings, reducer=reducer,
+                          gather_vocab=gather_vocab, extra_metrics=extra_metrics, zero=zero, optimizer=optimizer,
+                          seq_shards=mesh.size("tp") if p.sequence_parallel else 1)
