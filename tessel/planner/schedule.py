@@ -1,81 +1,51 @@
-"""Pipeline schedules as data: the order in which each stage runs its forward and backward ops.
+"""The planner's view of the pipeline schedules: the runtime's own action lists, read, not re-written.
 
-An op is (kind, micro_batch, chunk): kind "F" or "B"; chunk is the virtual
-stage (model chunk) index on that device, 0 unless interleaved. The cost model
-reads activation memory off these lists (the peak number of forwards whose
-backward has not run yet) and the simulator executes them.
-
-- GPipe (Huang et al. 2019): all forwards, then all backwards.
-- 1F1B (PipeDream-Flush, Narayanan et al. 2021): stage s runs p-s-1 warm-up
-  forwards, then alternates one forward and one backward, then drains.
-- Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): each device holds v
-  chunks; forwards go round the chunks in groups of p micro-batches; warm-up
-  is 2(p-s-1) + (v-1)p forwards. Needs m divisible by p.
+`tessel.parallel.pipeline.schedules` builds the per-rank Action lists the
+runner executes (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019/2021;
+interleaved 1F1B, Narayanan et al. 2021). That module is torch-free, so the
+planner imports it: the cost model's activation counts, the analytic bubble and
+the simulator (planner/simulate.py) all read the same lists the runner runs,
+and a change to a schedule changes the plan with it.
+tests/planner/test_schedule_identity.py holds the two together.
 """
 
 from __future__ import annotations
 
-Op = tuple[str, int, int]
+from functools import lru_cache
+
+from tessel.parallel.pipeline.schedules import (COMPUTE, Action, Schedule, build_schedule, max_in_flight,
+                                                simulate)
+from tessel.parallel.pipeline.schedules import bubble_fraction as idle_fraction
 
 
-def gpipe(p: int, m: int, stage: int) -> list[Op]:
-    return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+@lru_cache(maxsize=256)
+def pipeline_schedule(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The runtime's action lists for (schedule, pp, micro-batches, virtual stages).
+
+    Cached: a search asks for the same few schedules many times. The lists are
+    shared, so callers read them and never change them."""
+    return build_schedule(schedule, p, m, v)
 
 
-def one_f_one_b(p: int, m: int, stage: int) -> list[Op]:
-    warmup = min(p - stage - 1, m)
-    ops: list[Op] = [("F", i, 0) for i in range(warmup)]
-    steady = m - warmup
-    for i in range(steady):
-        ops += [("F", warmup + i, 0), ("B", i, 0)]
-    ops += [("B", steady + j, 0) for j in range(warmup)]
-    return ops
+def stage_ops(schedule: str, p: int, m: int, stage: int, v: int = 1) -> list[Action]:
+    """The forwards and backwards pipeline rank `stage` runs, in the runtime's order."""
+    return [a for a in pipeline_schedule(schedule, p, m, v)[stage] if a.kind in COMPUTE]
 
 
-def interleaved(p: int, m: int, stage: int, v: int) -> list[Op]:
-    if m % p:
-        raise ValueError(f"the interleaved schedule needs micro_batches ({m}) divisible by pp ({p})")
-    total = m * v
-
-    def fwd(k: int) -> Op:
-        group = k // p
-        return ("F", (group // v) * p + k % p, group % v)
-
-    def bwd(k: int) -> Op:
-        group = k // p
-        return ("B", (group // v) * p + k % p, v - 1 - group % v)
-
-    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
-    ops = [fwd(k) for k in range(warmup)]
-    for i in range(total - warmup):
-        ops += [fwd(warmup + i), bwd(i)]
-    ops += [bwd(k) for k in range(total - warmup, total)]
-    return ops
-
-
-def stage_ops(schedule: str, p: int, m: int, stage: int, v: int = 1) -> list[Op]:
-    if schedule == "gpipe":
-        return gpipe(p, m, stage)
-    if schedule == "1f1b":
-        return one_f_one_b(p, m, stage)
-    if schedule == "interleaved":
-        return interleaved(p, m, stage, v) if v > 1 or p > 1 else one_f_one_b(p, m, stage)
-    raise ValueError(f"unknown schedule {schedule!r}")
-
-
-def peak_in_flight(ops: list[Op]) -> int:
+def peak_in_flight(ops: list[Action]) -> int:
     """Most chunk-forwards whose activations are held at once (forward done, backward not)."""
-    live = peak = 0
-    for kind, _, _ in ops:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
+    return max_in_flight(ops)
 
 
+@lru_cache(maxsize=256)
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipeline with uniform stages and free communication.
+    """Idle fraction of the runtime's schedule on uniform stages with free messages.
 
-    GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1).
+    Each chunk's forward takes 1/v and its backward 2/v of a stage's time, the
+    lists are replayed by the runtime's simulator, and the idle share is read
+    off the replay. On such stages it equals the closed forms, GPipe and 1F1B
+    (p-1)/(m+p-1) and interleaved (p-1)/(v*m+p-1) (tests/planner/test_cost.py).
     """
     v = v if schedule == "interleaved" else 1
-    return (p - 1) / (v * m + p - 1)
+    timeline = simulate(pipeline_schedule(schedule, p, m, v), v, t_fwd=1 / v, t_bwd=2 / v, strict=False)
+    return idle_fraction(timeline)

@@ -22,10 +22,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tessel.parallel.pipeline.schedules import COMPUTE
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate, all_reduce_time
 from tessel.planner.layout import Layout
-from tessel.planner.schedule import stage_ops
+from tessel.planner.schedule import pipeline_schedule
 
 INF = float("inf")
 
@@ -72,14 +73,20 @@ class SimResult:
 
 
 class PipelineSim:
-    """One pipeline: p devices, each running its schedule's F/B ops in order."""
+    """One pipeline: p devices, each running the forwards and backwards of the runtime's action lists in order.
+
+    `schedule` is the list the runner executes (planner/schedule.py); its
+    compute actions are replayed here, and each finished one sends its output
+    (or input gradient) over the pipeline link as a transfer.
+    """
 
     def __init__(self, chunk_times: list[list[tuple[float, float]]], schedule: str, m: int, v: int = 1,
                  p2p_bytes: float = 0.0, pp_link: Link | None = None, pp_class: str = "pp"):
         self.p, self.m, self.v = len(chunk_times), m, v
         self.times = chunk_times
-        self.ops = [stage_ops(schedule, self.p, m, s, v) for s in range(self.p)]
-        self.last_b = [max(i for i, op in enumerate(ops) if op[0] == "B") for ops in self.ops]
+        self.schedule = pipeline_schedule(schedule, self.p, m, v)
+        self.ops = [[a for a in actions if a.kind in COMPUTE] for actions in self.schedule]
+        self.last_b = [max(i for i, a in enumerate(ops) if a.kind == "B") for ops in self.ops]
         self.p2p_bytes = p2p_bytes
         self.pp_link = pp_link or Link(INF, 0.0)
         self.now = 0.0
@@ -102,16 +109,17 @@ class PipelineSim:
     def _ready(self, s: int) -> bool:
         if self.next_op[s] >= len(self.ops[s]) or self.running[s]:
             return False
-        kind, mb, chunk = self.ops[s][self.next_op[s]]
-        g = self._global_chunk(s, chunk)
-        if kind == "F":
-            return g == 0 or ("F", mb, g) in self.arrived
-        return g == self.p * self.v - 1 or ("B", mb, g) in self.arrived
+        a = self.ops[s][self.next_op[s]]
+        g = self._global_chunk(s, a.chunk)
+        if a.kind == "F":
+            return g == 0 or ("F", a.mb, g) in self.arrived
+        return g == self.p * self.v - 1 or ("B", a.mb, g) in self.arrived
 
     def _start_ops(self) -> None:
         for s in range(self.p):
             if self._ready(s):
-                kind, mb, chunk = self.ops[s][self.next_op[s]]
+                a = self.ops[s][self.next_op[s]]
+                kind, mb, chunk = a.kind, a.mb, a.chunk
                 f, b = self.times[s][chunk]
                 dur = f if kind == "F" else b
                 self.running[s] = True
@@ -126,7 +134,8 @@ class PipelineSim:
         return i == self.last_b[s]
 
     def _finish_op(self, s: int, i: int) -> None:
-        kind, mb, chunk = self.ops[s][i]
+        a = self.ops[s][i]
+        kind, mb, chunk = a.kind, a.mb, a.chunk
         self.running[s] = False
         self.next_op[s] = i + 1
         self.compute_end[s] = self.now
