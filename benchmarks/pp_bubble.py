@@ -103,7 +103,7 @@ def _simulated(runner, name: str, p: int, m: int, v: int) -> tuple[float, list[t
     """The bubble with this step's measured compute times and free messages; each rank's mean F, B ms."""
     from tessel.parallel.pipeline.schedules import bubble_fraction, build_schedule, simulate
     per_rank: list = [None] * p
-    dist.all_gather_object(per_rank, runner.events)
+    dist.all_gather_object(per_rank, runner.recorder.events)
     times: dict = {}
     for r, events in enumerate(per_rank):
         for kind, mb, chunk, start, end in events:

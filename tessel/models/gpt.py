@@ -114,11 +114,15 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        # idx: (B, T) token ids -> logits (B, T, vocab)
-        x = self.tok_emb(idx)  # (B, T, C)
+        # idx: (B, T) token ids -> logits (B, T, vocab). A pipeline stage is this model with
+        # the modules it does not hold set to None (and blocks removed from `layers`): without
+        # the embedding it takes hidden states (B, T, C), without norm and head it returns them.
+        x = self.tok_emb(idx) if self.tok_emb is not None else idx  # (B, T, C)
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        return self.lm_head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else x
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,

@@ -1,5 +1,9 @@
 """Point-to-point traffic between pipeline stages: batched isend/irecv with shapes known ahead.
 
+What crosses a stage boundary is what GPipe (Huang et al. 2019) and 1F1B
+(Narayanan et al. 2019, PipeDream; 2021, PTD-P) send: a micro-batch's
+activation forward, its gradient backward.
+
 Every rank of a pipeline knows the activation shape of a step before it
 starts, (micro-batch, T, d_model) in the model's dtype, so a receive allocates
 its buffer and posts at once: there is no shape message in front of each
@@ -14,12 +18,20 @@ schedule (not the autograd graph) decides when each backward runs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from tessel.mesh import Mesh
 
 SCALAR_TAG = 7  # the step's loss, last rank -> the others (activations and gradients use tag 0)
+
+
+class Incoming(NamedTuple):
+    """A posted receive: its buffer is valid once `work.wait()` returns."""
+    buffer: torch.Tensor
+    work: dist.Work
 
 
 class StageLinks:
@@ -32,8 +44,8 @@ class StageLinks:
         self._pending_sends: list = []
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]],
-                 recvs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> list[tuple[torch.Tensor, object]]:
-        """Post sends and receives as one batch; returns (buffer, work) for each receive.
+                 recvs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> list[Incoming]:
+        """Post sends and receives as one batch; returns an Incoming for each receive.
 
         sends: (pipeline peer, tensor); recvs: (pipeline peer, shape, dtype).
         Sends are waited on lazily (`wait_sends`), so a rank never stalls on a
@@ -57,7 +69,7 @@ class StageLinks:
         if len(works) != len(ops):  # a coalesced batch (NCCL) answers with one handle for all
             works = works[-1:] * len(ops)
         self._pending_sends.extend(works[: len(sends)])
-        return list(zip(buffers, works[len(sends):]))
+        return [Incoming(buf, work) for buf, work in zip(buffers, works[len(sends):])]
 
     def wait_sends(self) -> None:
         for item in self._pending_sends:
@@ -65,7 +77,7 @@ class StageLinks:
                 item.wait()
         self._pending_sends.clear()
 
-    def expect_from_last(self) -> tuple[torch.Tensor, object] | None:
+    def expect_from_last(self) -> Incoming | None:
         """Post now the receive of the fp32 scalar the last rank sends later with `send_to_all`.
 
         Under its own tag (a gloo slot of its own), so it never queues behind
@@ -75,7 +87,7 @@ class StageLinks:
         if self.group is None or dist.get_rank() == self.ranks[-1]:
             return None
         buf = torch.empty((), dtype=torch.float32, device=self.device)
-        return buf, dist.irecv(buf, self.ranks[-1], group=self.group, tag=SCALAR_TAG)
+        return Incoming(buf, dist.irecv(buf, self.ranks[-1], group=self.group, tag=SCALAR_TAG))
 
     def send_to_all(self, t: torch.Tensor) -> None:
         """The last rank's half of `expect_from_last`; waited on with the other sends."""

@@ -1,11 +1,14 @@
-"""Cut the reference GPT into pipeline stages that keep the full model's parameter names.
+"""Cut a model into pipeline stages: each is the model with the modules it does not own removed.
 
 Stage s of S = p * v holds a contiguous run of blocks; the first also holds the
 token embedding, the last the final norm and the output head (the loss is
-computed beside it). Blocks sit in an nn.ModuleDict keyed by their index in the
-full model, so a stage's parameters are named exactly as in the whole model
-(`layers.3.attn.wq.weight`): a checkpoint written under one layout loads under
-another.
+computed beside it). A stage is the model itself with the other modules taken
+out by name, as torchtitan's pipeline_parallel.py cuts its stages: the model's
+own forward runs and skips what is absent (tessel.models.gpt.GPT.forward), so
+no stage re-implements it. Removed blocks leave the others under their index
+in the full model, so a stage's parameters are named exactly as in the whole
+model (`layers.3.attn.wq.weight`): a checkpoint written under one layout loads
+under another.
 
 How many blocks each stage gets: a user layout (`parallel.pp_layout`), or a
 balance of per-block costs (parameter count or measured time) in which the
@@ -14,7 +17,10 @@ embedding's cost is added to the first stage and the head's to the last.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,30 +29,52 @@ import torch.nn as nn
 from tessel.models.gpt import GPT, cross_entropy
 
 
-class PipelineStage(nn.Module):
-    """A contiguous slice of a GPT: (B, T) ids or (B, T, C) activations -> (B, T, C) or logits."""
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a model keeps what a pipeline cuts, by module name: data, as the TP plan is.
 
-    def __init__(self, model: GPT, first: int, last: int, is_first: bool, is_last: bool):
-        super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        self.layer_ids = list(range(first, last))
-        if is_first:
-            self.tok_emb = model.tok_emb
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_ids})
-        if is_last:
-            self.norm = model.norm
-            self.lm_head = model.lm_head  # with tied embeddings: the same tensor as tok_emb.weight
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+    `before` runs ahead of the blocks (on the first stage), `after` behind them
+    (on the last); `blocks` is the list of blocks; `tied` names the input
+    embedding's and the output head's weight, one tensor when they are tied.
+    """
+    before: tuple[str, ...] = ("tok_emb",)
+    blocks: str = "layers"
+    after: tuple[str, ...] = ("norm", "lm_head")
+    tied: tuple[str, str] = ("tok_emb.weight", "lm_head.weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.tok_emb(x)  # (B, T) -> (B, T, C)
-        for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
-        if self.is_last:
-            x = self.lm_head(self.norm(x))  # (B, T, V)
-        return x
+
+GPT_PARTS = ModelParts()
+
+
+def removed_modules(parts: ModelParts, n_blocks: int, stage: tuple[int, int], first: bool, last: bool) -> list[str]:
+    """Names of the modules a stage holding blocks stage[0]..stage[1]-1 does not own."""
+    names = [] if first else list(parts.before)
+    names += [f"{parts.blocks}.{i}" for i in range(n_blocks) if not stage[0] <= i < stage[1]]
+    return names + ([] if last else list(parts.after))
+
+
+def without_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
+    """The model with the modules `names` removed; everything it keeps is the model's own object.
+
+    Only the modules above a removed one (the root, the block list) are copied,
+    so the model itself stays whole; deepcopy's memo maps every other module,
+    parameter and buffer to itself. A removed entry of a ModuleList or
+    ModuleDict is deleted (its siblings keep their names and the list iterates
+    over what is left); any other removed module becomes None, which the
+    model's forward skips.
+    """
+    above = {""} | {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
+    shared = {id(m): m for name, m in model.named_modules(remove_duplicate=False) if name not in above}
+    shared |= {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    stage = copy.deepcopy(model, shared)
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = stage.get_submodule(parent_name)
+        if isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+            delattr(parent, leaf)
+        else:
+            setattr(parent, leaf, None)
+    return stage
 
 
 def balanced_layout(costs: Sequence[float], stages: int, head: float = 0.0, tail: float = 0.0) -> list[int]:
@@ -139,9 +167,10 @@ def stage_bounds(layout: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_model(model: GPT, layout: Sequence[int], rank: int, p: int) -> list[PipelineStage]:
-    """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ..."""
+def split_model(model: nn.Module, layout: Sequence[int], rank: int, p: int,
+                parts: ModelParts = GPT_PARTS) -> list[nn.Module]:
+    """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ... (Narayanan et al. 2021)."""
     bounds = stage_bounds(layout)
     last = len(layout) - 1
-    return [PipelineStage(model, *bounds[s], is_first=s == 0, is_last=s == last)
+    return [without_modules(model, removed_modules(parts, sum(layout), bounds[s], s == 0, s == last))
             for s in range(rank, len(layout), p)]

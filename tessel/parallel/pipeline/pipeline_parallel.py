@@ -15,8 +15,12 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT
 from tessel.parallel.data.reducer import dp_reducer
-from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
+from tessel.parallel.pipeline.grad_sync import GradientSync, TiedEmbedding
+from tessel.parallel.pipeline.partition import (GPT_PARTS, balanced_layout, param_costs, split_model, time_costs,
+                                                uniform_layout)
 from tessel.parallel.pipeline.runner import PipelineRunner
+from tessel.parallel.pipeline.schedules import Placement
+from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.zero.optim import ZeroAdamW
 from tessel.parallel.zero.pipeline import PipelineZero3
 from tessel.parallel.zero.zero_parallel import zero_parallel
@@ -55,18 +59,20 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     zero = optimizer = None
+    placement = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
-        for c in chunks:
-            if c.is_last:
-                mark_replica(c.lm_head.weight)  # the first stage's copy is the one the norm counts
+        for c, chunk in enumerate(chunks):
+            if placement.is_last(c):  # the first stage's copy is the one the norm counts
+                mark_replica(chunk.get_parameter(GPT_PARTS.tied[1]))
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (pipeline/zero3.py)
         zero = PipelineZero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
                                         weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
-    return PipelineRunner(list(chunks), mesh, p.schedule, t.grad_accum * p.micro_batches, loss_fn,
-                          cfg.model.d_model, t.precision, cfg.model.vocab_size, cfg.model.max_seq_len,
-                          p.bucket_mb, tied=cfg.model.tie_embeddings, reducer=reducer,
-                          gather_vocab=gather_vocab, extra_metrics=extra_metrics, zero=zero, optimizer=optimizer,
-                          seq_shards=mesh.size("tp") if p.sequence_parallel else 1)
+    tied = TiedEmbedding(mesh, chunks, placement, GPT_PARTS) if cfg.model.tie_embeddings else None
+    sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
+    spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
+                        seq_shards=mesh.size("tp") if p.sequence_parallel else 1, vocab_size=cfg.model.vocab_size,
+                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics)
+    return PipelineRunner(chunks, mesh, spec, sync, optimizer)

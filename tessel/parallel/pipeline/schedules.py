@@ -43,6 +43,26 @@ class Action:
 Schedule = list[list[Action]]  # schedule[rank] = that rank's actions in order
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one pipeline rank's chunks sit: chunk c is virtual stage c * p + rank of p * v.
+
+    With v = 1 a rank holds one stage; with v > 1 its chunks are spread round
+    the pipeline (interleaved 1F1B, Narayanan et al. 2021, sec. 2.2)."""
+    p: int  # pipeline ranks
+    v: int  # chunks per rank (virtual stages)
+    rank: int
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def is_first(self, chunk: int) -> bool:
+        return self.stage(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.p * self.v - 1
+
+
 # ---- compute orders ----------------------------------------------------------
 def gpipe_order(p: int, m: int, rank: int) -> list[Action]:
     return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]

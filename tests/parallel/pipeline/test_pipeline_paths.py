@@ -36,8 +36,9 @@ def _run_paths():
             torch.manual_seed(0)
             runner = parallelize(GPT(cfg.model), mesh, cfg)
             if not prepost:
-                runner.prepost = False  # receives in the schedule's batches, loss broadcast: NCCL's path
-                runner.saved.dynamic = [True] * len(runner.chunks)  # the hook measures every forward
+                runner.executor.prepost = False  # receives in the schedule's batches, loss broadcast: NCCL's path
+                runner.loss_by_message = False
+                runner.recorder.saved.dynamic = [True] * len(runner.chunks)  # the hook measures every forward
             rows = []
             for _ in range(2):  # the second step counts from the cache on the default path
                 loss = runner.forward_backward(x, y).item()

@@ -1,0 +1,24 @@
+"""What a pipeline runner runs, in one record: the schedule, the micro-batches, the shapes and the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tessel.parallel.runner import LossFn
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    schedule: str  # gpipe | 1f1b | interleaved (schedules.py)
+    micro_batches: int  # per step: grad_accum x parallel.micro_batches
+    d_model: int  # the width of the activations that cross stages
+    loss_fn: LossFn  # (logits, targets) -> mean loss, on the last stage
+    precision: str = "fp32"
+    seq_shards: int = 1  # sequence parallelism: stages exchange (B, T/seq_shards, C), each tp rank its tokens
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: the last stage's logits are shards
+    extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. MoE routing stats of this rank's blocks
