@@ -234,7 +234,7 @@ def _baseline_rss() -> float:
 
     from tessel.config import ModelConfig, TrainConfig
     from tessel.models.gpt import GPT, cross_entropy
-    from tessel.train.trainer import build_optimizer
+    from tessel.train.optim import build_optimizer
     model = GPT(ModelConfig(vocab_size=256, n_layer=1, n_head=2, d_model=8, max_seq_len=8))
     opt = build_optimizer(list(model.parameters()), TrainConfig())
     x = torch.randint(0, 256, (1, 8))
@@ -362,7 +362,7 @@ def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
 
     from tessel.config import TrainConfig
     from tessel.train.data import BatchSampler
-    from tessel.train.trainer import build_optimizer
+    from tessel.train.optim import build_optimizer
     params = list(model.parameters())
     opt = build_optimizer(params, TrainConfig())
 

@@ -32,7 +32,7 @@ from tessel.train.checkpoint.manager import (choose, commit, disk_full_error, fr
                                              step_dir, tmp_dir)
 from tessel.train.checkpoint.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
 from tessel.train.fault.guard import checkpoint_root, run_info
-from tessel.train.trainer import build_optimizer, build_scheduler, lr_at
+from tessel.train.optim import build_optimizer, build_scheduler, lr_at
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state; its step is the update count
 

@@ -41,8 +41,8 @@ from tessel.parallel.ps.parameter_server import ParameterServer
 from tessel.parallel.runner import LocalRunner
 from tessel.train import ps_checkpoint
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.trainer import (Summary, build_optimizer, close_log, lr_at, sample_text, speed_fields, summarize,
-                                  summary_from_metrics)
+from tessel.train.optim import build_optimizer, lr_at
+from tessel.train.trainer import Summary, close_log, sample_text, speed_fields, summarize, summary_from_metrics
 
 log = logging.getLogger("tessel.ps")
 

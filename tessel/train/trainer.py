@@ -2,48 +2,25 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from tessel.config import Config, TrainConfig
+from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.zero.optim import decay_groups, default_decay, optimizer_params
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.fault.guard import Guard
 from tessel.train.fault.numerics import agree
 from tessel.train.fault.preempt import Stopped, StopRequest
-
-
-def build_optimizer(params: list[nn.Parameter], t: TrainConfig,
-                    decay: Callable[[nn.Parameter], bool] = default_decay) -> torch.optim.Optimizer:
-    """AdamW; `decay` picks who gets weight decay: by default matrices, not norms and other
-    vectors (nanoGPT, GPT-3)."""
-    return torch.optim.AdamW(decay_groups(params, decay, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
-
-
-def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay from lr to min_lr at the last step."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, t) / t.lr)
+from tessel.train.optim import build_optimizer, build_scheduler, optimizer_params
 
 
 @dataclass

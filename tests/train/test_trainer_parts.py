@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tessel.config import TrainConfig
-from tessel.train.trainer import lr_at
+from tessel.train.optim import lr_at
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -21,7 +21,7 @@ from tessel.parallelize import parallelize
 from tessel.sharding import logical_shape
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.trainer import build_optimizer
+from tessel.train.optim import build_optimizer
 from tests.helpers import tiny_config
 
 STEPS = 3
