@@ -43,6 +43,7 @@ from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.spawn import spawn
+from tessel.train.optim import param_groups
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -58,7 +59,8 @@ def build_tessel(cfg: ModelConfig, args):
     torch.manual_seed(0)
     model = GPT(cfg)
     param_dtype, reduce_dtype = _dtypes(args)
-    wrapped, opt = zero_parallel(model, make_mesh({"dp": dist.get_world_size()}), 3, **HYPER,
+    groups = param_groups(model.parameters(), HYPER["weight_decay"])
+    wrapped, opt = zero_parallel(model, make_mesh({"dp": dist.get_world_size()}), 3, groups, **HYPER,
                                  param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return wrapped, opt
 

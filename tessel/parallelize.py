@@ -22,6 +22,7 @@ from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline
 from tessel.parallel.recompute import recompute_blocks
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
+from tessel.train.optim import param_groups
 
 
 @dataclass
@@ -85,8 +86,8 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.parallel.zero_stage > 0:
         t = cfg.train
         plan.model, plan.optimizer = zero_parallel(
-            plan.model, mesh, cfg.parallel.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
-            weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+            plan.model, mesh, cfg.parallel.zero_stage, param_groups(plan.model.parameters(), t.weight_decay),
+            lr=t.lr, betas=(t.beta1, t.beta2), axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
             **zero_dtypes(cfg.parallel))
         return plan
     if mesh.size("dp", "ep") > 1:
@@ -109,7 +110,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: Config):
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
         return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
-                               extra_metrics=plan.extra_metrics)
+                               extra_metrics=plan.extra_metrics,
+                               param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay))
     plan = apply_data_parallel(plan, mesh, cfg)
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,

@@ -22,7 +22,7 @@ from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.zero.optim import ZeroAdamW
-from tessel.parallel.zero.pipeline import PipelineZero3
+from tessel.parallel.zero.pipeline import pipeline_zero3
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.sharding import mark_replica
 
@@ -55,7 +55,8 @@ def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
 
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
-                    extra_metrics=None) -> PipelineRunner:
+                    extra_metrics=None, param_groups: list[dict] | None = None) -> PipelineRunner:
+    """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups)."""
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     zero = optimizer = None
@@ -64,12 +65,12 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
         for c, chunk in enumerate(chunks):
             if placement.is_last(c):  # the first stage's copy is the one the norm counts
                 mark_replica(chunk.get_parameter(GPT_PARTS.tied[1]))
-    if p.zero_stage == 3:  # whole parameters for a step, shards at rest (pipeline/zero3.py)
-        zero = PipelineZero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
-        optimizer = ZeroAdamW(zero, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    if p.zero_stage == 3:  # whole parameters for a step, shards at rest (tessel.parallel.zero.pipeline)
+        zero = pipeline_zero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+        optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
-        zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, lr=t.lr, betas=(t.beta1, t.beta2),
-                                        weight_decay=t.weight_decay, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+        zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
+                                        axes=("dp", "ep"), bucket_mb=p.bucket_mb)
     tied = TiedEmbedding(mesh, chunks, placement, GPT_PARTS) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,

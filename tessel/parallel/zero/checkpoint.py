@@ -32,13 +32,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from tessel.parallel.zero.flat import FlatGroup, all_gather
+from tessel.parallel.zero.collectives import all_gather_shards
+from tessel.parallel.zero.engine import ZeroDataParallel
+from tessel.parallel.zero.flat import FlatGroup
 
 MODEL, OPTIM = "model/", "optim/"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def param_names(engine) -> dict[int, list[str]]:
+def param_names(engine: ZeroDataParallel) -> dict[int, list[str]]:
     """id(param) -> every name it has in the wrapped module (tied weights have two)."""
     names: dict[int, list[str]] = {}
     for n, p in engine.module.named_parameters(remove_duplicate=False):
@@ -46,7 +48,7 @@ def param_names(engine) -> dict[int, list[str]]:
     return names
 
 
-def segment_offsets(optimizer, groups: list[FlatGroup]) -> list[tuple[nn.Parameter, int, int]]:
+def segment_offsets(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> list[tuple[nn.Parameter, int, int]]:
     """(segment, group index, offset inside the group's shard) for every optimizer segment."""
     out = []
     for pg in optimizer.param_groups:
@@ -63,7 +65,7 @@ def segment_offsets(optimizer, groups: list[FlatGroup]) -> list[tuple[nn.Paramet
 def _gather(g: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
     """(numel/N,) owned piece -> (numel,) whole flat tensor, same on every rank of the group."""
     full = torch.empty(shard.numel() * g.comm.world, dtype=shard.dtype, device=shard.device)
-    all_gather(full, shard.contiguous(), g.comm.group, async_op=False)
+    all_gather_shards(full, shard.contiguous(), g.comm.group, async_op=False)
     return full
 
 
@@ -78,9 +80,9 @@ def _global_step(segs, device) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def checkpoint_tensors(optimizer) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Logical model and AdamW tensors of every parameter in the flat groups (collective)."""
-    engine, groups = optimizer.engine, optimizer.engine.groups
+    groups = engine.groups
     names = param_names(engine)
     segs = segment_offsets(optimizer, groups)
     step = _global_step([(s, optimizer.state.get(s, {})) for s, _, _ in segs], groups[0].shard.device)
@@ -105,19 +107,20 @@ def checkpoint_tensors(optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_names(optimizer) -> set[str]:
+def model_names(engine: ZeroDataParallel) -> set[str]:
     """The model/ keys the ZeRO hook loads itself (tessel.train.checkpoint.logical leaves them alone)."""
-    names = param_names(optimizer.engine)
-    return {n for g in optimizer.engine.groups for p in g.params for n in names[id(p)]}
+    names = param_names(engine)
+    return {n for g in engine.groups for p in g.params for n in names[id(p)]}
 
 
 @torch.no_grad()
-def load_checkpoint_tensors(optimizer, reader, metadata, localize=None) -> None:
+def load_checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Optimizer, reader, metadata,
+                            localize=None) -> None:
     """Read logical tensors (any saved layout) and copy this rank's slices into the flat shards.
 
     localize(whole, param) cuts the piece a tp-sharded parameter holds on this rank
     (tessel.train.checkpoint.logical.LogicalView.local_slice); None: parameters are whole over tp."""
-    engine, groups = optimizer.engine, optimizer.engine.groups
+    groups = engine.groups
     names = param_names(engine)
     saved = metadata.state_dict_metadata
     targets: dict[str, torch.Tensor] = {}
@@ -153,8 +156,8 @@ def load_checkpoint_tensors(optimizer, reader, metadata, localize=None) -> None:
                 if f"{OPTIM}{n}/{key}" in targets:  # a parameter a plain AdamW never stepped has none
                     flat[key][start: start + p.numel()].copy_(local(targets[f"{OPTIM}{n}/{key}"], p).reshape(-1))
         g.shard.copy_(flat["param"][g.lo: g.hi])  # the master; stage 3 gathers the parameters from it
-        if engine.stage != 3:
-            g.full.copy_(flat["param"])  # every parameter is a view of it (and the shard, in fp32)
+        if g.gathered:  # stages 1, 2 (stage 3 inside gathered()): every parameter is a view of it
+            g.full.copy_(flat["param"])
         flats.append(flat)
     if not has_optim:
         return

@@ -1,23 +1,25 @@
-"""The flat, sharded layout under tessel.parallel.zero.zero_parallel: buffers, shards, optimizer segments.
+"""The flat, sharded layout under ZeRO: flat groups of parameters, cut into equal shards.
 
 A flat group is one contiguous buffer holding several parameters, zero-padded
 to a multiple of N (the size of the process group that shards it) and cut into
 N equal shards; rank r of that group owns elements [r*S, (r+1)*S), S = size/N.
 The padding stays zero through training: its gradient is zero and AdamW moves
 a zero weight with a zero gradient nowhere.
+
+Two layouts: gradient buckets (stages 1, 2: sized so that reductions overlap
+backward, as in tessel.parallel.data) and units (stage 3: what is gathered as
+one, by default each block of the model, plus the rest as the root unit).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.parallel.data.data_parallel import Bucket, build_buckets
-from tessel.sharding import is_replica, mark_replica, mark_sharded, shard_axes
 
 
 @dataclass(frozen=True)
@@ -29,20 +31,12 @@ class Comm:
     rank: int  # rank inside `group`: the order of shards in its collectives
 
 
-# ---- collectives (gloo and NCCL both implement the single-tensor forms) ------------
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    if group is None:
-        if out.data_ptr() != inp.data_ptr():
-            out.copy_(inp)
-        return None
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
-
-
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group):
-    if group is None:
-        out.copy_(inp)
-        return None
-    return dist.reduce_scatter_single(out, inp, group=group, async_op=True)
+@dataclass(frozen=True)
+class Precision:
+    """Mixed-precision storage: the module computes with parameters in param_dtype and
+    gradients are reduced in grad_dtype; the optimizer's masters stay fp32."""
+    param_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -60,7 +54,7 @@ class FlatGroup(Bucket):
     grad_dtype: torch.dtype = torch.float32
     out: torch.Tensor | None = None         # reduce-scatter output while in flight
     gather_work: object = None
-    gathered: bool = True
+    gathered: bool = True                   # `full` holds the whole parameters now (stages 1, 2: always)
     index: int = -1                         # stage 3: the unit's position in forward order; -1: root
     first: int = 0                          # position of its first parameter in gradient order
 
@@ -76,9 +70,24 @@ class FlatGroup(Bucket):
         p = self.params[i]
         return self.full[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter i's view of the flat gradient buffer, allocated as zeros if there is none."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.full.shape, dtype=self.grad_dtype, device=self.full.device)
+        return self.view_of(i)
+
     def shard_source(self) -> torch.Tensor:
         """What this rank contributes to the gather of `full`: the master shard, cast if needed."""
         return self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
+
+    def complete(self) -> bool:
+        """Every parameter's gradient has arrived in this backward."""
+        return len(self.ready) == len(self.params)
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that train, each once (a tied weight is one parameter), in module order."""
+    return list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
 
 
 def _flatten_into(g: FlatGroup, param_dtype: torch.dtype, separate_shard: bool) -> None:
@@ -100,30 +109,78 @@ def _flatten_into(g: FlatGroup, param_dtype: torch.dtype, separate_shard: bool) 
             g.shard = g.shard.clone()  # the only fp32 copy; the whole master buffer is freed
 
 
-def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int, comm: Comm, stage: int,
-                  order: dict[int, int], param_dtype: torch.dtype = torch.float32,
-                  grad_dtype: torch.dtype = torch.float32) -> list[FlatGroup]:
-    """Stages 1, 2: gradient buckets (tessel.parallel.data.data_parallel) with a parameter buffer beside each."""
+@dataclass(frozen=True)
+class FlatSpec:
+    """What a layout is built from: the module, its trainable parameters, and the choices."""
+    module: nn.Module
+    params: list[nn.Parameter]               # trainable, in module order
+    by_comm: dict[Comm, list[nn.Parameter]]  # the process group that shards each
+    bucket_bytes: int                        # stages 1, 2: gradient bucket size
+    units: Sequence[nn.Module] | None        # stage 3: gathered as one; None: find_units(module)
+    precision: Precision
+
+
+# ---- stages 1, 2: gradient buckets ----------------------------------------------------
+def bucket_layout(spec: FlatSpec) -> list[FlatGroup]:
+    """Gradient buckets (tessel.parallel.data.data_parallel) with a parameter buffer beside
+    each, for every process group, sorted in gradient order."""
     # reverse order approximates the order in which gradients become ready
+    order = {id(p): i for i, p in enumerate(reversed(spec.params))}
+    groups = [g for comm, ps in spec.by_comm.items()
+              for g in _bucket_groups(ps, spec.bucket_bytes, comm, order, spec.precision)]
+    return sorted(groups, key=lambda g: g.first)
+
+
+def _bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int, comm: Comm, order: dict[int, int],
+                   precision: Precision) -> list[FlatGroup]:
     groups = []
     for b in build_buckets(list(reversed(params)), bucket_bytes, align=comm.world):
-        g = FlatGroup(b.params, b.buffer, b.offsets, comm=comm, full=torch.zeros_like(b.buffer),
-                      first=order[id(b.params[0])], grad_dtype=grad_dtype)
-        _flatten_into(g, param_dtype, separate_shard=False)
-        if stage == 1:
-            g.buffer = b.buffer.to(grad_dtype)  # zeros
-            # the all-reduced gradient, seen in place when it is fp32; else a copy of it
-            g.grad_shard = g.buffer[g.lo: g.hi] if grad_dtype == g.shard.dtype else torch.zeros_like(g.shard)
-        else:
-            g.buffer = None  # allocated by the first gradient, freed once reduce-scattered
-            g.grad_shard = torch.zeros_like(g.shard)
+        # the gradient buffer is the stage's to allocate (tessel.parallel.zero.gradients)
+        g = FlatGroup(b.params, None, b.offsets, comm=comm, full=torch.zeros_like(b.buffer),
+                      first=order[id(b.params[0])], grad_dtype=precision.grad_dtype)
+        _flatten_into(g, precision.param_dtype, separate_shard=False)
         groups.append(g)
     return groups
 
 
-def unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int, param_dtype: torch.dtype = torch.float32,
-               grad_dtype: torch.dtype = torch.float32) -> FlatGroup:
-    """Stage 3: one unit's parameters; only the owned (master) shard stays allocated."""
+# ---- stage 3: units -------------------------------------------------------------------
+class UnitLayout(NamedTuple):
+    modules: list[nn.Module]         # the units that hold parameters, forward order
+    units: list[list[FlatGroup]]     # their flat groups (one per process group), same order
+    root: list[FlatGroup]            # what no unit claims (embedding, head, final norm)
+
+    def gradient_order(self) -> list[FlatGroup]:
+        # gradients of the last unit are ready first; the root (embedding, head) completes last
+        return [g for unit in reversed(self.units) for g in unit] + self.root
+
+
+def unit_layout(spec: FlatSpec) -> UnitLayout:
+    """One flat group per unit and process group; a parameter belongs to the first unit holding it."""
+    units = find_units(spec.module) if spec.units is None else spec.units
+    comm_of = {id(p): comm for comm, ps in spec.by_comm.items() for p in ps}
+    claimed: set[int] = set()
+    layout = UnitLayout([], [], [])
+    for u in units:
+        ps = [p for p in dict.fromkeys(u.parameters()) if id(p) in comm_of and id(p) not in claimed]
+        claimed.update(id(p) for p in ps)
+        if ps:
+            layout.units.append(_unit_groups(ps, comm_of, len(layout.units), spec.precision))
+            layout.modules.append(u)
+    rest = [p for ps in spec.by_comm.values() for p in ps if id(p) not in claimed]
+    layout.root.extend(_unit_groups(rest, comm_of, -1, spec.precision))
+    return layout
+
+
+def _unit_groups(ps: list[nn.Parameter], comm_of: dict[int, Comm], index: int,
+                 precision: Precision) -> list[FlatGroup]:
+    per: dict[Comm, list[nn.Parameter]] = {}
+    for p in ps:
+        per.setdefault(comm_of[id(p)], []).append(p)
+    return [_unit_group(group_ps, comm, index, precision) for comm, group_ps in per.items()]
+
+
+def _unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int, precision: Precision) -> FlatGroup:
+    """One unit's parameters; only the owned (master) shard stays allocated."""
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) != 1:
         raise ValueError(f"a ZeRO-3 unit needs one dtype and device, got {kinds}")
@@ -131,9 +188,8 @@ def unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int, param_dty
     offsets = [sum(numels[:i]) for i in range(len(params))]
     padded = -(-sum(numels) // comm.world) * comm.world
     full = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-    g = FlatGroup(list(params), None, offsets, comm=comm, full=full, index=index, grad_dtype=grad_dtype)
-    _flatten_into(g, param_dtype, separate_shard=True)
-    g.grad_shard = torch.zeros_like(g.shard)
+    g = FlatGroup(list(params), None, offsets, comm=comm, full=full, index=index, grad_dtype=precision.grad_dtype)
+    _flatten_into(g, precision.param_dtype, separate_shard=True)
     return g
 
 
@@ -147,35 +203,3 @@ def find_units(module: nn.Module) -> list[nn.Module]:
             units.append(child)
             inside.update(id(x) for x in child.modules())
     return units
-
-
-def segments(groups: Sequence[FlatGroup], decay: Callable[[nn.Parameter], bool]
-             ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """The optimizer's parameters: owned pieces of each flat group, split by decay and sharding.
-
-    Each segment aliases the owned parameter shard, and its gradient the gradient
-    shard, so the optimizer updates the flat buffers in place. A segment is marked
-    sharded over its group's axes and over those its parameters were already
-    sharded on (tp, ep), so the global gradient norm adds the pieces up; a piece of
-    a replica (tessel.sharding.mark_replica) is a replica too."""
-    out: tuple[list, list] = ([], [])
-    for g in groups:
-        pieces = []  # (start, end, key) in flat coordinates, clipped to the owned shard
-        for p, off in zip(g.params, g.offsets):
-            a, b = max(g.lo, off), min(g.hi, off + p.numel())
-            if a >= b:
-                continue
-            key = (bool(decay(p)), shard_axes(p), is_replica(p))
-            if pieces and pieces[-1][2] == key and pieces[-1][1] == a:
-                pieces[-1] = (pieces[-1][0], b, key)
-            else:
-                pieces.append((a, b, key))
-        for a, b, (dec, axes, replica) in pieces:
-            seg = nn.Parameter(g.shard[a - g.lo: b - g.lo], requires_grad=False)
-            seg.grad = g.grad_shard[a - g.lo: b - g.lo]
-            mark_sharded(seg, *g.comm.axes, *axes)
-            if replica:  # a copy another pipeline stage counts (the last stage's tied head)
-                mark_replica(seg)
-            out[0 if dec else 1].append(seg)
-    return out
-

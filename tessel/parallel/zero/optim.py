@@ -1,51 +1,43 @@
-"""The ZeRO optimizer: torch's AdamW on the shard this rank owns (Rajbhandari et al. 2020).
+"""The ZeRO optimizer: torch's AdamW on the shard this rank owns (P_os, Rajbhandari et al. 2020, section 5.1).
 
-Split from tessel.parallel.zero.zero_parallel, whose ZeroDataParallel engine owns the flat
-buffers: the optimizer steps the owned segments, then asks the engine to make
-the parameters whole again (publish), and saves or loads its shard as
+Its parameters are "segments": the pieces of a flat group's owned shard
+(tessel.parallel.zero.flat) that belong to one parameter group and one sharding
+class. The caller gives parameter groups over the module's parameters, as to
+any torch optimizer; each group's options carry over to the segments cut from
+its parameters. After stepping, the optimizer asks the engine to make the
+parameters whole again (publish); checkpoints save and load its shard as
 logical whole tensors (tessel.parallel.zero.checkpoint).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
-from tessel.parallel.zero import checkpoint as zero_ckpt
-from tessel.parallel.zero.flat import segments
-
-if TYPE_CHECKING:
-    from tessel.parallel.zero.zero_parallel import ZeroDataParallel
-
-
-def default_decay(p: nn.Parameter) -> bool:
-    """Weight decay on matrices only; norms and biases get none (nanoGPT, GPT-3)."""
-    return p.dim() >= 2
-
-
-def decay_groups(params, decay: Callable[[nn.Parameter], bool], weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: those `decay` picks with weight_decay, the rest with none."""
-    params = list(params)
-    return [{"params": [p for p in params if decay(p)], "weight_decay": weight_decay},
-            {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
+from tessel.parallel.zero import checkpoint
+from tessel.parallel.zero.engine import ZeroDataParallel
+from tessel.parallel.zero.flat import FlatGroup
+from tessel.sharding import is_replica, mark_replica, mark_sharded, shard_axes
 
 
 class ZeroAdamW(torch.optim.AdamW):
     """AdamW on the owned shard only; `step` then makes the parameters whole again.
 
-    A real torch AdamW (so LambdaLR and other schedulers work) whose parameters
-    are the owned segments (tessel.parallel.zero.flat.segments). Gradients are
+    `params`: the module's parameters, or parameter groups (dicts with "params"
+    and options such as "weight_decay"), as torch.optim.AdamW takes them; a
+    parameter in no group is not stepped. A real torch AdamW (so LambdaLR and
+    other schedulers work) whose parameters are the owned segments. Gradients are
     views of flat buffers, so zero_grad always zeroes in place, whatever
     set_to_none says. Its state_dict holds this rank's shard only."""
 
-    def __init__(self, engine: ZeroDataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, decay: Callable[[nn.Parameter], bool] = default_decay):
-        decay_segs, plain_segs = segments(engine.groups, decay)
-        groups = [{"params": decay_segs, "weight_decay": weight_decay},
-                  {"params": plain_segs, "weight_decay": 0.0}]
-        super().__init__(groups, lr=lr, betas=betas, eps=eps)
+    def __init__(self, engine: ZeroDataParallel, params: Iterable[nn.Parameter] | Iterable[dict],
+                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+        groups = _param_groups(params)
+        segs = segments(engine.groups, _group_index(groups, engine.groups))
+        super().__init__([{**group, "params": segs.get(k, [])} for k, group in enumerate(groups)],
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.engine = engine
 
     @torch.no_grad()
@@ -58,40 +50,75 @@ class ZeroAdamW(torch.optim.AdamW):
         self.engine.zero_grad_buffers()
 
     def grad_params(self) -> list[nn.Parameter]:
-        return optimizer_params(self)
+        """The segments: what the global gradient norm is taken over."""
+        return [p for group in self.param_groups for p in group["params"]]
 
-    # ---- checkpoints (tessel.train.checkpoint.logical's hook): logical whole tensors, see zero_ckpt --------
+    # ---- checkpoints (tessel.train.checkpoint.logical's hook): logical whole tensors ----------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return zero_ckpt.checkpoint_tensors(self)
+        return checkpoint.checkpoint_tensors(self.engine, self)
 
     def checkpoint_model_names(self) -> set[str]:
-        return zero_ckpt.model_names(self)
+        return checkpoint.model_names(self.engine)
 
     def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
-        zero_ckpt.load_checkpoint_tensors(self, reader, metadata, localize)
+        checkpoint.load_checkpoint_tensors(self.engine, self, reader, metadata, localize)
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds now in parameters, gradients and optimizer state.
-
-    Counts each storage once (views share one), at its allocated size: a
-    stage-3 buffer that is freed counts 0."""
-    def total(tensors) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            if t is not None:
-                s = t.untyped_storage()
-                seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-        return sum(seen.values())
-
-    groups = getattr(model, "groups", [])  # a ZeroDataParallel's flat groups
-    params = list(model.parameters()) + [g.shard for g in groups] + optimizer_params(optimizer)
-    grads = ([p.grad for p in model.parameters()] + [g.buffer for g in groups] + [g.grad_shard for g in groups]
-             + [p.grad for p in optimizer_params(optimizer)])
-    states = [v for st in optimizer.state.values() for k, v in st.items()
-              if torch.is_tensor(v) and k != "step"]
-    return {"params": total(params), "grads": total(grads), "optimizer": total(states)}
+def _param_groups(params: Iterable[nn.Parameter] | Iterable[dict]) -> list[dict]:
+    """torch.optim's first argument, as a list of groups (dicts with a list under "params")."""
+    params = list(params)
+    if params and not isinstance(params[0], dict):
+        params = [{"params": params}]
+    return [{**group, "params": list(group["params"])} for group in params]
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def _group_index(groups: list[dict], flat_groups: list[FlatGroup]) -> Callable[[nn.Parameter], int | None]:
+    """parameter -> the index of its group (None: in no group); checks what torch would."""
+    index: dict[int, int] = {}
+    for k, group in enumerate(groups):
+        for p in group["params"]:
+            if index.setdefault(id(p), k) != k:
+                raise ValueError("some parameters appear in more than one parameter group")
+    sharded = {id(p) for g in flat_groups for p in g.params}
+    if any(p.requires_grad and id(p) not in sharded for group in groups for p in group["params"]):
+        raise ValueError("a parameter group holds a parameter that this ZeRO engine does not shard")
+    return lambda p: index.get(id(p))
+
+
+def segments(groups: list[FlatGroup], group_of: Callable[[nn.Parameter], int | None]
+             ) -> dict[int, list[nn.Parameter]]:
+    """The optimizer's parameters: owned pieces of each flat group, by parameter group.
+
+    A segment is a run of parameters of one group and one sharding class, clipped
+    to the owned shard. Each segment aliases the owned parameter shard, and its
+    gradient the gradient shard, so the optimizer updates the flat buffers in
+    place. A segment is marked sharded over its group's axes and over those its
+    parameters were already sharded on (tp, ep), so the global gradient norm adds
+    the pieces up; a piece of a replica (tessel.sharding.mark_replica) is a replica too."""
+    out: dict[int, list[nn.Parameter]] = {}
+    for g in groups:
+        for a, b, (k, axes, replica) in _owned_pieces(g, group_of):
+            if k is None:
+                continue  # parameters no group steps
+            seg = nn.Parameter(g.shard[a - g.lo: b - g.lo], requires_grad=False)
+            seg.grad = g.grad_shard[a - g.lo: b - g.lo]
+            mark_sharded(seg, *g.comm.axes, *axes)
+            if replica:  # a copy another pipeline stage counts (the last stage's tied head)
+                mark_replica(seg)
+            out.setdefault(k, []).append(seg)
+    return out
+
+
+def _owned_pieces(g: FlatGroup, group_of: Callable[[nn.Parameter], int | None]) -> list[tuple[int, int, tuple]]:
+    """(start, end, key) in flat coordinates, clipped to the owned shard; neighbours with one key merged."""
+    pieces: list[tuple[int, int, tuple]] = []
+    for p, off in zip(g.params, g.offsets):
+        a, b = max(g.lo, off), min(g.hi, off + p.numel())
+        if a >= b:
+            continue
+        key = (group_of(p), shard_axes(p), is_replica(p))
+        if pieces and pieces[-1][2] == key and pieces[-1][1] == a:
+            pieces[-1] = (pieces[-1][0], b, key)
+        else:
+            pieces.append((a, b, key))
+    return pieces

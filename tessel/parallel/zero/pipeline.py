@@ -47,38 +47,20 @@ segments cut from it, so the global gradient norm counts the tied weight once.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.parallel.zero.zero_parallel import ZeroDataParallel
+from tessel.parallel.zero.engine import ZeroDataParallel
 
 
-class PipelineZero3(ZeroDataParallel):
+def pipeline_zero3(chunks: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp", "ep"),
+                   bucket_mb: float = 25.0) -> ZeroDataParallel:
     """ZeRO-3 over one pipeline rank's chunks: whole parameters for a step, shards at rest.
 
-    All parameters form the root (no per-layer units, so no per-layer hooks):
-    `step_gathered()` makes them whole for the duration of a step (or an
-    evaluation), and the engine's end-of-backward resharding waits until then.
-    """
-
-    def __init__(self, chunks: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp", "ep"),
-                 bucket_mb: float = 25.0):
-        self._hold = False
-        super().__init__(chunks, mesh, 3, axes, bucket_mb, units=[])
-
-    @contextlib.contextmanager
-    def step_gathered(self) -> Iterator[None]:
-        self._wait_gathered(self.groups)
-        self._hold = True
-        try:
-            yield
-        finally:
-            self._hold = False
-            self.reshard_all()
-
-    def reshard_all(self) -> None:
-        if not self._hold:  # each micro-batch's backward ends here; the step's end frees
-            super().reshard_all()
+    All parameters form the root unit (no per-layer units, so no per-layer
+    hooks): the runner wraps each step (or evaluation) in `step_gathered()`, which
+    makes them whole and holds them until the step's end, past the
+    end-of-backward resharding of every micro-batch."""
+    return ZeroDataParallel(chunks, mesh, 3, axes, bucket_mb, units=[])

@@ -11,10 +11,11 @@ from torch.testing import assert_close
 
 from tessel.mesh import make_mesh
 from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.zero.optim import state_bytes
+from tessel.parallel.zero.memory import state_bytes
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.sharding import mark_sharded
 from tessel.spawn import spawn
+from tessel.train.optim import param_groups
 from tests.helpers import build_trainer, tiny_config
 
 # 5 steps, two accumulation micro-steps (no_sync), tiny buckets so that several
@@ -191,7 +192,8 @@ def _any_module_run(runs):
         torch.manual_seed(0)
         net = Stack()
         mixed = dict(param_dtype=BF16, reduce_dtype=reduce) if kind == "bf16" else {}
-        model, opt = zero_parallel(net, mesh, stage, bucket_mb=0.004, **HYPER, **mixed)
+        groups = param_groups(net.parameters(), HYPER["weight_decay"])
+        model, opt = zero_parallel(net, mesh, stage, groups, bucket_mb=0.004, **HYPER, **mixed)
         norms = []
         for step in range(2):
             _micro_steps(model, _batch(step).chunk(world)[rank], interleave, kind)
@@ -273,7 +275,8 @@ def _expert_run(stages):
     out = []
     for stage in stages:
         net = ExpertNet(mesh.coord("ep"))
-        model, opt = zero_parallel(net, mesh, stage, axes=("dp", "ep"), bucket_mb=0.001, **HYPER)
+        groups = param_groups(net.parameters(), HYPER["weight_decay"])
+        model, opt = zero_parallel(net, mesh, stage, groups, axes=("dp", "ep"), bucket_mb=0.001, **HYPER)
         norms = []
         for step in range(2):
             model(_batch(step).chunk(4)[dist.get_rank()]).pow(2).mean().backward()
