@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import typer
 
-from tessel.config import ConfigError, load_config
+from tessel import launch
+from tessel.config import Config, ConfigError, load_config
+from tessel.supervise import Supervisor
+from tessel.train.fault.preempt import ControlDir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tessel: distributed training of large models on torch.distributed.")
@@ -51,15 +56,13 @@ def train(
                                   "and save before it is killed"),
 ) -> None:
     """Train the reference GPT with the recipe's parallel layout."""
-    from tessel.launch import LaunchOptions, launch, preflight, run_rank, under_torchrun, with_resume
-
-    opts = LaunchOptions(max_restarts, resume, nnodes, nproc, overwrite, force, grace_s)
+    opts = launch.LaunchOptions(max_restarts, resume, nnodes, nproc, overwrite, force, grace_s)
     try:
         cfg = load_config(recipe, set_)
-        if under_torchrun():  # started by the user's torchrun: this process is a rank
-            run_rank(with_resume(cfg, resume), overwrite=overwrite)  # does not return
-        checked = preflight(cfg, opts)
-        code = launch(checked, opts)
+        if launch.under_torchrun():  # started by the user's torchrun: this process is a rank
+            launch.run_rank(launch.with_resume(cfg, resume), overwrite=overwrite)  # does not return
+        checked = launch.preflight(cfg, opts)
+        code = launch.launch(checked, opts)
     except ConfigError as err:
         fail(err)
     raise typer.Exit(code)
@@ -68,14 +71,8 @@ def train(
 @app.command("_rank", hidden=True)
 def rank_entry(config: str = typer.Argument(..., help="the validated config the launcher wrote")) -> None:
     """One rank of a launched run (tessel train starts these through torchrun)."""
-    import os
-    from pathlib import Path
-
-    from tessel.config import Config
-    from tessel.launch import run_rank
-    from tessel.train.fault.preempt import ControlDir
     cfg = Config.model_validate_json(Path(config).read_text())
-    run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
+    launch.run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
 
 
 _PLAN_OPTS = dict(
@@ -102,7 +99,7 @@ def plan(
     top: int = typer.Option(8, "--top", help="rows in the table"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
-    from tessel import planning as commands
+    from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         commands.check_plan_args(top, out)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -124,7 +121,7 @@ def simulate(
     png: str = typer.Option("runs/simulate/timeline.png", "--png", help="timeline image output"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
-    from tessel import planning as commands
+    from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         commands.check_simulate_args(trace, png)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -138,7 +135,7 @@ def simulate(
 def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tessel train"),
          out: str = typer.Option("curves.png", "--out", help="PNG to write")) -> None:
     """Plot loss, validation loss, throughput and learning rate of a run."""
-    from tessel.observe.plots import check_plot_args, plot_metrics
+    from tessel.observe.plots import check_plot_args, plot_metrics  # deferred: loads matplotlib (half a second)
     try:
         check_plot_args(metrics, out)
     except ConfigError as err:
@@ -153,10 +150,6 @@ app.add_typer(bench_app, name="bench")
 def _standalone(nproc: int) -> int:
     """Re-run this command under torchrun on `nproc` local ranks, supervised like `tessel train`:
     a signal stops every rank and nothing outlives the command (tessel.supervise)."""
-    import os
-
-    from tessel.supervise import Supervisor
-    from tessel.train.fault.preempt import ControlDir
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", "-m", "tessel", *sys.argv[1:]]
@@ -180,15 +173,14 @@ def bench_comm(
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the rows as JSON (rank 0)"),
 ) -> None:
     """nccl-tests-style table: op, algorithm, size, time, algbw, busbw."""
-    from tessel.calibrate.bench import check_args, run_rank
-    from tessel.launch import under_torchrun
+    from tessel.calibrate.bench import check_args, run_rank  # deferred: loads torch
 
     try:
         op_list, algos, size_list = check_args(world, ops, algorithms, sizes, iters, warmup, topology,
-                                               node_size, json_out)
+                                               node_size, json_out, launch.under_torchrun())
     except ConfigError as err:
         fail(err)
-    if not under_torchrun():
+    if not launch.under_torchrun():
         raise typer.Exit(_standalone(world))
     run_rank(op_list, algos, size_list, iters, warmup, topology, node_size, json_out)
 
@@ -201,14 +193,13 @@ def probe(
     reps: int = typer.Option(3, help="measurements per pair (at least 1)"),
 ) -> None:
     """Measure bandwidth/latency between every pair of ranks; infer nodes; write a topology file."""
-    from tessel.calibrate.topology_probe import check_args, run_rank
-    from tessel.launch import under_torchrun
+    from tessel.calibrate.topology_probe import check_args, run_rank  # deferred: loads torch
 
     try:
         check_args(world, out, size_mb, reps)
     except ConfigError as err:
         fail(err)
-    if not under_torchrun():
+    if not launch.under_torchrun():
         raise typer.Exit(_standalone(world))
     run_rank(out, size_mb, reps)
 

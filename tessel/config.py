@@ -8,6 +8,8 @@ so a bad recipe fails in a second with a message that names the field.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,9 +31,6 @@ def output_file(field: str, path: str | Path) -> None:
     """An output path is checked before the work that fills it: not a folder, and its nearest
     existing ancestor a folder we can write in. Writing is tried (a scratch file, removed at once)
     because os.access answers yes to root even where nothing can be created, such as /proc."""
-    import os
-    import tempfile
-
     path = Path(path)
     if path.is_dir():
         raise ConfigError(field, f"{path} is a folder; give a file name")

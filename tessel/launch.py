@@ -10,6 +10,11 @@ values, never re-parsed from the command line.
 Under torchrun started by the user (many nodes, their own rendezvous), `tessel
 train` skips the launcher: every rank validates its config, and rank 0 claims
 the output folder.
+
+Importing this module loads no torch (a second): `tessel train` refuses a bad
+config before it would have loaded. The imports marked `# deferred:` are the
+ones that load it (the data, the checkpoints, the runtime, the trainer) or,
+for the memory check, the cost model.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessel.comm.topology import Topology
 from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
+from tessel.supervise import Supervisor
+from tessel.train.fault.elastic import rendezvous_args, replan
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -101,7 +109,6 @@ def ranks_per_node(cfg: Config, opts: LaunchOptions) -> int:
 
     With --nproc-per-node or an elastic --nnodes range the ranks re-plan dp for the world they
     find (runtime.elastic; tessel.train.fault.elastic); here the smallest world is checked."""
-    from tessel.train.fault.elastic import replan
     low, _ = opts.node_range
     world = cfg.parallel.world_size
     nproc = opts.nproc or cfg.runtime.nproc_per_node or world // low
@@ -132,9 +139,8 @@ def check_devices(cfg: Config, nproc: int) -> None:
 
 def check_environment(cfg: Config) -> None:
     """Inputs that reach the ranks outside the recipe: the topology file and TESSEL_FAULT."""
-    from tessel.train.fault.injection import parse_faults
+    from tessel.train.fault.injection import parse_faults  # deferred: loads torch (tessel.heartbeat)
     if cfg.runtime.topology is not None:
-        from tessel.comm.topology import Topology
         try:
             Topology.load(cfg.runtime.topology)
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -148,7 +154,7 @@ def check_environment(cfg: Config) -> None:
 
 def check_resume(cfg: Config) -> int | None:
     """The step an explicit --resume PATH continues from (checked whole: files, model, shapes)."""
-    from tessel.train.checkpoint.manager import CheckpointError, check_resume_target
+    from tessel.train.checkpoint.manager import CheckpointError, check_resume_target  # deferred: loads torch
     if cfg.checkpoint.resume in (None, "auto"):
         return None
     try:
@@ -176,8 +182,8 @@ class Preflight:
 
 def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
     """Every check that needs no process: the flags, the world, devices, data, memory, the checkpoint."""
-    from tessel.planner.fit import check_memory
-    from tessel.train.data import validate_data
+    from tessel.calibrate.device import check_memory  # deferred: the cost model, ~20 ms a bad recipe skips
+    from tessel.train.data import validate_data  # deferred: loads torch, after the checks that need none
     opts.check()
     cfg = with_resume(cfg, opts.resume)
     cfg.runtime.elastic = cfg.runtime.elastic or opts.elastic
@@ -193,7 +199,6 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
 def torchrun_command(cfg: Config, opts: LaunchOptions, nproc: int, rank_args: list[str]) -> list[str]:
     """`python -m torch.distributed.run` with one process per rank: standalone on one node, c10d
     rendezvous on TESSEL_RDZV_ENDPOINT for many nodes or an elastic range (tessel.train.fault.elastic)."""
-    from tessel.train.fault.elastic import rendezvous_args
     low, high = opts.node_range
     if low == high == 1 and not opts.nnodes:
         rdzv = ["--standalone", "--nnodes=1"]
@@ -206,8 +211,7 @@ def torchrun_command(cfg: Config, opts: LaunchOptions, nproc: int, rank_args: li
 
 def launch(checked: Preflight, opts: LaunchOptions, say=print) -> int:
     """Claim out_dir, then run torchrun under supervision; the run's exit code."""
-    from tessel.supervise import Supervisor
-    from tessel.train.run_dir import claim
+    from tessel.train.run_dir import claim  # deferred: loads torch (checkpoints); see the module's note
     cfg, nproc = checked.cfg, checked.nproc
     claimed = claim(cfg, resume=cfg.checkpoint.resume is not None, overwrite=opts.overwrite, say=say)
     control = ControlDir.create()
@@ -230,7 +234,7 @@ def launch(checked: Preflight, opts: LaunchOptions, say=print) -> int:
 
 def finished_already(cfg: Config, run_id: str, explicit_step: int | None, say=print) -> bool:
     """Resuming a run whose checkpoint is at train.steps: say so, print its summary, train nothing."""
-    from tessel.train.run_dir import checkpoint_root, newest_step
+    from tessel.train.run_dir import checkpoint_root, newest_step  # deferred: loads torch (checkpoints)
     resume = cfg.checkpoint.resume
     if resume is None:
         return False
@@ -239,14 +243,14 @@ def finished_already(cfg: Config, run_id: str, explicit_step: int | None, say=pr
         return False
     say(f"[tessel] run {run_id} is already finished: its checkpoint is at step {step} and train.steps is "
         f"{cfg.train.steps}; nothing to train (raise train.steps to continue it)")
-    from tessel.observe.report import print_summary
-    from tessel.train.trainer import summary_from_metrics
+    from tessel.observe.report import print_summary  # deferred: rich's tables, for the last line only
+    from tessel.train.trainer import summary_from_metrics  # deferred: loads torch and every strategy
     print_summary(summary_from_metrics(cfg))
     return True
 
 
 def _prepare_data(cfg: Config) -> None:
-    from tessel.train.data import load_tokens
+    from tessel.train.data import load_tokens  # deferred: loads torch
     load_tokens(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
 
 
@@ -258,7 +262,7 @@ def run_rank(cfg: Config, control: ControlDir | None = None, run_id: str | None 
     Under the launcher (`control` given) a rank that stops on a signal or a fatal error exits 0 and
     reports through the control folder, so that torchrun does not restart it; alone under a user's
     torchrun it exits 128+signal or 1."""
-    from tessel.runtime import shutdown_and_exit
+    from tessel.runtime import shutdown_and_exit  # deferred: loads torch (see the module's note)
     rank = int(os.environ.get("RANK", 0))
     if control is not None and (control.fatal() is not None or control.stop_requested()):
         shutdown_and_exit(0)  # a restart after the run was told to end: nothing to do
@@ -266,12 +270,12 @@ def run_rank(cfg: Config, control: ControlDir | None = None, run_id: str | None 
     code = 0
     try:
         if control is None and rank == 0:  # no launcher: rank 0 owns the folder
-            from tessel.train.run_dir import claim
+            from tessel.train.run_dir import claim  # deferred: loads torch (checkpoints)
             claimed = claim(cfg, resume=cfg.checkpoint.resume is not None, overwrite=overwrite)
             run_id = claimed.run_id
         summary = train_rank(cfg, run_id, StopRequest(control))
         if rank == 0:
-            from tessel.observe.report import print_summary
+            from tessel.observe.report import print_summary  # deferred: rich's tables, for the last line only
             print_summary(summary)
     except Stopped as stop:
         code = _stopped(stop, rank, control)

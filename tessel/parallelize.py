@@ -15,12 +15,15 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, Block, cross_entropy
-from tessel.models.moe import moe_layers, with_aux_losses
+from tessel.models.moe import MoE, moe_layers, with_aux_losses
+from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
+from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
 from tessel.parallel.runner import LocalRunner
+from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
 from tessel.train.optim import param_groups
 
@@ -40,9 +43,6 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
     if mesh.size("tp") == 1:
         return plan
-    from tessel.models.moe import MoE
-    from tessel.models.plan import gpt_tp_plan
-    from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
     apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
@@ -91,7 +91,6 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             **zero_dtypes(cfg.parallel))
         return plan
     if mesh.size("dp", "ep") > 1:
-        from tessel.parallel.data.reducer import dp_reducer
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
         plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
                                    reducer=reducer)

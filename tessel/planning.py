@@ -1,4 +1,8 @@
-"""The logic behind `tessel plan` and `tessel simulate` (tessel/cli.py only parses arguments)."""
+"""The logic behind `tessel plan` and `tessel simulate` (tessel/cli.py only parses arguments).
+
+Here the measurement meets the cost model: for the cluster "this", tessel.calibrate probes this
+machine and profiles the model, and the planner is handed the Cluster and Calibration it built.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout, layout_config, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search
+from tessel.planner.simulate import simulate_plan, write_png, write_trace
 
 
 @dataclass
@@ -67,14 +72,23 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     if world is None:  # one node of a preset; this machine as a single rank
         world = 1 if cluster.lower() == "this" else get_cluster(cluster).world
     lay = checked_layout(base, world, gb, layout) if layout else None
-    cl = get_cluster(cluster, world, refresh=refresh)
+    cl = cluster_named(cluster, world, refresh=refresh)
     cal = None
     if cl.name == "this" and calibrate:
-        from tessel.calibrate.profile import profile_model
+        from tessel.calibrate.profile import profile_model  # deferred: loads torch and the trainer
         sizes = [b for b in MICRO_BATCHES if b <= gb]
         cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
     cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
     return Problem(base, spec, cl, world, gb, cm, lay)
+
+
+def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
+    """A preset by name (sized to `world` devices), or "this": this machine at `world` ranks, probed
+    by tessel.calibrate (cached; refresh re-measures)."""
+    if name.lower() != "this":
+        return get_cluster(name, world)
+    from tessel.calibrate.profile import probe_this  # deferred: loads torch and the trainer
+    return probe_this(world or 1, refresh=refresh)
 
 
 def _recipe_and_model(recipe: str | None, overrides: list[str], model: str | None,
@@ -160,7 +174,6 @@ def _breakdown(est: Estimate, cluster: Cluster) -> list[str]:
 
 
 def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
-    from tessel.planner.simulate import simulate_plan, write_png, write_trace
     if prob.layout is not None:
         est = prob.cost.estimate(prob.layout)
     else:

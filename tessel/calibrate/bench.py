@@ -11,10 +11,11 @@ rank sends in all-to-all.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -22,8 +23,9 @@ import torch.distributed as dist
 
 from tessel.comm import algorithms as A
 from tessel.comm import all_to_all as X
-from tessel.comm.topology import Topology
+from tessel.comm.topology import Topology, resolve_nodes
 from tessel.config import ConfigError, at_least, output_file
+from tessel.runtime import init_distributed, shutdown_and_exit
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ALGORITHMS = {
@@ -54,16 +56,17 @@ def parse_size(text: str) -> int:
 
 
 def check_args(world: int, ops: str, algorithms: str, sizes: str, iters: int, warmup: int,
-               topology: str | None, node_size: int | None, json_out: str | None):
+               topology: str | None, node_size: int | None, json_out: str | None, under_torchrun: bool = False):
     """Every flag of `tessel bench comm`, checked before a rank is spawned (and again in each rank).
 
+    under_torchrun: this process is a rank (tessel.launch.under_torchrun), so the world is torchrun's.
     Returns the parsed (ops, algorithms, sizes); an empty algorithm list means all of them."""
     at_least("--world", world, 1)
     at_least("--iters", iters, 1)
     at_least("--warmup", warmup, 0)
     op_list, algos = parse_ops(ops, algorithms)
     size_list = [parse_size(x) for x in sizes.split(",")]
-    check_nodes(ranks(world), topology, node_size)
+    check_nodes(ranks(world, under_torchrun), topology, node_size)
     if json_out is not None:
         output_file("--json", json_out)
     return op_list, algos, size_list
@@ -85,10 +88,9 @@ def parse_ops(ops: str, algorithms: str) -> tuple[list[str], list[str]]:
     return op_list, algos
 
 
-def ranks(world: int) -> int:
+def ranks(world: int, under_torchrun: bool) -> int:
     """The ranks the benchmark runs on: torchrun's world when already under it, else --world."""
-    from tessel.launch import under_torchrun
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else world
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun else world
 
 
 def check_nodes(world: int, topology: str | None, node_size: int | None) -> None:
@@ -200,11 +202,6 @@ def format_table(rows: list[Row], n: int, nodes) -> str:
 def run_rank(ops, algorithms, sizes, iters, warmup, topology: str | None, nproc_per_node: int | None,
              json_out: str | None = None) -> None:
     """Entry point of one rank under torchrun."""
-    import json
-    from dataclasses import asdict
-
-    from tessel.comm.topology import resolve_nodes
-    from tessel.runtime import init_distributed, shutdown_and_exit
     dev = init_distributed()
     nodes = resolve_nodes(dist.get_world_size(), topology, nproc_per_node)
     rows = run(ops, algorithms, sizes, nodes, iters, warmup, dev)

@@ -42,6 +42,7 @@ process is gone. Needs root (CAP_NET_ADMIN); `require_root()` explains.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import itertools
 import os
@@ -265,7 +266,6 @@ def cleanup_stale() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """python -m tessel.calibrate.emulator [--nodes 2] [--nproc-per-node 2] [--rate 1gbit] -- <torchrun args>"""
-    import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--nproc-per-node", type=int, default=2)

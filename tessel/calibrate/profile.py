@@ -16,7 +16,9 @@ Two measurements, both cached as JSON under the tessel cache directory:
   collectives), the clipped AdamW step, and the trainer's per-step bookkeeping.
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
-reading on this machine. torch.distributed is imported only inside the ranks.
+reading on this machine. Importing this module loads torch and the trainer's
+modules (the ranks run them); tessel.planning imports it only to plan for the
+cluster "this", and reading a cached probe needs only tessel.calibrate.cache.
 """
 
 from __future__ import annotations
@@ -24,19 +26,31 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import statistics
+import sys
 import time
-from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from tessel.calibrate.cache import cache_path, probe_path
+from tessel.config import ModelConfig, TrainConfig
+from tessel.models.gpt import GPT, cross_entropy
+from tessel.models.moe import MoE
+from tessel.models.plan import gpt_tp_plan
+from tessel.observe.metrics import measure_matmul_flops
+from tessel.parallel.runner import autocast_for
+from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
+from tessel.parallel.tensor.tensor_parallel import TPContext, VocabParallelLoss, apply_plan
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import Calibration
+from tessel.planner.model_spec import ModelSpec
 from tessel.planner.search import tp_degrees
 from tessel.planner.traffic import fit_alpha_beta
-
-
-def _cache_path(kind: str, key: str) -> Path:
-    root = os.environ.get("TESSEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tessel")
-    return Path(root) / "planner" / f"{kind}-{key}.json"
+from tessel.spawn import spawn
+from tessel.train.data import BatchSampler
+from tessel.train.optim import build_optimizer
 
 
 def _median_time(fn, reps: int) -> float:
@@ -49,8 +63,6 @@ def _median_time(fn, reps: int) -> float:
 
 
 def _rss_bytes() -> float:
-    import resource
-    import sys
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
@@ -72,12 +84,10 @@ def _own_session() -> None:
 
 def _probe_rank() -> dict:
     _own_session()
-    import torch
-    import torch.distributed as dist
+    # what a rank of `tessel train` holds besides this module: its command line and the trainer
+    import typer  # noqa: F401  # deferred: loaded for its resident memory, part of the baseline measured below
 
-    import tessel.cli  # noqa: F401 - the trainer's process imports these too
-    import tessel.train.trainer  # noqa: F401
-    from tessel.observe.metrics import measure_matmul_flops
+    import tessel.train.trainer  # noqa: F401  # deferred: the same (its checkpoints, guard, metrics)
 
     n = dist.get_world_size()
     dist.barrier()
@@ -116,10 +126,6 @@ def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
     as they are when every tp group of a layout communicates. p2p is one
     batched isend/irecv between the ranks of a pair, half a ping-pong.
     """
-    import torch
-    import torch.distributed as dist
-
-    from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
     out = {}
     for g in [g for g in range(2, n + 1) if n % g == 0]:
         group, me = _contiguous_group(g)
@@ -152,8 +158,6 @@ def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
 
 def _overlap(buf, n: int) -> float:
     """Fraction of an all-reduce that hides behind concurrent matmuls (0: none, 1: all)."""
-    import torch
-    import torch.distributed as dist
     if n == 1:
         return 1.0
     a = torch.randn(192, 192)
@@ -200,10 +204,6 @@ def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
     (/proc/self/clear_refs "5") and read back (VmHWM). Empty where Linux's
     /proc does not say (the planner then adds nothing).
     """
-    import torch
-    import torch.distributed as dist
-
-    from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
     n = dist.get_world_size()
     numel = max(n, nbytes // 4 // n * n)
     full, part = torch.ones(numel), torch.ones(numel // n)
@@ -230,11 +230,6 @@ def collective_workspace(nbytes: int = WORKSPACE_BYTES) -> dict[str, float]:
 
 def _baseline_rss() -> float:
     """Peak RSS after one training step of a negligible model: the runtime's own footprint."""
-    import torch
-
-    from tessel.config import ModelConfig, TrainConfig
-    from tessel.models.gpt import GPT, cross_entropy
-    from tessel.train.optim import build_optimizer
     model = GPT(ModelConfig(vocab_size=256, n_layer=1, n_head=2, d_model=8, max_seq_len=8))
     opt = build_optimizer(list(model.parameters()), TrainConfig())
     x = torch.randint(0, 256, (1, 8))
@@ -245,10 +240,9 @@ def _baseline_rss() -> float:
 
 def probe_this(world: int, refresh: bool = False) -> Cluster:
     """The cluster "this": one node of `world` ranks on this machine, measured (cached)."""
-    path = _cache_path("this", f"v3-w{world}")  # v3: with the collectives' host memory workspace
+    path = probe_path(world)
     if path.exists() and not refresh:
         return Cluster.from_dict(json.loads(path.read_text()))
-    from tessel.spawn import spawn
     results = spawn(_probe_rank, world, timeout=300)
     med = {k: statistics.median(r[k] for r in results) for k in results[0] if k not in ("collectives", "workspace")}
     workspace = {op: statistics.median(r["workspace"].get(op, 0.0) for r in results)
@@ -282,10 +276,6 @@ def _tp_shaped(model, cfg, tp: int, group=None, rank: int = 0):
     shrink. With the rank's real tp group it is the layer as the trainer runs
     it, collectives included.
     """
-    from tessel.models.gpt import cross_entropy
-    from tessel.models.moe import MoE
-    from tessel.models.plan import gpt_tp_plan
-    from tessel.parallel.tensor.tensor_parallel import TPContext, VocabParallelLoss, apply_plan
     if tp == 1:
         return model, cross_entropy
     ctx = TPContext(group, tp, rank, False)
@@ -298,7 +288,6 @@ def _contiguous_group(size: int) -> tuple[object, int]:
     """(this rank's group of `size` consecutive ranks, as tp groups are laid out, its rank in it).
 
     Collective: every rank creates every group of the world's partition, in the same order."""
-    import torch.distributed as dist
     rank = dist.get_rank()
     groups = [dist.new_group(list(range(s, s + size))) for s in range(0, dist.get_world_size(), size)]
     return groups[rank // size], rank % size
@@ -307,14 +296,6 @@ def _contiguous_group(size: int) -> tuple[object, int]:
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
                   tp_sizes: list[int], rounds: int = 5) -> dict:
     _own_session()
-    import torch
-    import torch.distributed as dist
-
-    from tessel.config import ModelConfig
-    from tessel.models.gpt import GPT
-    from tessel.parallel.runner import autocast_for
-    from tessel.planner.model_spec import ModelSpec
-
     cfg = ModelConfig(**model_raw)
     spec = ModelSpec("profile", cfg, seq_len, 1)
     dev = torch.device("cpu")
@@ -357,12 +338,6 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
 
 def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
     """(clip + AdamW step, per-step bookkeeping) seconds of the whole model on this rank."""
-    import torch
-    import torch.distributed as dist
-
-    from tessel.config import TrainConfig
-    from tessel.train.data import BatchSampler
-    from tessel.train.optim import build_optimizer
     params = list(model.parameters())
     opt = build_optimizer(params, TrainConfig())
 
@@ -395,11 +370,10 @@ def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int],
     tps = tp_degrees(model_cfg, world)
     key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v3"],
                                   sort_keys=True).encode()).hexdigest()[:12]
-    path = _cache_path("profile", key)
+    path = cache_path("profile", key)
     if path.exists() and not refresh:
         d = json.loads(path.read_text())
     else:
-        from tessel.spawn import spawn
         results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, tps, timeout=600)
 
         def across_ranks(field: str, tp) -> list[tuple[int, float]]:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from tessel.comm.topology import Topology
 from tessel.config import ConfigError, at_least, output_file
+from tessel.runtime import init_distributed, shutdown_and_exit
 
 TAG = 91
 
@@ -208,7 +209,6 @@ def check_args(world: int, out: str, size_mb: float, reps: int) -> None:
 
 def run_rank(out: str, size_mb: float, reps: int) -> None:
     """Entry point of one rank under torchrun."""
-    from tessel.runtime import init_distributed, shutdown_and_exit
     dev = init_distributed()
     topo = probe(out, int(size_mb * 2**20), reps, device=dev)
     if dist.get_rank() == 0:

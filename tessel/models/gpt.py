@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessel.config import ModelConfig
+from tessel.models.moe import MoE
 
 
 def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +75,6 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if moe:
-            from tessel.models.moe import MoE  # the MoE block lives beside this file
             self.mlp = MoE(cfg)
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)

@@ -3,7 +3,8 @@
 Presets come from vendor spec sheets (dense, no sparsity). Latencies are not on
 spec sheets; the preset values are typical small-message collective latencies
 (a few microseconds inside an NVSwitch node, ~10 us across InfiniBand) and are
-labelled as such. "this" is measured by `probe_this` (tessel.calibrate.profile).
+labelled as such. "this" is measured by `probe_this` (tessel.calibrate.profile),
+which hands the planner the Cluster it built.
 
 Bandwidths are per device and per direction: what one GPU can push into the
 fabric at once (an NVSwitch port, or its share of the node's NICs).
@@ -103,12 +104,14 @@ def _h100(nodes: int) -> Cluster:
 PRESETS = {"a100": _a100, "h100": _h100}
 
 
-def get_cluster(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
-    """A preset by name (sized to `world` devices), or "this" (probed, cached)."""
+def get_cluster(name: str, world: int | None = None) -> Cluster:
+    """A preset by name, sized to `world` devices.
+
+    "this" is measured, not a preset: tessel.planning gets it from tessel.calibrate.profile.probe_this
+    (the planner prices what it is handed and measures nothing)."""
     key = name.lower()
     if key == "this":
-        from tessel.calibrate.profile import probe_this
-        return probe_this(world or 1, refresh=refresh)
+        raise ValueError("the cluster 'this' is measured by tessel.calibrate.profile.probe_this, not built here")
     if key not in PRESETS:
         raise ConfigError("--cluster", f"unknown cluster '{name}'; choose one of {sorted(PRESETS) + ['this']}")
     base = PRESETS[key](1)

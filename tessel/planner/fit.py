@@ -1,27 +1,22 @@
-"""Does a recipe's own layout fit the memory of the machine it is about to start on?
+"""Does a recipe's own layout fit a memory budget?
 
-`tessel train` calls `check_memory` before spawning a rank, so a recipe that
-would die minutes later taking tens of GB per rank (model.n_layer = 100000, a
-huge train.global_batch) fails in well under a second with one line instead.
+`tessel train` checks this before spawning a rank (tessel.calibrate.device.check_memory
+measures the budget: a GPU's memory, or the RAM Linux can give shared by the node's ranks),
+so a recipe that would die minutes later taking tens of GB per rank (model.n_layer = 100000,
+a huge train.global_batch) fails in well under a second with one line instead.
 The estimate is the cost model's (tessel.planner.cost, what `tessel plan`
 prints per device: parameters, gradients and AdamW state by ZeRO stage,
 activations by tp/sp/pp schedule/recompute/micro-batch, MoE, the collectives'
 workspace, the runtime's baseline) for the layout the recipe itself names.
-
-The device is a GPU's whole memory on CUDA, and on CPU the RAM Linux says it can
-give (MemAvailable) shared by the node's ranks. The check is a guard against
-gross mistakes, not a tuner: it compares with the whole share, not the planner's
-usable fraction, so a recipe that would merely be tight still starts.
-Analytic only: nothing is allocated, no probe is run.
+The check is a guard against gross mistakes, not a tuner: it compares with the
+whole budget, not the planner's usable fraction, so a recipe that would merely
+be tight still starts. Analytic only: nothing is allocated, measured or run.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, replace
 
-from tessel.calibrate.profile import _cache_path
 from tessel.config import Config, ConfigError
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import CostModel
@@ -29,15 +24,6 @@ from tessel.planner.layout import config_layout
 from tessel.planner.model_spec import ModelSpec, from_config
 
 GiB = 2**30
-# An idle CPU rank's own footprint, before it holds a model: measured on this project's machine
-# (torch 2.13 CPU, gloo) as the peak RSS of one process after `import torch` (218 MiB), gloo's
-# init_process_group (221 MiB), tessel.cli and tessel.train.trainer's imports (282 MiB) and one
-# AdamW step of a 1-layer d_model=8 GPT (324 MiB); a rank of recipes/tiny.toml trained on a .bin
-# file reported peak_mem_mb 341. Rounded up for the metrics and TensorBoard writers.
-CPU_RANK_ALLOWANCE = 400 * 2**20
-# A CUDA rank's context and NCCL's buffers, outside torch's allocator. Not measured here (no GPU
-# on this project's machine); 0.5-1 GiB is the usual range on A100/H100, the upper end taken.
-CUDA_RANK_ALLOWANCE = 1 * GiB
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "AdamW state", "activations": "activations",
          "buffers": "communication buffers", "baseline": "runtime"}
@@ -65,21 +51,19 @@ class MemoryFit:
     def need(self) -> str:
         """'the planner estimates 41.3 GiB per rank (its three largest terms)'."""
         terms = sorted(((v, k) for k, v in self.memory.items() if k != "total" and v > 0), reverse=True)[:3]
-        parts = ", ".join(f"{TERMS[k]} {_size(v)}" for v, k in terms)
-        return (f"the planner estimates {'at least ' if self.lower_bound else ''}{_size(self.memory['total'])} "
+        parts = ", ".join(f"{TERMS[k]} {size_text(v)}" for v, k in terms)
+        return (f"the planner estimates {'at least ' if self.lower_bound else ''}{size_text(self.memory['total'])} "
                 f"per {self.role + ' ' if self.role else ''}rank ({parts})")
 
     def describe(self) -> str:
         return f"{self.need()}; {self.budget.text}"
 
 
-def check_memory(cfg: Config, ranks_per_node: int, force: bool = False) -> MemoryFit:
-    """Refuse (ConfigError on field "memory") a recipe whose layout the planner says cannot fit.
+def check_fit(cfg: Config, budget: Budget, force: bool = False) -> MemoryFit:
+    """Refuse (ConfigError on field "memory") a recipe whose layout the planner says cannot fit `budget`.
 
-    ranks_per_node: the ranks that will share this machine's RAM (CPU). With
-    force the estimate is returned whatever it says.
+    With force the estimate is returned whatever it says.
     """
-    budget = device_budget(cfg, ranks_per_node)
     fit = MemoryFit(state_floor(cfg, budget), budget, lower_bound=True)
     if fit.fits:  # the cost model walks every layer: price it only when the closed form leaves room
         fit = estimate_memory(cfg, budget)
@@ -89,63 +73,7 @@ def check_memory(cfg: Config, ranks_per_node: int, force: bool = False) -> Memor
     return fit
 
 
-# ---- what the device offers ------------------------------------------------------------------
-
-def device_budget(cfg: Config, ranks_per_node: int) -> Budget:
-    if _uses_cuda(cfg.runtime.device):
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("runtime.device", "is 'cuda', but torch sees no GPU")
-        total = torch.cuda.get_device_properties(0).total_memory
-        return Budget(total, CUDA_RANK_ALLOWANCE, {}, f"each rank's GPU has {_size(total)}")
-    ram, probe = available_ram(), cached_probe(ranks_per_node)
-    share = ram / ranks_per_node
-    text = (f"{ranks_per_node} ranks share {_size(ram)} of RAM ({_size(share)} each)" if ranks_per_node > 1
-            else f"the rank has {_size(ram)} of RAM")
-    if probe is None:
-        return Budget(share, CPU_RANK_ALLOWANCE, {}, text)
-    return Budget(share, probe.baseline_memory, dict(probe.collective_workspace), text)
-
-
-def _uses_cuda(device: str) -> bool:
-    """tessel.runtime.pick_device's rule. torch is imported only to ask; the launcher has it loaded
-    already (tessel.train.data.validate_data runs first)."""
-    if device == "cpu":
-        return False
-    import torch
-    return device == "cuda" or torch.cuda.is_available()
-
-
-def available_ram() -> float:
-    """Bytes Linux can hand out without swapping (MemAvailable), else the free pages, else all of it."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES
-        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def cached_probe(world: int) -> Cluster | None:
-    """`tessel plan --cluster this`'s cached probe of this machine at `world` ranks, if one was run.
-
-    Never probes (that spawns ranks for a minute). Its measured runtime baseline
-    and collective workspace replace the allowance above; its RAM figure is the
-    machine's total, so MemAvailable, which also sees the other processes, stays.
-    """
-    path = _cache_path("this", f"v3-w{world}")  # the file probe_this writes
-    try:
-        return Cluster.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError):  # none yet, or written by another version
-        return None
-
-
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
     return f"{nbytes / GiB:,.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:,.0f} MiB"
 
 

@@ -1,4 +1,5 @@
-"""check_memory: a recipe whose own layout cannot fit is refused before spawning, in well under a second."""
+"""check_memory (tessel.calibrate.device: this machine's budget, tessel.planner.fit: the estimate): a recipe
+whose own layout cannot fit is refused before spawning, in well under a second."""
 
 import json
 import subprocess
@@ -9,10 +10,11 @@ from dataclasses import replace
 import pytest
 import torch  # noqa: F401 - loaded in the launcher before the check (validate_data); not timed here
 
+from tessel.calibrate import device
+from tessel.calibrate.device import CPU_RANK_ALLOWANCE, CUDA_RANK_ALLOWANCE, check_memory
 from tessel.config import ConfigError, build_config, load_config
-from tessel.planner import fit
 from tessel.planner.cluster import get_cluster
-from tessel.planner.fit import CPU_RANK_ALLOWANCE, CUDA_RANK_ALLOWANCE, check_memory, param_count
+from tessel.planner.fit import param_count
 from tessel.planner.layout import Layout, config_layout, layout_config
 from tessel.planner.model_spec import from_config
 from tests.helpers import ROOT  # noqa: E402
@@ -109,10 +111,10 @@ def test_cuda_ranks_get_their_gpu_memory(monkeypatch):
 
 
 def test_the_ram_share_is_what_linux_says_is_available(monkeypatch):
-    monkeypatch.setattr(fit, "available_ram", lambda: 10 * GiB)
+    monkeypatch.setattr(device, "available_ram", lambda: 10 * GiB)
     got = check_memory(build_config({"runtime": {"device": "cpu"}}), ranks_per_node=4)
     assert got.budget.per_rank == 2.5 * GiB and got.budget.text == "4 ranks share 10.0 GiB of RAM (2.5 GiB each)"
-    assert 0 < fit.available_ram() < 2**50
+    assert 0 < device.available_ram() < 2**50
 
 
 def test_param_count_in_closed_form_matches_the_walk():

@@ -8,6 +8,8 @@ from typing import Callable, Sequence
 import torch
 
 from tessel.comm.algorithms import hierarchical_all_reduce, ring_all_reduce
+from tessel.comm.topology import resolve_nodes
+from tessel.parallel.data.data_parallel import native_all_reduce
 
 
 class Deferred:
@@ -62,8 +64,7 @@ class AlgorithmReducer:
 def make_reducer(name: str, nodes: Sequence[Sequence[int]] | None = None, background: bool = True):
     """The DP gradient reducer for config parallel.dp_algorithm."""
     if name == "native":
-        from tessel.parallel.data.data_parallel import native_all_reduce as native
-        return native
+        return native_all_reduce
     return AlgorithmReducer(name, nodes, background)
 
 
@@ -71,6 +72,5 @@ def dp_reducer(name: str, world_size: int, runtime=None, background: bool = True
     """The reducer for config parallel.dp_algorithm; nodes from runtime.topology / nproc_per_node."""
     if name == "native":
         return make_reducer(name)
-    from tessel.comm.topology import resolve_nodes
     nodes = resolve_nodes(world_size, getattr(runtime, "topology", None), getattr(runtime, "nproc_per_node", None))
     return make_reducer(name, nodes, background)
