@@ -18,6 +18,7 @@ and on the inter-node link otherwise (tessel.planner.cluster.link_for).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -26,8 +27,8 @@ from tessel.planner.cluster import Cluster, Link, link_for
 from tessel.planner.layout import Layout
 from tessel.planner.memory import head_activation_bytes, layer_activation_bytes, recompute_layer_bytes, zero_shards
 from tessel.planner.model_spec import ModelSpec
-from tessel.planner.traffic import (Call, dp_step_calls, ep_block_calls, tp_block_calls, tp_edge_calls,
-                                    tp_moe_block_calls)
+from tessel.planner.traffic import (Call, bookkeeping_calls, dp_step_calls, ep_chunk_calls, merged, pp_calls,
+                                    times, tp_chunk_calls, trainer_calls)
 
 ORDER = AXES  # tessel.mesh lays ranks out in this order by default
 ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
@@ -248,15 +249,12 @@ class CostModel:
 
     def _chunk_comm_priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, ep: int, sp: bool,
                            recompute: bool, tokens: int, links) -> tuple[float, float, dict]:
-        c = self.spec.cfg
         lay = Layout(tp=tp, ep=ep, sp=sp, recompute=recompute)
         tp_f, tp_b, ep_f, ep_b = [], [], [], []
         if lay.tp > 1:
             tp_f, tp_b = self._tp_calls(n_dense, n_moe, tokens, lay.sp, lay.recompute, first, last)
         if n_moe and lay.ep > 1:
-            f, b = ep_block_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts)
-            ep_f = [Call(x.op, x.nbytes, x.count * n_moe) for x in f]
-            ep_b = [Call(x.op, x.nbytes, x.count * n_moe) for x in b + (f if lay.recompute else [])]
+            ep_f, ep_b = self._ep_calls(n_moe, tokens, lay.recompute)
         k = self._tp_in_step_factor(lay.tp, tokens, links["tp"])
         fwd = k * self.price(tp_f, lay.tp, links["tp"]) + self.price(ep_f, lay.ep, links["ep"])
         bwd = k * self.price(tp_b, lay.tp, links["tp"]) + self.price(ep_b, lay.ep, links["ep"])
@@ -284,14 +282,17 @@ class CostModel:
                   last: bool) -> tuple[list[Call], list[Call]]:
         """(forward, backward) tp collectives of a chunk of n_dense + n_moe blocks (+ its edges)."""
         c = self.spec.cfg
-        fwd, bwd = [], []  # every block of a kind issues the same calls: one list, counts times n
-        for n, (f, b) in ((n_dense, tp_block_calls(c.d_model, tokens, self.act_bytes, sp)),
-                          (n_moe, tp_moe_block_calls(c.d_model, tokens, self.act_bytes))):
-            if n:
-                fwd += [Call(x.op, x.nbytes, x.count * n) for x in f]
-                bwd += [Call(x.op, x.nbytes, x.count * n) for x in b + (f if recompute else [])]
-        f, b = tp_edge_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, sp, first, last)
-        return fwd + f, bwd + b
+        return tp_chunk_calls(c.d_model, c.vocab_size, tokens, self.act_bytes, n_dense, n_moe, sp, recompute,
+                              first, last)
+
+    def _ep_calls(self, n_moe: int, tokens: int, recompute: bool) -> tuple[list[Call], list[Call]]:
+        c = self.spec.cfg
+        return ep_chunk_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts,
+                              n_moe, recompute)
+
+    def _p2p_bytes(self, lay: Layout) -> float:
+        """One pipeline message: a micro-batch's activation (sequence-sharded under SP)."""
+        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
 
     # -- memory ----------------------------------------------------------------------
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
@@ -375,7 +376,7 @@ class CostModel:
         links = self.links(lay)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         last_chunk = len(all_chunks) - 1
-        p2p_bytes = tokens * c.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
+        p2p_bytes = self._p2p_bytes(lay)
         p2p = self.coll("p2p", p2p_bytes, 2, links["pp"]) if lay.pp > 1 else 0.0
         chunk_times, stage_busy, mems = [], [], {}
         comm_sent = {"tp": 0.0, "ep": 0.0}
@@ -440,9 +441,7 @@ class CostModel:
         sharded = lay.zero >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
         grads_full = memory["grads"] * (n if sharded else 1)  # unsharded fp32 gradient bytes
         link, ov = links["dp"], self.cluster.overlap
-        units = [4 * sum(self.layer_params[i]) / lay.tp for i in chunk_layers(self.spec.cfg.n_layer, lay.pp, 1)[0]]
-        root = max(0.0, grads_full - sum(units))  # embedding, head, final norm on this stage
-        per_mb, per_step = dp_step_calls(grads_full, lay.zero, self.bucket_bytes, units, root, whole_step=lay.pp > 1)
+        per_mb, per_step = self._dp_calls(lay, grads_full, [0], chunk_layers(self.spec.cfg.n_layer, lay.pp, 1))
         nb = max(1, sum(c.count for c in (per_mb or per_step) if c.op in ("all_reduce", "reduce_scatter")))
         bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
         reduce_step = self.price([c for c in per_step if c.op in ("all_reduce", "reduce_scatter")], n, link)
@@ -459,21 +458,61 @@ class CostModel:
         sent = sent_bytes(per_mb, n) * lay.chunks + sent_bytes(per_step, n)
         return exposed_mb * lay.chunks + exposed_step, total, sent
 
+    def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
+        c = self.spec.cfg
+        tied = 4 * c.vocab_size * c.d_model / lay.tp if c.tie_embeddings and lay.pp > 1 else 0.0
+        return bookkeeping_calls(lay.tp, lay.pp, lay.dp * lay.ep, lay.zero, stage, tied)
+
     def _bookkeeping_time(self, lay: Layout, links) -> float:
         """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
-        world-wide ones): the gradient norm's partial sums over tp and pp, the pipeline's
-        tied-embedding gradient, its loss broadcast and its two metric all-reduces."""
+        world-wide ones, tessel.planner.traffic.trainer_calls): the gradient norm's partial sums,
+        the pipeline's loss message, its two metric all-reduces and its tied-embedding gradient."""
+        sizes = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp * lay.ep, "tied": 2}
+        link = {"tp": links["tp"], "pp": links["pp"], "dp": links["dp"], "tied": links["pp"]}
+        return sum(self.price(calls, sizes[group], link[group]) for group, calls in self._bookkeeping(lay).items())
+
+    def step_calls(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
+        """Every collective and message one rank of pipeline stage `stage` issues in one optimizer
+        step, by the group it runs on ("tp", "ep", "pp", "dp": dp x ep, "tied", "world"): the
+        lists the estimate prices, whole (tests/planner/test_traffic_matches_runtime.py compares
+        them with a real step's)."""
         c = self.spec.cfg
-        t = self.coll("all_reduce", 4, lay.tp, links["tp"]) if lay.tp > 1 else 0.0
+        tokens = lay.mb * self.spec.seq_len
+        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
+        mine = [stage + j * lay.pp for j in range(lay.v)]
+        out: dict[str, list[Call]] = collections.defaultdict(list)
+        for k in mine:
+            layers = all_chunks[k]
+            n_moe = sum(self.moe_flags[i] for i in layers)
+            if lay.tp > 1:
+                f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, lay.recompute, k == 0,
+                                      k == len(all_chunks) - 1)
+                out["tp"] += times(f + b, lay.chunks)
+            if n_moe and lay.ep > 1:
+                f, b = self._ep_calls(n_moe, tokens, lay.recompute)
+                out["ep"] += times(f + b, lay.chunks)
         if lay.pp > 1:
-            t += self.price([Call("all_reduce", 4), Call("all_reduce", 8, 2), Call("all_reduce", 24)],
-                            lay.pp, links["pp"])
-            if c.tie_embeddings:
-                t += self.coll("all_reduce", 4 * c.vocab_size * c.d_model / lay.tp, 2, links["pp"])
-        return t
+            out["pp"] += pp_calls(self._p2p_bytes(lay), mine, len(all_chunks), lay.chunks)
+        if lay.dp * lay.ep > 1:
+            dense, expert = self._stage_params(mine, lay, all_chunks)
+            per_mb, per_step = self._dp_calls(lay, 4 * (dense + expert), mine, all_chunks)
+            out["dp"] += times(per_mb, lay.chunks) + per_step
+        for calls in (self._bookkeeping(lay, stage), trainer_calls(lay.world, lay.dp * lay.ep)):
+            for group, more in calls.items():
+                out[group] += more
+        return {group: merged(calls) for group, calls in out.items() if calls}
+
+    def _dp_calls(self, lay: Layout, grad_bytes: float, chunks: list[int],
+                  all_chunks: list[list[int]]) -> tuple[list[Call], list[Call]]:
+        """(per micro-batch, per step) dp x ep calls of a rank holding `chunks`, `grad_bytes` of whole
+        fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest."""
+        units = [4 * sum(self.layer_params[i]) / lay.tp for i in all_chunks[chunks[0]]]
+        root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
+        return dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root, whole_step=lay.pp > 1)
 
     def _optimizer_time(self, memory) -> float:
         n_params = memory["optimizer"] / 8  # the shard this device updates
         if self.cal.opt_s_per_param is not None:
             return n_params * self.cal.opt_s_per_param
         return n_params * ADAM_BYTES_TOUCHED / self.cluster.mem_bandwidth
+

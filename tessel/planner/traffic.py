@@ -24,9 +24,21 @@ The call lists below are read off the code, not guessed:
   all-gather the updated shards after the step; ZeRO-3 gathers each block
   (unit) before its forward and its backward and reduce-scatters its gradient.
 
+- tessel.parallel.pipeline: each micro-batch's activation crosses every stage
+  boundary forward and its gradient backward, one message each; the loss
+  reaches the other stages as one message from the last (gloo; NCCL
+  broadcasts it), and the bubble metrics are two all-reduces over pp.
+- tessel.train.trainer and tessel.parallel.norms, once per step: the gradient
+  norm's partial sums (4 bytes over each sharding axis: tp, pp, and dp x ep
+  where ZeRO shards the optimizer's parameters); the loss mean over dp x ep,
+  the all-finite/stop vote and the norm's key agreement over the world (see
+  trainer_calls: priced by the calibration's measured overhead instead).
+
 Sizes follow one convention per op: all_reduce the buffer, all_gather the
 gathered output, reduce_scatter the (whole) input, all_to_all one rank's send
-buffer, p2p one message.
+buffer, p2p one message. tests/planner/test_traffic_matches_runtime.py records
+the calls of real steps and compares them with CostModel.step_calls, built from
+these lists.
 """
 
 from __future__ import annotations
@@ -106,12 +118,88 @@ def tp_edge_calls(d_model: int, vocab: int, tokens: int, act_bytes: int, sp: boo
     return fwd, bwd
 
 
+def tp_chunk_calls(d_model: int, vocab: int, tokens: int, act_bytes: int, n_dense: int, n_moe: int, sp: bool,
+                   recompute: bool, first: bool, last: bool) -> tuple[list[Call], list[Call]]:
+    """(forward, backward) tp collectives of a chunk of n_dense + n_moe blocks (+ its edges) for one
+    micro-batch; recomputation repeats each block's forward collectives in backward."""
+    fwd, bwd = [], []  # every block of a kind issues the same calls: one list, counts times n
+    for n, (f, b) in ((n_dense, tp_block_calls(d_model, tokens, act_bytes, sp)),
+                      (n_moe, tp_moe_block_calls(d_model, tokens, act_bytes))):
+        if n:
+            fwd += times(f, n)
+            bwd += times(b + (f if recompute else []), n)
+    f, b = tp_edge_calls(d_model, vocab, tokens, act_bytes, sp, first, last)
+    return fwd + f, bwd + b
+
+
 def ep_block_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capacity: float,
                    n_experts: int) -> tuple[list[Call], list[Call]]:
     """(forward, backward) all-to-alls of one MoE block over ep."""
     routed = tokens * top_k * capacity * d_model * act_bytes
     fwd = [Call("all_to_all", 8 * n_experts), Call("all_to_all", routed, 2)]  # counts, tokens out and back
     return fwd, [Call("all_to_all", routed, 2)]
+
+
+def ep_chunk_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capacity: float, n_experts: int,
+                   n_moe: int, recompute: bool) -> tuple[list[Call], list[Call]]:
+    """(forward, backward) all-to-alls of a chunk's n_moe MoE blocks for one micro-batch."""
+    f, b = ep_block_calls(d_model, tokens, act_bytes, top_k, capacity, n_experts)
+    return times(f, n_moe), times(b + (f if recompute else []), n_moe)
+
+
+def pp_calls(message_bytes: float, chunks: list[int], n_chunks: int, micro_batches: int) -> list[Call]:
+    """p2p messages of one pipeline rank holding model chunks `chunks` (of 0..n_chunks-1) in one step.
+
+    Every micro-batch's activation crosses each chunk boundary forward and its
+    gradient backward: a chunk receives and sends each unless it is the first
+    (nothing to receive forward, nothing to send back) or the last.
+    """
+    boundaries = sum((k > 0) + (k < n_chunks - 1) for k in chunks)
+    return [Call("p2p", message_bytes, 2 * boundaries * micro_batches)] if boundaries else []
+
+
+def bookkeeping_calls(tp: int, pp: int, dp_shards: int, zero: int, stage: int, tied_bytes: float = 0.0,
+                      ) -> dict[str, list[Call]]:
+    """Per-step calls of the trainer's bookkeeping that the planner prices, by group.
+
+    The gradient norm sums its squares over each axis that shards the gradients
+    it sees (tessel.parallel.norms): tp, pp, and dp x ep under ZeRO (the
+    optimizer holds shards). A pipeline adds its loss, one 4-byte message from
+    the last stage to each other (the last sends pp - 1 of them), its two bubble
+    metrics (8 and 24 bytes, fp64), and with tied embeddings the first and last
+    stages' all-reduce of the embedding's gradient ("tied": a group of those two).
+    Under several sharding axes at once the runtime sums once per set of axes a
+    parameter is sharded over, on their joint group; it is listed here once per
+    axis (4 bytes each: latency either way).
+    """
+    out: dict[str, list[Call]] = {}
+    if tp > 1:
+        out["tp"] = [Call("all_reduce", 4)]
+    if dp_shards > 1 and zero >= 1:
+        out["dp"] = [Call("all_reduce", 4)]
+    if pp > 1:
+        out["pp"] = [Call("all_reduce", 4), Call("p2p", 4, pp - 1 if stage == pp - 1 else 1),
+                     Call("all_reduce", 8), Call("all_reduce", 24)]
+        if tied_bytes and stage in (0, pp - 1):
+            out["tied"] = [Call("all_reduce", tied_bytes)]
+    return out
+
+
+def trainer_calls(world: int, dp_shards: int) -> dict[str, list[Call]]:
+    """The trainer's scalar collectives that the planner does not price call by call, by group.
+
+    The loss mean over dp x ep (4 bytes), the all-finite/stop vote over the
+    world (tessel.train.fault.numerics.agree, 8 bytes) and the gradient norm's
+    agreement on its keys (all_gather_object, a few pickled bytes: 0 here).
+    They cost the same on every layout, latency only: the calibration measures
+    them in a real step (Calibration.step_overhead_s), and presets ignore them.
+    """
+    out: dict[str, list[Call]] = {}
+    if dp_shards > 1:
+        out["dp"] = [Call("all_reduce", 4)]
+    if world > 1:
+        out["world"] = [Call("all_reduce", 8), Call("all_gather_object", 0)]
+    return out
 
 
 def bucket_sizes(grad_bytes: float, bucket_bytes: float, first_bytes: float = 2**20) -> list[tuple[float, int]]:
@@ -132,6 +220,11 @@ def bucket_sizes(grad_bytes: float, bucket_bytes: float, first_bytes: float = 2*
     return [(first, 1)] + ([(bucket_bytes, full)] if full else []) + ([(tail, 1)] if tail > 0 else [])
 
 
+def times(calls: list[Call], n: float) -> list[Call]:
+    """The calls, each issued n times as often (n blocks, n micro-batches)."""
+    return [Call(c.op, c.nbytes, c.count * n) for c in calls]
+
+
 def merged(calls: list[Call]) -> list[Call]:
     """Equal calls folded into one with their summed count (prices thousands of layers at once)."""
     out: dict[tuple[str, float], float] = {}
@@ -146,7 +239,10 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
 
     Stage 0/1: one all-reduce per bucket after the last micro-batch (the others
     run under no_sync). Stage 2: a reduce-scatter per bucket for every
-    micro-batch. Stages 1 and 2 all-gather the updated shards once per step.
+    micro-batch (tessel's LocalRunner runs all micro-batches but the last under
+    no_sync, so today it reduce-scatters once per step and holds whole gradients
+    meanwhile: tests/planner/test_traffic_matches_runtime.py marks that
+    discrepancy). Stages 1 and 2 all-gather the updated shards once per step.
     Stage 3: per micro-batch, every unit (`unit_bytes`: one per block) is
     gathered for forward and again for backward, the root (embedding, head,
     final norm: `root_bytes`) once, as it stays gathered from the start of

@@ -6,8 +6,8 @@ import pytest
 
 from tessel.planner.cost import Calibration, CostModel, all_reduce_time, sent_bytes
 from tessel.planner.layout import Layout
-from tessel.planner.traffic import (Call, bucket_sizes, dp_step_calls, ep_block_calls, fit_alpha_beta, merged,
-                                    tp_block_calls, tp_edge_calls)
+from tessel.planner.traffic import (Call, bookkeeping_calls, bucket_sizes, dp_step_calls, ep_block_calls,
+                                    fit_alpha_beta, merged, pp_calls, tp_block_calls, tp_edge_calls, trainer_calls)
 from tests.planner.test_cost import flat_cluster, tiny_spec
 
 MiB = 2**20
@@ -124,3 +124,18 @@ def test_measured_tp_collectives_scale_their_price():
     # a middle pipeline chunk (one block, no edges) scales by the same factor: 2 + 2 calls
     mid = cm._chunk_comm([1], lay, 16, cm.links(lay), False, False)
     assert mid[:2] == (pytest.approx(2e-3 * 2.5), pytest.approx(2e-3 * 2.5))
+
+
+def test_pipeline_messages_and_bookkeeping_by_hand():
+    # 4 micro-batches of 4096-byte activations: an end stage sends one way and receives the other (8)
+    assert pp_calls(4096, [0], 2, 4) == [Call("p2p", 4096, 8)] == pp_calls(4096, [1], 2, 4)
+    assert pp_calls(4096, [1], 4, 4) == [Call("p2p", 4096, 16)]  # a middle stage: both boundaries
+    # interleaved, pp 2 x v 2: stage 0 holds chunks 0 and 2 of 4, three boundaries
+    assert pp_calls(4096, [0, 2], 4, 4) == [Call("p2p", 4096, 24)]
+    assert pp_calls(4096, [0], 1, 4) == []
+    # the loss: one message to each other stage from the last; norm partial sums per sharding axis
+    last = bookkeeping_calls(tp=2, pp=4, dp_shards=2, zero=1, stage=3)
+    assert last["pp"][1] == Call("p2p", 4, 3) and bookkeeping_calls(1, 4, 1, 0, 0)["pp"][1] == Call("p2p", 4, 1)
+    assert last["tp"] == [Call("all_reduce", 4)] and last["dp"] == [Call("all_reduce", 4)]
+    assert "dp" not in bookkeeping_calls(1, 1, 2, 0, 0)  # plain dp: the gradients are whole
+    assert trainer_calls(1, 1) == {} and set(trainer_calls(4, 2)) == {"dp", "world"}
