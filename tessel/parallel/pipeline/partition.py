@@ -58,10 +58,10 @@ def without_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
 
     Only the modules above a removed one (the root, the block list) are copied,
     so the model itself stays whole; deepcopy's memo maps every other module,
-    parameter and buffer to itself. A removed entry of a ModuleList or
-    ModuleDict is deleted (its siblings keep their names and the list iterates
-    over what is left); any other removed module becomes None, which the
-    model's forward skips.
+    parameter and buffer to itself. A removed entry of a container (ModuleList,
+    ModuleDict, Sequential) is deleted: its siblings keep their names and the
+    container iterates over what is left. Any other removed module becomes
+    None, which the model's forward skips.
     """
     above = {""} | {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
     shared = {id(m): m for name, m in model.named_modules(remove_duplicate=False) if name not in above}
@@ -70,7 +70,7 @@ def without_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = stage.get_submodule(parent_name)
-        if isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             delattr(parent, leaf)
         else:
             setattr(parent, leaf, None)

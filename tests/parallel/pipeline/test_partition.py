@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tessel.config import ModelConfig
 from tessel.models.gpt import GPT
 from tessel.observe.timeline import chrome_trace, gantt_png
-from tessel.parallel.pipeline.partition import balanced_layout, split_model, uniform_layout
+from tessel.parallel.pipeline.partition import balanced_layout, split_model, uniform_layout, without_modules
 from tessel.parallel.pipeline.schedules import build_schedule, simulate
 from tessel.parallel.recompute import recompute_blocks
 
@@ -52,6 +53,22 @@ def test_stages_keep_the_full_models_parameter_names_and_tensors():
     for s in range(4):
         x = chunks[s](x)
     torch.testing.assert_close(x, model(idx), rtol=0, atol=0)  # same ops in the same order: bitwise
+
+
+def test_a_stage_is_the_model_without_the_modules_it_does_not_own():
+    cfg = ModelConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=16)
+    model = GPT(cfg)
+    first, last = split_model(model, [2, 2], 0, 2)[0], split_model(model, [2, 2], 1, 2)[0]
+    # the model's own class and forward, with the other modules gone (None, or out of `layers`)
+    assert type(first) is GPT and first.lm_head is None and first.norm is None and len(first.layers) == 2
+    assert last.tok_emb is None and [n for n, _ in last.layers.named_children()] == ["2", "3"]
+    assert len(model.layers) == 4 and model.tok_emb is not None  # the model itself stays whole
+    # any model is cut by its own names: here a Sequential, whose forward runs what is left
+    stack = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    tail = without_modules(stack, ["0"])
+    assert [n for n, _ in tail.named_parameters()] == ["2.weight", "2.bias"] and len(stack) == 3
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(tail(stack[0](x)), stack(x), rtol=0, atol=0)
 
 
 def test_recompute_keeps_names_and_gradients():
