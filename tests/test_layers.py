@@ -34,8 +34,6 @@ DEFERRED = re.compile(r"#.*\bdeferred:\s*\S")
 # (file, import statement) inside a function, without a `# deferred:` comment, in files that their
 # owners are editing now; each entry names who removes it (by moving the import up or commenting it).
 KNOWN = {
-    # the fault-handling engineer (train/fault/): spawn loads torch; elastic.py is imported by the launcher
-    ("tessel/train/fault/elastic.py", "from tessel.spawn import free_port"): "fault",
     # the trainer's engineer (launch.train_rank, train/trainer.py)
     ("tessel/launch.py", "from tessel.mesh import make_mesh"): "trainer",
     ("tessel/launch.py", "from tessel.models.gpt import GPT"): "trainer",
@@ -47,11 +45,6 @@ KNOWN = {
     ("tessel/launch.py", "from tessel.comm.topology import Topology"): "trainer",
     ("tessel/train/trainer.py", "from tessel.observe.plots import plot_metrics"): "trainer",
     ("tessel/train/trainer.py", "from tessel.observe.plots import read_metrics"): "trainer",
-    # the parameter-server engineer (parallel/ps/)
-    ("tessel/parallel/ps/parameter_server.py", "from tessel.parallel.data.data_parallel import broadcast_tensors"):
-        "ps",
-    ("tessel/parallel/ps/parameter_server.py", "from tessel.heartbeat import Heartbeat"): "ps",
-    ("tessel/parallel/ps/parameter_server.py", "from tessel.heartbeat import watch_beats"): "ps",
 }
 
 

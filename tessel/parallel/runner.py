@@ -4,8 +4,14 @@ A runner hides the layout from the trainer: it runs one optimizer step's
 forward and backward on the rank's batch, evaluates, samples text, names the
 tensors a checkpoint holds, and reports what only it knows (MoE load, the
 pipeline's bubble and timeline). tessel.parallelize builds one for every
-layout: LocalRunner (plain, DP, TP, EP, ZeRO), the pipeline's runner, the
-parameter server's worker.
+layout: LocalRunner (plain, DP, TP, EP, ZeRO), the pipeline's runner; the parameter
+server's worker (tessel.parallel.ps.worker) wraps a LocalRunner.
+
+A strategy whose optimizer state does not follow its parameters (ZeRO keeps
+it in flat shards) brings its own optimizer, a CheckpointableOptimizer: it
+saves and loads its state as logical tensors itself. Otherwise the trainer
+builds AdamW over `parameters()`, whose state a checkpoint keeps per parameter
+(tessel.train.checkpoint.optimizer_state).
 """
 
 from __future__ import annotations
@@ -17,13 +23,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tessel.parallel.data.data_parallel import GradientSyncWrapper
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CheckpointableOptimizer(Protocol):
+    """An optimizer that checkpoints its own state (tessel.parallel.zero.optim.ZeroAdamW): a torch
+    optimizer whose state lives in shards no parameter carries a mark for, so it hands the checkpoint
+    logical whole tensors and reads them back itself (tessel.train.checkpoint.optimizer_state)."""
+
+    param_groups: list[dict]
+
+    def step(self, closure=None): ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """`optim/<name>/<key>` (and `model/<name>` where it owns the parameter's storage), logical."""
+
+    def checkpoint_model_names(self) -> set[str]:
+        """The `model/` names load_checkpoint_tensors restores (the checkpoint leaves them alone)."""
+
+    def load_checkpoint_tensors(self, reader, metadata, localize=None) -> None:
+        """Read its tensors from a DCP reader; localize(whole, param) cuts a tp/ep shard's piece."""
 
 
 class Runner(Protocol):
     """What the trainer (tessel.train.trainer), its guard and its checkpoints call."""
 
-    optimizer: torch.optim.Optimizer | None  # a strategy that shards the optimizer (ZeRO) brings its own
+    optimizer: CheckpointableOptimizer | None  # a strategy that shards the optimizer (ZeRO) brings its own
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once."""
@@ -79,7 +108,8 @@ class LocalRunner:
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  vocab_size: int | None = None, max_seq_len: int | None = None,
-                 extra_metrics: Callable[[], dict] | None = None, optimizer=None):
+                 extra_metrics: Callable[[], dict] | None = None,
+                 optimizer: CheckpointableOptimizer | None = None):
         self.model = model
         self.loss_fn = loss_fn
         self.chunks = chunks
@@ -111,11 +141,11 @@ class LocalRunner:
         """Accumulate gradients of mean loss over the local batch; returns that loss (detached)."""
         total = torch.zeros((), device=self.device)
         pairs = list(zip(x.chunk(self.chunks), y.chunk(self.chunks)))
+        # a data-parallel wrapper reduces gradients after each backward: only the last chunk's should
+        accumulates = isinstance(self.model, GradientSyncWrapper)
         for i, (xc, yc) in enumerate(pairs):
             last = i == len(pairs) - 1
-            no_sync = getattr(self.model, "no_sync", None)
-            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-            with ctx:
+            with self.model.no_sync() if accumulates and not last else contextlib.nullcontext():
                 with autocast_for(self.device, self.precision):
                     loss = self.loss_fn(self.model(xc.to(self.device)), yc.to(self.device)) / len(pairs)
                 loss.backward()

@@ -28,7 +28,7 @@ from tessel.parallel.pipeline.recorder import StepRecorder
 from tessel.parallel.pipeline.saved import SavedBytes
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.pipeline.spec import PipelineSpec
-from tessel.parallel.runner import autocast_for, generate_tokens, strip_wrappers
+from tessel.parallel.runner import CheckpointableOptimizer, autocast_for, generate_tokens, strip_wrappers
 from tessel.parallel.zero.zero_parallel import ZeroDataParallel
 
 
@@ -36,7 +36,7 @@ class PipelineRunner:
     """One pipeline rank's chunks behind the Runner protocol."""
 
     def __init__(self, chunks: Sequence[nn.Module], mesh: Mesh, spec: PipelineSpec, sync: GradientSync,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: CheckpointableOptimizer | None = None):
         self.chunks, self.spec, self.sync = list(chunks), spec, sync
         self.optimizer = optimizer  # ZeRO's (None: the trainer builds AdamW over parameters())
         self.placement = Placement(mesh.size("pp"), len(self.chunks), mesh.coord("pp"))

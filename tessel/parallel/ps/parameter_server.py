@@ -75,6 +75,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.comm.algorithms import offsets_of, split_sizes
+from tessel.heartbeat import Heartbeat, watch_beats
+from tessel.parallel.data.data_parallel import broadcast_tensors
 
 log = logging.getLogger("tessel.ps")
 MODES = ("bsp", "asp", "ssp")
@@ -121,7 +123,6 @@ class ParameterServer:
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.device = self.params[0].device
         if broadcast:  # one starting point everywhere, whatever each rank's seed was
-            from tessel.parallel.data.data_parallel import broadcast_tensors
             broadcast_tensors(self.params, src=self.servers[0], group=group)
         self.total = sum(p.numel() for p in self.params)
         self.ranges = shard_ranges(self.total, len(self.servers))
@@ -132,7 +133,6 @@ class ParameterServer:
         self.hang_timeout_s, self.heartbeat_s = hang_timeout_s, heartbeat_s
         self.heartbeat = None
         if hang_timeout_s > 0 and not self.is_server and self.rank in self.workers:
-            from tessel.heartbeat import Heartbeat
             self.heartbeat = Heartbeat(self.rank, dist.get_world_size(), heartbeat_s, hang_timeout_s).start(watch=False)
         # BSP clips over all servers' shards: their squared norms are summed in a servers' group
         # (new_group is collective: every rank makes it, in the same order)
@@ -313,7 +313,6 @@ class _ServerLoop:
             threading.Thread(target=self._reader, args=(w,), daemon=True, name=f"ps-read-{w}").start()
         stop = threading.Event()
         if self.ps.hang_timeout_s > 0:
-            from tessel.heartbeat import watch_beats
             threading.Thread(target=watch_beats, daemon=True, name="ps-watch",
                              args=(self.ps.workers, self.ps.heartbeat_s, self.ps.hang_timeout_s, self._on_silent,
                                    stop)).start()

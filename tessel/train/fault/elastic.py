@@ -59,7 +59,7 @@ def replan_for_world(cfg: Config, world_size: int, rank: int = 0) -> Config:
 def rendezvous_args(nnodes: str) -> list[str]:
     """torchrun arguments for an elastic node range. One machine by default; TESSEL_RDZV_ENDPOINT
     (host:port, the same on every node) and TESSEL_RDZV_ID join several machines."""
-    from tessel.spawn import free_port
+    from tessel.spawn import free_port  # deferred: loads torch; the launcher imports this module before torch
     endpoint = os.environ.get("TESSEL_RDZV_ENDPOINT") or f"localhost:{free_port()}"
     run_id = os.environ.get("TESSEL_RDZV_ID") or uuid.uuid4().hex[:12]
     # once MIN nodes are in, wait only briefly for more before starting
