@@ -108,7 +108,7 @@ def _trainer(overrides: list[str]) -> Trainer:
     mesh = make_mesh({"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp}, device=device)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
-    return Trainer(cfg, mesh, model, parallelize(model, mesh, cfg), dist.get_rank())
+    return Trainer(cfg, mesh, parallelize(model, mesh, cfg), dist.get_rank())
 
 
 def bench_models(d_model: int, n_experts: int, steps: int, batch: int, seq: int) -> dict:

@@ -29,7 +29,7 @@ from tessel.comm.topology import Topology
 from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
 from tessel.supervise import Supervisor
-from tessel.train.fault.elastic import rendezvous_args, replan
+from tessel.train.fault.elastic import rendezvous_args, replan, replan_for_world
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -313,30 +313,28 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     import torch
     import torch.distributed as dist
 
-    from tessel.mesh import make_mesh
-    from tessel.models.gpt import GPT
-    from tessel.parallelize import parallelize
-    from tessel.runtime import init_distributed
-    from tessel.train.trainer import Trainer
+    from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
+    from tessel.models.gpt import GPT  # deferred: loads torch
+    from tessel.parallelize import parallelize  # deferred: loads torch and every strategy
+    from tessel.runtime import init_distributed  # deferred: loads torch
+    from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer
+    from tessel.train.trainer import Trainer  # deferred: loads torch and every strategy
 
     r = cfg.runtime
-    if cfg.parallel.dp_arch != "ps" and stop is not None:  # the PS worker loop keeps default signals for now
+    if stop is not None:  # the ranks stop after their step on SIGINT, SIGTERM, SIGHUP
         stop.install()
     device = init_distributed(r.device, r.backend, r.threads_per_rank, r.timeout_s)
     if r.elastic:
-        from tessel.train.fault.elastic import replan_for_world
         cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
     check_layout(cfg, world_size=dist.get_world_size())
-    if cfg.parallel.dp_arch == "ps":  # no mesh: the servers are ranks outside the dp layout
-        from tessel.train.ps_trainer import train_rank_ps
-        return train_rank_ps(cfg, device, run_id)
+    if cfg.parallel.dp_arch == "ps":  # no mesh over the world: the servers are ranks outside the dp layout
+        return train_rank_ps(cfg, device, run_id, stop)
     p = cfg.parallel
     mesh = make_mesh(p.axis_sizes, order=p.rank_order, device=device)
     rank = dist.get_rank()
     if rank == 0:
         print(mesh.describe(), flush=True)
     if r.topology and not r.nproc_per_node:  # a `tessel probe` file knows the node size
-        from tessel.comm.topology import Topology
         mesh.check_topology(Topology.load(r.topology).nproc_per_node)
     else:
         mesh.check_topology(r.nproc_per_node)
@@ -345,4 +343,4 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
     model = GPT(cfg.model).to(device)
     runner = parallelize(model, mesh, cfg)
-    return Trainer(cfg, mesh, model, runner, rank, run_id=run_id, stop=stop).fit()
+    return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop).fit()

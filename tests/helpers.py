@@ -60,7 +60,7 @@ def build_trainer(cfg: Config, init_seed: int | None = None):
     model = GPT(cfg.model)
     runner = parallelize(model, mesh, cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Trainer(cfg, mesh, model, runner, rank), model, runner, mesh
+    return Trainer(cfg, mesh, runner, rank), model, runner, mesh
 
 
 def train_and_collect(cfg: Config, weights: bool = True) -> dict:

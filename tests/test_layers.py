@@ -34,17 +34,6 @@ DEFERRED = re.compile(r"#.*\bdeferred:\s*\S")
 # (file, import statement) inside a function, without a `# deferred:` comment, in files that their
 # owners are editing now; each entry names who removes it (by moving the import up or commenting it).
 KNOWN = {
-    # the trainer's engineer (launch.train_rank, train/trainer.py)
-    ("tessel/launch.py", "from tessel.mesh import make_mesh"): "trainer",
-    ("tessel/launch.py", "from tessel.models.gpt import GPT"): "trainer",
-    ("tessel/launch.py", "from tessel.parallelize import parallelize"): "trainer",
-    ("tessel/launch.py", "from tessel.runtime import init_distributed"): "trainer",
-    ("tessel/launch.py", "from tessel.train.trainer import Trainer"): "trainer",
-    ("tessel/launch.py", "from tessel.train.fault.elastic import replan_for_world"): "trainer",
-    ("tessel/launch.py", "from tessel.train.ps_trainer import train_rank_ps"): "trainer",
-    ("tessel/launch.py", "from tessel.comm.topology import Topology"): "trainer",
-    ("tessel/train/trainer.py", "from tessel.observe.plots import plot_metrics"): "trainer",
-    ("tessel/train/trainer.py", "from tessel.observe.plots import read_metrics"): "trainer",
 }
 
 

@@ -1,38 +1,38 @@
-"""Checkpoints of a parameter-server run, in the all-reduce trainer's format.
+"""Checkpoints of a parameter-server run: its state is on the servers, its format the trainer's.
 
-Worker 0 asks the servers for a snapshot (tessel.parallel.ps.parameter_server: weights, AdamW
-moments, update count) and writes it alone, as the logical, unsharded tensors
-that tessel.train.checkpoint.manager writes for every layout: `model/<name>`,
-`optim/<name>/{exp_avg,exp_avg_sq,step}`, plus the same manifest (sampler,
-scheduler, optimizer hyper-parameters). The same atomic commit (temporary
-directory, checksums, rename) and pruning apply. So a PS checkpoint resumes a
-PS run with any number of servers, or an all-reduce run in any layout, and a
-PS run resumes from an all-reduce checkpoint.
+Worker 0's guard checkpoints through the trainer's own path (tessel.train.fault.guard,
+tessel.train.checkpoint.manager): same manifest, atomic commit, checksums,
+pruning, async writes on a thread, preemption saves. Only where the tensors
+come from differs: ServerSnapshot asks every server for a snapshot (weights,
+AdamW moments, update count: tessel.parallel.ps.parameter_server) and hands
+them over as the logical, unsharded tensors every layout writes: `model/<name>`,
+`optim/<name>/{exp_avg,exp_avg_sq,step}`. So a PS checkpoint resumes a PS run
+with any number of servers, or an all-reduce run in any layout, and a PS run
+resumes from an all-reduce checkpoint.
 
-The other workers do not stop: under BSP they wait at the next barrier while
-worker 0 writes (with checkpoint.async_save worker 0 writes on a thread and
-nobody waits); under ASP and SSP they go on (the snapshot is fuzzy there, see
-tessel.parallel.ps.parameter_server). On resume every rank reads the checkpoint: servers
-take their key ranges of it, workers their step and data position.
+Worker 0 writes alone; the other workers do not stop (under BSP they wait at
+the next barrier while it snapshots; under ASP and SSP they go on and the
+snapshot is fuzzy, see tessel.parallel.ps.parameter_server). On resume the
+servers take their key ranges of the checkpoint before they serve
+(restore_servers); the workers' guards restore the step, data position and
+schedule from its manifest, and their weights come with the first pull.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from tessel.config import Config
 from tessel.parallel.ps.parameter_server import ParameterServer
-from tessel.train.checkpoint.logical import OPTIM_PREFIX, model_tensors
-from tessel.train.checkpoint.manager import (choose, commit, disk_full_error, fresh_dir, manifest_of, prune, run_model,
-                                             step_dir, tmp_dir)
-from tessel.train.checkpoint.safe_dcp import JsonMetadataWriter, SafeReader, read_metadata
-from tessel.train.fault.guard import checkpoint_root, run_info
-from tessel.train.optim import build_optimizer, build_scheduler, lr_at
+from tessel.parallel.runner import Runner
+from tessel.train.checkpoint.logical import OPTIM_PREFIX, LogicalView, model_tensors
+from tessel.train.checkpoint.manager import choose, manifest_of, run_model
+from tessel.train.checkpoint.optimizer_state import PutBack
+from tessel.train.checkpoint.safe_dcp import SafeReader, read_metadata
+from tessel.train.fault.guard import checkpoint_root
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state; its step is the update count
 
@@ -41,10 +41,30 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def snapshot_tensors(ps: ParameterServer, runner) -> tuple[dict[str, torch.Tensor], int]:
+class ServerSnapshot:
+    """A worker's view of the training state: the servers hold it (tessel.train.checkpoint.tensors.StateTensors)."""
+
+    def __init__(self, ps: ParameterServer, runner: Runner, model: torch.nn.Module, mode: str):
+        self.ps, self.runner, self.model, self.mode = ps, runner, model, mode
+
+    def save_tensors(self, view: LogicalView) -> tuple[dict[str, torch.Tensor], dict]:
+        """The servers' state as the trainer's logical tensors (owned copies: training may go on), and
+        their update count, which a PS run resumes the learning rate from."""
+        tensors, updates = snapshot_tensors(self.ps, self.runner, self.model)
+        return tensors, {"ps_updates": updates, "ps_mode": self.mode}
+
+    def load_targets(self, view: LogicalView, saved: dict) -> tuple[dict[str, torch.Tensor], list[PutBack]]:
+        return {}, []  # the servers took their key ranges before serving (restore_servers)
+
+    def after_load(self, path: Path, metadata, manifest: dict, view: LogicalView) -> None:
+        self.ps.step_count = int(manifest["step"])  # this worker's pushes go on from the checkpoint's step
+
+
+def snapshot_tensors(ps: ParameterServer, runner: Runner,
+                     model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
     """The servers' state as the trainer's logical tensors; (tensors, updates)."""
     flat, state, updates = ps.snapshot()
-    names = _param_names(runner.model)
+    names = _param_names(model)
     out, off = {}, 0
     by_id = {}
     for p in ps.params:  # the PS key space: parameters in registration order
@@ -59,80 +79,21 @@ def snapshot_tensors(ps: ParameterServer, runner) -> tuple[dict[str, torch.Tenso
     return out, updates
 
 
-def manifest_info(cfg: Config, model: torch.nn.Module, step: int, sampler_state: dict, updates: int) -> dict:
-    """What tessel.train.fault.guard saves beside the tensors, for the state after `step` steps."""
-    t = cfg.train
-    opt = build_optimizer(list(model.parameters()), t)  # the trainer's groups and hyper-parameters
-    sched = build_scheduler(opt, t).state_dict()
-    factor = lr_at(step, t) / t.lr  # LambdaLR's multiplier at `step`, as the trainer's would stand
-    sched.update(last_epoch=step, _step_count=step + 1, _last_lr=[b * factor for b in sched["base_lrs"]])
-    for g in opt.param_groups:  # a throwaway optimizer: its groups say what the trainer's would
-        g["lr"] = g["initial_lr"] * factor
-    return {**run_info(cfg, cfg.parallel.world_size, sampler_state, sched, opt.param_groups),
-            "ps_updates": updates, "ps_mode": cfg.parallel.ps_mode}
-
-
-class Writer:
-    """Worker 0's checkpoints: the servers' snapshot is taken at once; it is written at once, or
-    with checkpoint.async_save on a background thread while training goes on. run_id: as for
-    tessel.train.checkpoint.manager.CheckpointManager (the manifest's owner; pruning counts only its own)."""
-
-    def __init__(self, cfg: Config, ps: ParameterServer, runner, log=print, run_id: str | None = None):
-        self.cfg, self.ps, self.runner, self.log, self.run_id = cfg, ps, runner, log, run_id
-        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tessel-ps-ckpt") if cfg.checkpoint.async_save else None
-        self.pending: cf.Future | None = None
-
-    def save(self, step: int, sampler_state: dict) -> None:
-        """The state after `step` steps, committed atomically as `step_<step>`; prunes to checkpoint.keep."""
-        self.wait()  # one write at a time; a failed one raises here, on the training thread
-        tensors, updates = snapshot_tensors(self.ps, self.runner)  # owned copies: training may go on
-        info = manifest_info(self.cfg, self.runner.model, step, sampler_state, updates)
-        if self.pool is None:
-            self._write(tensors, step, info)
-        else:
-            self.pending = self.pool.submit(self._write, tensors, step, info)
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
-
-    def _write(self, tensors: dict, step: int, info: dict) -> None:
-        root = checkpoint_root(self.cfg)
-        final, tmp = step_dir(root, step), tmp_dir(root, step)
-        try:
-            fresh_dir(tmp)
-            dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True), no_dist=True)
-            commit(tmp, final, step, info, self.run_id)
-        except (OSError, CheckpointException) as err:
-            full = disk_full_error(err, tmp, root, self.run_id)
-            if full is None:
-                raise
-            raise full from None
-        prune(root, self.cfg.checkpoint.keep, self.run_id)
-        self.log(f"[tessel checkpoint] saved step {step} ({info['ps_updates']} server updates) -> {final}")
-
-
-def find(cfg: Config, log=print, run_id: str | None = None) -> tuple[Path, dict] | None:
-    """The checkpoint checkpoint.resume names ('auto': run `run_id`'s newest valid one of this model, or
-    None), verified."""
+def restore_servers(cfg: Config, ps: ParameterServer, model: torch.nn.Module, run_id: str | None) -> None:
+    """On a server, before serve(): its key range of the checkpoint checkpoint.resume names (auto: run
+    `run_id`'s newest valid one of this model), verified; nothing when there is none."""
     if cfg.checkpoint.resume is None:
-        return None
-    path = choose(checkpoint_root(cfg), cfg.checkpoint.resume, log, model=run_model(cfg), run_id=run_id)
-    return None if path is None else (path, manifest_of(path))
-
-
-def restore(cfg: Config, ps: ParameterServer, model: torch.nn.Module, path: Path, manifest: dict) -> int:
-    """Servers load their key ranges; every rank returns the step to continue from (find checked the model)."""
-    step = int(manifest["step"])
-    if ps.is_server:
-        flat, state = _load_flat(ps, model, path)
-        same_mode = manifest.get("ps_mode") == cfg.parallel.ps_mode and "ps_updates" in manifest
-        # lr follows updates (BSP) or updates per worker (ASP, SSP): see tessel.parallel.ps.parameter_server
-        per_step = 1 if cfg.parallel.ps_mode == "bsp" else len(ps.workers)
-        ps.restore(flat, state, int(manifest["ps_updates"]) if same_mode else step * per_step)
-    ps.step_count = step
-    return step
+        return
+    # the same choice as the workers' guards make (worker 0 reports what it skips)
+    path = choose(checkpoint_root(cfg), cfg.checkpoint.resume, lambda msg: None, run_model(cfg), run_id)
+    if path is None:
+        return
+    manifest = manifest_of(path)
+    flat, state = _load_flat(ps, model, path)
+    same_mode = manifest.get("ps_mode") == cfg.parallel.ps_mode and "ps_updates" in manifest
+    # lr follows updates (BSP) or updates per worker (ASP, SSP): see tessel.parallel.ps.parameter_server
+    per_step = 1 if cfg.parallel.ps_mode == "bsp" else len(ps.workers)
+    ps.restore(flat, state, int(manifest["ps_updates"]) if same_mode else int(manifest["step"]) * per_step)
 
 
 def _load_flat(ps: ParameterServer, model: torch.nn.Module, path: Path) -> tuple[torch.Tensor, dict]:

@@ -1,4 +1,12 @@
-"""The training loop that every rank runs: data -> runner -> optimizer -> metrics."""
+"""The training loop that every rank runs, whatever the layout: data -> runner -> update -> metrics.
+
+The runner (tessel.parallel.runner.Runner) computes; the cohort
+(tessel.train.cohort) says how this rank's peers share the data and agree and
+how the update is applied (this rank's optimizer over a mesh, or a parameter
+server's); the guard (tessel.train.fault.guard) checkpoints, watches and
+recovers the TrainState (tessel.train.state) the trainer hands it. Parameter-
+server workers run this same loop (tessel.train.ps_trainer).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +16,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from tessel.config import Config
+from tessel.config import Config, TrainConfig
+from tessel.heartbeat import log
 from tessel.mesh import Mesh
 from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
-from tessel.parallel.norms import clip_grad_norm_
+from tessel.parallel.runner import Runner
+from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
+from tessel.train.cohort import Cohort
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.fault.guard import Guard
-from tessel.train.fault.numerics import agree
+from tessel.train.fault.guard import Guard, checkpoint_root
+from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
+from tessel.train.mesh_cohort import MeshCohort
 from tessel.train.optim import build_optimizer, build_scheduler, optimizer_params
+from tessel.train.state import TrainState
 
 
 @dataclass
@@ -55,7 +67,7 @@ def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops
 
 def close_log(log: MetricsLog, tensorboard: bool = True) -> dict[str, str]:
     """Close rank 0's metrics log and plot its curves; the files the run wrote there."""
-    from tessel.observe.plots import plot_metrics
+    from tessel.observe.plots import plot_metrics  # deferred: matplotlib, for the run's last moment
     log.close()
     files = {"metrics": str(log.path)}
     if tensorboard:
@@ -76,94 +88,99 @@ def summarize(history: list[dict], val_loss: float | None, n_params: int, sample
                    sample=sample, files=files)
 
 
-def mean_over(value: torch.Tensor, mesh: Mesh, *axes: str) -> torch.Tensor:
-    group = mesh.group(*axes)
-    if group is not None:
-        dist.all_reduce(value, group=group)
-        value = value / mesh.size(*axes)
-    return value
-
-
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh, model: GPT, runner, rank: int = 0, run_id: str | None = None,
-                 stop: StopRequest | None = None):
-        self.cfg, self.mesh, self.runner, self.rank = cfg, mesh, runner, rank
-        self.run_id = run_id  # checkpoints carry it; pruning and --resume auto touch only the run's own
+    """One rank's training loop, the same for every layout: the runner computes, the cohort
+    (tessel.train.cohort) says how ranks share the data and agree, the guard checkpoints and recovers.
+
+    cohort: None for every rank of `mesh` (MeshCohort); a parameter server's workers bring theirs."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, runner: Runner, rank: int = 0, run_id: str | None = None,
+                 stop: StopRequest | None = None, cohort: Cohort | None = None):
+        self.cfg, self.runner, self.rank = cfg, runner, rank
+        self.cohort = cohort or MeshCohort(mesh, cfg.train.grad_clip)
         self.stop = stop or StopRequest()  # the launcher's ranks install its signal handlers
         self.stop_signal = 0  # set when every rank has agreed to stop after the current step
-        t = cfg.train
-        # a runner may bring its own optimizer (ZeRO's steps only this rank's shard);
-        # the gradient norm is over what the optimizer steps (sharded grads are marked)
-        self.optimizer = getattr(runner, "optimizer", None)
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(runner.parameters(), t)
-        self.params = optimizer_params(self.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, t)
-        tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=t.seed)
-        shard, shards = mesh.local_rank_in("dp", "ep"), mesh.size("dp", "ep")
-        self.sampler = BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, shard, shards,
-                                    cfg.model.vocab_size)
-        self.val_sampler = BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, shard, shards,
-                                        cfg.model.vocab_size)
+        # TESSEL_FAULT's drills on this rank (markers beside the checkpoints: each fires once)
+        self.faults = FaultInjector(rank, checkpoint_root(cfg))
+        sampler, self.val_sampler = self._samplers()
+        self.state = self._build_state(run_id, sampler)
         with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
             self.n_params = count_params(GPT(cfg.model))
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.peak_flops = self._device_peak_flops()
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
+        self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
         # a resumed run appends to the metrics of the attempt it continues
         self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
                               append=cfg.checkpoint.resume is not None) if rank == 0 else None
         self.history: list[dict] = []
 
-    def _device_peak_flops(self) -> float:
-        """Sum of every rank's peak, so MFU compares the whole run with the whole machine."""
-        per_rank = self.cfg.logging.peak_flops or device_peak_flops(self.mesh.device, self.cfg.train.precision)
-        total = torch.tensor([per_rank], dtype=torch.float64, device=self.mesh.device)
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        return float(total.item())
+    def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
+        """This rank's shards of the training and the validation batches."""
+        t, vocab = self.cfg.train, self.cfg.model.vocab_size
+        tokens = load_tokens(self.cfg.data, vocab, seed=t.seed)
+        train, val = self.cohort.shards()
+        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab),
+                BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab))
+
+    def _build_state(self, run_id: str | None, sampler: BatchSampler) -> TrainState:
+        """The optimizer (the runner's own, or AdamW over its parameters), the schedule, the data
+        position; run_id: checkpoints carry it, pruning and --resume auto touch only the run's own."""
+        optimizer, optimizer_state = build_optimizer_state(self.runner, self.cfg.train)
+        return TrainState(run_id, self.runner, optimizer, build_scheduler(optimizer, self.cfg.train), sampler,
+                          self.cohort.state_tensors(self.runner, optimizer_state))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.state.scheduler
+
+    @property
+    def sampler(self) -> BatchSampler:
+        return self.state.sampler
 
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
-        x, y = self.sampler.next()
+        x, y = self.state.sampler.next()
         loss = self.runner.forward_backward(x, y)
-        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
-        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh)
-        lr = self.optimizer.param_groups[0]["lr"]
-        finite, self.stop_signal = agree(loss, grad_norm, self.stop.pending(), self.mesh.device)
-        if finite:
-            self.optimizer.step()
-        self.scheduler.step()
-        # set_to_none=False keeps gradients as views of the data-parallel buckets
-        self.optimizer.zero_grad(set_to_none=False)
+        # TESSEL_FAULT=nan: a drill's NaN gradient, after backward and before the update
+        if self.faults.poison(optimizer_params(self.state.optimizer)):
+            log(f"[tessel fault] injected a NaN gradient on rank {self.rank}")
+        done = self.cohort.update(self.state, loss, self.stop.pending())
+        self.stop_signal = done.stop_signal
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
-        row = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-               **speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.mesh.device),
-               "skipped": not finite}
-        extra = getattr(self.runner, "extra_metrics", None)  # runners may add layout-specific metrics
-        if extra is not None:
-            row.update(extra())
+        row = {"loss": done.loss, "lr": done.lr}
+        if done.grad_norm is not None:
+            row["grad_norm"] = done.grad_norm
+        row.update(speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.cohort.device))
+        if done.skipped is not None:
+            row["skipped"] = done.skipped
+        row.update(self.runner.extra_metrics())  # layout-specific numbers (MoE load, bubble, staleness)
         return row
 
     @torch.no_grad()
     def evaluate(self) -> float:
         losses = [self.runner.evaluate(*self.val_sampler.batch_at(i)) for i in range(self.cfg.train.eval_batches)]
-        return mean_over(torch.stack(losses).mean(), self.mesh, "dp", "ep").item()
+        return self.cohort.eval_mean(torch.stack(losses).mean()).item()
 
     def sample(self) -> str:
         return sample_text(self.runner, self.cfg)
 
     def fit(self) -> Summary:
-        t = self.cfg.train
+        t, state = self.cfg.train, self.state
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
-        guard = Guard(self)  # resumes from a checkpoint when asked; checkpoints, heartbeat, rollback
-        step = guard.start_step
+        # resumes from a checkpoint when asked (state.step); checkpoints, heartbeat, rollback
+        guard = Guard(self.cfg, state, self.cohort, self.faults)
         with progress:
-            while step < t.steps and not self.stop_signal:
+            while state.step < t.steps and not self.stop_signal:
+                step = state.step
                 guard.begin_step(step)
                 row = self.train_step(step)
-                next_step = guard.end_step(step, row)  # the next step; earlier after a rollback
+                state.step = guard.end_step(step, row)  # the next step; earlier after a rollback
                 last = step + 1 == t.steps
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
                     val_loss = row["val_loss"] = self.evaluate()
@@ -171,12 +188,11 @@ class Trainer:
                 if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal):
                     self.log.log(step, row)
                 progress.update(step, row)
-                step = next_step
         if self.stop_signal:
-            guard.preempt(step)  # a preemption checkpoint (when checkpoints are on)
+            guard.preempt(state.step)  # a preemption checkpoint (when checkpoints are on)
             if self.log is not None:
                 self.log.close()
-            raise Stopped(self.stop_signal, step)
+            raise Stopped(self.stop_signal, state.step)
         guard.close()
         return self._summary(val_loss)
 
@@ -185,17 +201,26 @@ class Trainer:
             if self.log is not None:
                 self.log.close()
             return summary_from_metrics(self.cfg)
-        files = {}
-        if hasattr(self.runner, "write_timeline"):  # collective: every rank hands in its events
-            files.update(self.runner.write_timeline(self.cfg.logging.out_dir))
+        # collective: every rank hands in its events
+        files = dict(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
-            files.update(close_log(self.log))
+            files.update(close_log(self.log, tensorboard=self.cfg.logging.tensorboard))
         return summarize(self.history, val_loss, self.n_params, self.sample(), files)
+
+
+def build_optimizer_state(runner: Runner, t: TrainConfig) -> tuple[torch.optim.Optimizer, OptimizerState]:
+    """The optimizer the trainer steps, and how a checkpoint holds its state: a strategy's own (ZeRO's
+    steps only this rank's shard and checkpoints it itself), or AdamW over the runner's parameters,
+    whose state follows them."""
+    if runner.optimizer is not None:
+        return runner.optimizer, OwnState(runner.optimizer)
+    optimizer = build_optimizer(runner.parameters(), t)
+    return optimizer, PerParameterState(optimizer)
 
 
 def summary_from_metrics(cfg: Config) -> Summary:
     """The Summary of a finished run from its metrics.jsonl (empty where there is none)."""
-    from tessel.observe.plots import read_metrics
+    from tessel.observe.plots import read_metrics  # deferred: loads matplotlib, which this never draws with
     path = Path(cfg.logging.out_dir) / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
     last = {}

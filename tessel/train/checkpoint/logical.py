@@ -16,19 +16,17 @@ dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
 - Optimizer state is keyed by parameter name (`optim/<name>/<key>`), not by
   index, and is sharded like its parameter.
 - Strategies whose state does not follow mark_sharded (flat ZeRO buffers)
-  provide `checkpoint_tensors()` on the optimizer (logical tensors by the same
-  keys; it may override model/ keys) and `load_checkpoint_tensors(reader,
-  metadata)`, run after the rest is loaded; model/ keys listed by its optional
-  `checkpoint_model_names()` are left to it (tessel.parallel.zero.checkpoint). Its
-  tensors are whole over its own axes (dp) but may be tp or ep shards, shaped
-  like their parameter: those become DTensors here like any marked parameter,
-  and on load `LogicalView.local_slice` cuts a rank's shard from the whole.
+  bring a CheckpointableOptimizer (tessel.parallel.runner) that hands over
+  logical tensors by the same keys and reads them back itself
+  (tessel.train.checkpoint.optimizer_state). Its tensors are whole over its
+  own axes (dp) but may be tp or ep shards, shaped like their parameter: those
+  become DTensors here like any marked parameter (as_logical), and on load
+  `LogicalView.local_slice` cuts a rank's shard from the whole.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -149,20 +147,9 @@ def copy_local_(dst: torch.Tensor, loaded: torch.Tensor) -> None:
         region.copy_(src)
 
 
-# ---- the whole training state ----------------------------------------------
-def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict:
-    """optim/<param name>/<state key> -> local state tensor (only tensors; AdamW has only tensors)."""
-    out = {}
-    for name, p in _unique(named).items():
-        for key, value in optimizer.state.get(p, {}).items():
-            if not torch.is_tensor(value):
-                raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
-            out[f"{OPTIM_PREFIX}{name}/{key}"] = (value, p)
-    return out
-
-
-def _unique(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """First name of every distinct tensor (tied embeddings appear once)."""
+# ---- names ------------------------------------------------------------------------
+def unique_params(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """First name of every distinct parameter (tied embeddings appear once)."""
     seen, out = set(), {}
     for name, t in named.items():
         if id(t) not in seen and isinstance(t, nn.Parameter):
@@ -171,35 +158,18 @@ def _unique(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_state(runner, optimizer, view: LogicalView) -> dict[str, torch.Tensor]:
-    """The flat, tensor-only state dict that DCP writes (logical tensors)."""
-    named = model_tensors(runner)
-    state = {f"model/{k}": view.to_logical(v, v, k) for k, v in named.items()}
-    custom = getattr(optimizer, "checkpoint_tensors", None)
-    if custom is not None:
-        state.update({k: _custom_logical(view, named, k, t) for k, t in custom().items()})
-    else:
-        for key, (value, p) in optimizer_tensors(optimizer, named).items():
-            state[key] = view.to_logical(value, p, key) if value.shape == p.shape else value.detach()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    state[f"rng/{rank}/cpu"] = torch.get_rng_state()
-    if view.mesh.device.type == "cuda":
-        state[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state(view.mesh.device)
-    return state
-
-
-def _custom_logical(view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
-    """A strategy hook's tensor (model/<name> or optim/<name>/<key>) shaped like its parameter:
-    a DTensor over the axes that parameter is marked sharded on (tp, ep); as it is otherwise."""
+def as_logical(view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
+    """An optimizer's tensor (model/<name> or optim/<name>/<key>) shaped like its parameter: a DTensor
+    over the axes that parameter is marked sharded on (tp, ep); as it is otherwise (a step count)."""
     if key.startswith("model/"):
         name = key[len("model/"):]
     elif key.startswith(OPTIM_PREFIX):
         name = key[len(OPTIM_PREFIX):].rsplit("/", 1)[0]
     else:
-        return t
+        return t.detach()
     p = named.get(name)
     if p is None or tuple(t.shape) != tuple(p.shape):
-        return t
+        return t.detach()
     return view.to_logical(t, p, key)
 
 
@@ -228,52 +198,4 @@ def module_shapes(module: nn.Module) -> tuple[dict[str, torch.Size], dict[str, t
     """(model tensors, parameters) -> logical shape, named as a checkpoint names them, for an unsharded
     module (one built on the meta device will do)."""
     named = {strip_wrappers(k): v for k, v in module.state_dict(keep_vars=True).items()}
-    return ({k: v.shape for k, v in named.items()}, {k: p.shape for k, p in _unique(named).items()})
-
-
-def load_targets(runner, optimizer, view: LogicalView, saved: dict) -> tuple[dict, list]:
-    """Targets for DCP.load, and how to put each back. `saved`: fqn -> TensorStorageMetadata.
-    CheckpointError if a saved shape differs from this run's (check_shapes)."""
-    named = model_tensors(runner)
-    owned = getattr(optimizer, "checkpoint_model_names", None)
-    owned = owned() if owned is not None else set()  # the strategy loads those (its storage may be sharded: ZeRO-3)
-    # a strategy with its own hook loads its optimizer state itself (load_checkpoint_tensors)
-    custom = getattr(optimizer, "checkpoint_tensors", None) is not None
-    params = {} if custom else _unique(named)
-    check_shapes(saved, {k: view.logical_shape(v, v, k) for k, v in named.items() if k not in owned},
-                 {name: view.logical_shape(p, p, name) for name, p in params.items()})
-    targets, put_back = {}, []
-    for k, v in named.items():
-        if k not in owned:
-            targets[f"model/{k}"] = view.empty_like_logical(v, k)
-            put_back.append((f"model/{k}", lambda t, v=v: copy_local_(v, t)))
-    for name, p in params.items():
-        prefix = f"{OPTIM_PREFIX}{name}/"
-        for fqn in (f for f in saved if f.startswith(prefix)):
-            md = saved[fqn]
-            if md.size != torch.Size([]):  # shaped like p (checked above)
-                targets[fqn] = view.empty_like_logical(p, fqn, dtype=md.properties.dtype)
-            else:
-                targets[fqn] = torch.zeros(md.size, dtype=md.properties.dtype, device=p.device)
-            put_back.append((fqn, lambda t, p=p, key=fqn[len(prefix):]: _set_optim(optimizer, p, key, t)))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for kind in ("cpu", "cuda"):
-        fqn = f"rng/{rank}/{kind}"
-        if fqn in saved and (kind == "cpu" or view.mesh.device.type == "cuda"):
-            targets[fqn] = torch.zeros(saved[fqn].size, dtype=torch.uint8)
-            put_back.append((fqn, lambda t, kind=kind: _set_rng(kind, t, view.mesh.device)))
-    return targets, put_back
-
-
-def _set_optim(optimizer, p, key, loaded) -> None:
-    local = torch.zeros_like(p, dtype=loaded.dtype) if isinstance(loaded, DTensor) else None
-    if local is not None:
-        copy_local_(local, loaded)
-    optimizer.state[p][key] = local if local is not None else loaded.clone()
-
-
-def _set_rng(kind: str, state: torch.Tensor, device) -> None:
-    if kind == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.cuda.set_rng_state(state, device)
+    return ({k: v.shape for k, v in named.items()}, {k: p.shape for k, p in unique_params(named).items()})

@@ -43,11 +43,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tessel.errors import FatalError
 from tessel.models.gpt import GPT
-from tessel.train.checkpoint.logical import LogicalView, check_shapes, load_targets, module_shapes, save_state
+from tessel.train.checkpoint.logical import LogicalView, check_shapes, module_shapes
 from tessel.train.checkpoint.manifest import (FORMAT, MANIFEST, CheckpointError, check_model, check_owner,
                                               read_manifest, regular_file, run_model, run_of)
 from tessel.train.checkpoint.safe_dcp import (METADATA_FILE, JsonMetadataWriter, SafeReader, UnsafeCheckpointError,
                                               check_coverage, disk_full_errno, read_metadata)
+from tessel.train.checkpoint.tensors import StateTensors
 
 PREFIX = "step_"
 
@@ -277,36 +278,45 @@ class Pending:
 
 
 class CheckpointManager:
-    """Saves and loads the trainer's whole state; one per rank, all ranks call every method.
+    """Saves and loads the trainer's whole state (what a StateTensors hands over and takes back, plus
+    the manifest's plain values); one per rank, all ranks call every method.
 
     run_id: written into every manifest; pruning and find('auto') then touch only this run's
-    checkpoints (None: no owner, every checkpoint counts)."""
+    checkpoints (None: no owner, every checkpoint counts).
+    alone: this rank saves and finds by itself, with no process group (a parameter server's worker 0
+    writes what the servers hand it; each worker finds its resume point); writes=False: save() does
+    nothing on this rank (a parameter server's other workers)."""
 
     def __init__(self, root: str | Path, mesh, keep: int = 3, async_save: bool = False, log=None,
-                 run_id: str | None = None):
+                 run_id: str | None = None, alone: bool = False, writes: bool = True):
         self.root = Path(root)
-        self.mesh = mesh
         self.keep = keep
         self.async_save = async_save
         self.run_id = run_id
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.writes = writes
+        together = dist.is_initialized() and not alone
+        self.rank = dist.get_rank() if together else 0  # the rank that decides (_on_rank0)
         self.view = LogicalView(mesh)
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True) if self.rank == 0 else None)
+        speaks = not dist.is_initialized() or dist.get_rank() == 0
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True) if speaks else None)
         # a group of its own (gloo: DCP's plans travel on CPU): an async save's collectives run in a
         # background thread and must not interleave with the training step's
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if together else None
         # the ranks agree that an async save is done on every rank over another group: the save's own
         # collectives may still be running on self.group
-        self.poll_group = dist.new_group(backend="gloo") if dist.is_initialized() and async_save else None
+        self.poll_group = dist.new_group(backend="gloo") if together and async_save else None
         self.pending: Pending | None = None
 
     # ---- save -----------------------------------------------------------------
-    def save(self, step: int, runner, optimizer, info: dict) -> None:
+    def save(self, step: int, tensors: StateTensors, info: dict) -> None:
+        """`tensors`' state after `step` steps as `step_<step>`; info: the manifest's plain values."""
+        if not self.writes:
+            return
         self.wait()
         final, tmp = step_dir(self.root, step), tmp_dir(self.root, step)
         self._on_rank0(lambda: self._prepare(tmp, final), tmp)
-        state = save_state(runner, optimizer, self.view)
+        state, about = tensors.save_tensors(self.view)
+        info = {**info, **about}
         storage = dict(storage_writer=JsonMetadataWriter(tmp, sync_files=True), process_group=self.group,
                        no_dist=self.group is None)
         if self.async_save:
@@ -367,24 +377,22 @@ class CheckpointManager:
         choice = self._on_rank0(lambda: str(choose(self.root, resume, self.log, model, self.run_id) or ""))
         return (Path(choice), manifest_of(choice)) if choice else None  # rank 0 verified it
 
-    def load(self, path: Path, runner, optimizer) -> dict:
+    def load(self, path: Path, tensors: StateTensors) -> dict:
         """Load the checkpoint at `path` into this rank's (possibly different) layout; returns the manifest.
         CheckpointError, before anything is read, when a saved shape differs from this run's."""
         manifest = manifest_of(path)
         md = read_metadata(path)
         try:
-            targets, put_back = load_targets(runner, optimizer, self.view, md.state_dict_metadata)
+            targets, put_back = tensors.load_targets(self.view, md.state_dict_metadata)
         except CheckpointError as err:
             raise CheckpointError(f"{path}: {err}") from None
-        try:
+        try:  # collective even where this rank has nothing to read (its planner still takes part)
             dcp.load(targets, storage_reader=SafeReader(path), process_group=self.group, no_dist=self.group is None)
         except CheckpointException as err:
             raise CheckpointError(f"{path}: could not be loaded: {_root_causes(err)}") from None
         for fqn, apply in put_back:
             apply(targets[fqn])
-        custom = getattr(optimizer, "load_checkpoint_tensors", None)
-        if custom is not None:  # it reads logical tensors; localize cuts this rank's tp/ep shard
-            custom(SafeReader(path), md, localize=self.view.local_slice)
+        tensors.after_load(path, md, manifest, self.view)
         return manifest
 
     # ---- rank 0 decides, every rank learns -----------------------------------------

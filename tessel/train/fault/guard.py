@@ -1,97 +1,76 @@
-"""The trainer's fault hooks: resume, periodic checkpoints, rollback, heartbeat, stragglers, injection.
+"""The trainer's fault hooks: resume, periodic checkpoints, rollback, heartbeat, stragglers, injected delays.
 
-The trainer calls three methods, so its loop stays readable:
+The trainer hands the guard its state and its cohort, and calls three methods,
+so its loop stays readable:
 
-    guard = Guard(trainer)             # resumes when asked; starts the heartbeat
-    step = guard.start_step
-    while step < steps:
-        guard.begin_step(step)
-        row = trainer.train_step(step)  # skips the update on a non-finite loss/gradient
-        step = guard.end_step(step, row)  # metrics, checkpoint, or rollback (returns the next step)
+    guard = Guard(cfg, state, cohort, injector)  # resumes when asked (state.step); starts the heartbeat
+    while state.step < steps:
+        guard.begin_step(state.step)
+        row = trainer.train_step(state.step)  # skips the update on a non-finite loss/gradient
+        state.step = guard.end_step(state.step, row)  # checkpoint, or rollback (returns the next step)
     guard.close()
+
+It reads and restores only the TrainState (tessel.train.state) and gets its
+checkpoint writer, heartbeat and straggler check from the cohort
+(tessel.train.cohort); it never looks into the trainer. It watches the
+runner's compute through forward hooks on Runner.timed_modules (heartbeat
+phases, forward times, the `slow` fault); the `nan` fault is the trainer's
+own call (FaultInjector.poison, after backward).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tessel.heartbeat import Heartbeat, log
-from tessel.train.checkpoint.manager import CheckpointManager, run_model
+from tessel.config import Config
+from tessel.heartbeat import log
+from tessel.train.checkpoint.manager import run_model
+from tessel.train.cohort import Cohort
 from tessel.train.fault.injection import FaultInjector
-from tessel.train.fault.stragglers import ForwardTimer, gather_times, straggler_report
+from tessel.train.fault.stragglers import ForwardTimer, straggler_report
+from tessel.train.state import TrainState
 
 
-def checkpoint_root(cfg) -> Path:
+def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints")
 
 
-def _plain(obj):
-    """JSON-safe copy of a state dict made of numbers, strings, lists and dicts (else TypeError)."""
-    return json.loads(json.dumps(obj, default=_refuse))
-
-
-def run_info(cfg, world_size: int, sampler_state: dict, scheduler_state: dict, param_groups) -> dict:
-    """The plain-value training state a checkpoint's manifest holds beside its tensors."""
-    return {"world_size": world_size, "model": cfg.model.model_dump(),
-            "layout": {**cfg.parallel.model_dump(), "grad_accum": cfg.train.grad_accum},
-            "global_batch": cfg.train.global_batch, "sampler": sampler_state, "scheduler": _plain(scheduler_state),
-            "param_groups": _plain([{k: v for k, v in g.items() if k != "params"} for g in param_groups])}
-
-
-def _refuse(o):
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"{type(o).__name__} does not belong in a JSON manifest")
-
-
 class Guard:
-    def __init__(self, trainer):
-        self.trainer = trainer
-        cfg, self.cfg = trainer.cfg, trainer.cfg
+    def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector):
+        self.cfg, self.state, self.cohort, self.injector = cfg, state, cohort, injector
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        c, f = cfg.checkpoint, cfg.fault
         # the run id: pruning and --resume auto touch only this run's checkpoints
-        self.ckpt = CheckpointManager(checkpoint_root(cfg), trainer.mesh, c.keep, c.async_save,
-                                      run_id=trainer.run_id)
-        self.injector = FaultInjector(self.rank, checkpoint_root(cfg))
-        self.heartbeat = Heartbeat(self.rank, self.world, f.heartbeat_s, f.hang_timeout_s, f.kill_stalled)
-        if f.heartbeat_s > 0:
-            self.heartbeat.start()
-        self._instrument(trainer.runner)
-        self.bad_in_row, self.rollbacks, self.start_step = 0, 0, 0
+        self.ckpt = cohort.checkpoints(checkpoint_root(cfg), cfg, state.run_id)
+        self.heartbeat = cohort.heartbeat(self.rank, cfg.fault)
+        self.timer = self._watch_compute()
+        self.bad_in_row, self.rollbacks = 0, 0
         self.saved_step: int | None = None  # the step of this run's newest checkpoint
+        c = cfg.checkpoint
         if c.resume:
             found = self.ckpt.find(c.resume, model=run_model(cfg))  # auto skips other models' checkpoints
             if found is None:
                 self._say("[tessel checkpoint] no valid checkpoint to resume from: starting at step 0")
             else:
-                self.start_step = self.restore(*found)
+                self.restore(*found)
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
             log(msg)
 
-    def _instrument(self, runner) -> None:
-        """Forward timing (stragglers), heartbeat phases and injected faults, by hooks and one wrapper."""
-        model = getattr(runner, "model", None)
-        self.timer = ForwardTimer(model, self.trainer.mesh.device) if model is not None else None
-        if model is not None:
-            model.register_forward_pre_hook(self._pre_forward)
-            model.register_forward_hook(lambda *_: self.heartbeat.set(self.heartbeat.step, "backward"))
-        inner = runner.forward_backward
-
-        def forward_backward(x, y):
-            loss = inner(x, y)
-            if self.injector.poison(self.trainer.params):
-                log(f"[tessel fault] injected a NaN gradient on rank {self.rank}")
-            return loss
-        runner.forward_backward = forward_backward
+    def _watch_compute(self) -> ForwardTimer:
+        """Forward timing (stragglers), heartbeat phases and injected delays, by hooks on the runner's
+        timed modules."""
+        modules = self.state.runner.timed_modules()
+        timer = ForwardTimer(modules, self.cohort.device)  # its hooks first: an injected delay counts
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(lambda *_: self.heartbeat.set(self.heartbeat.step, "backward"))
+        return timer
 
     def _pre_forward(self, *_):
         self.heartbeat.set(self.heartbeat.step, "forward")
@@ -108,7 +87,7 @@ class Guard:
         self.heartbeat.set(step, "step-end")
         self.ckpt.poll()
         f = self.cfg.fault
-        if f.straggler_every and step % f.straggler_every == 0 and self.timer is not None:
+        if f.straggler_every and step % f.straggler_every == 0:
             self._stragglers(step, row)
         if row.get("skipped"):
             self.bad_in_row += 1
@@ -129,7 +108,9 @@ class Guard:
 
     def _stragglers(self, step: int, row: dict) -> None:
         f = self.cfg.fault
-        times = gather_times(self.timer.take(), self.trainer.mesh.device)
+        times = self.cohort.forward_times(self.timer.take())
+        if times is None:  # this cohort's ranks are not compared
+            return
         rep = straggler_report(times, f.straggler_factor, f.straggler_min_s)
         row.update(rep)
         if rep["straggler_rank"] >= 0:
@@ -140,28 +121,22 @@ class Guard:
     # ---- checkpoints ----------------------------------------------------------------
     def save(self, step: int) -> None:
         """`step` is the next step to run: the state after steps 0..step-1."""
-        t = self.trainer
         self.saved_step = step
         self.heartbeat.set(step, "checkpoint")
-        info = run_info(self.cfg, self.world, t.sampler.state_dict(), t.scheduler.state_dict(),
-                        t.optimizer.param_groups)
-        self.ckpt.save(step, t.runner, t.optimizer, info)
+        self.ckpt.save(step, self.state.tensors, self.state.manifest_info(self.cfg, self.world))
 
     def restore(self, path: Path, manifest: dict) -> int:
-        t = self.trainer
+        """The state of the checkpoint at `path`; the step to run next (also state.step)."""
         if manifest["global_batch"] != self.cfg.train.global_batch:
             self._say(f"[tessel checkpoint] warning: global batch {self.cfg.train.global_batch} differs from the "
                       f"checkpoint's {manifest['global_batch']}: the trajectory will differ")
-        self.ckpt.load(path, t.runner, t.optimizer)
-        for group, saved in zip(t.optimizer.param_groups, manifest["param_groups"]):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-        t.scheduler.load_state_dict(manifest["scheduler"])
-        t.sampler.load_state_dict(manifest["sampler"])
+        self.ckpt.load(path, self.state.tensors)
+        self.state.restore(manifest)
         old = manifest["layout"]
         self._say(f"[tessel checkpoint] resumed from {path} at step {manifest['step']} (saved by "
                   f"{manifest['world_size']} ranks, dp={old['dp']} tp={old['tp']} pp={old['pp']} "
                   f"grad_accum={old['grad_accum']}; now {self.world} ranks)")
-        return int(manifest["step"])
+        return self.state.step
 
     def rollback(self, step: int) -> int:
         f = self.cfg.fault
@@ -178,7 +153,7 @@ class Guard:
                   f"rolling back to {found[0].name}")
         self.injector.cancel()
         self.bad_in_row = 0
-        self.trainer.optimizer.zero_grad(set_to_none=False)
+        self.state.optimizer.zero_grad(set_to_none=False)
         return self.restore(*found)
 
     def preempt(self, step: int) -> None:

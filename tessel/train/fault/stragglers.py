@@ -12,12 +12,14 @@ import torch.distributed as dist
 
 
 class ForwardTimer:
-    """Sums the wall time of a module's forward passes (hooks; no change to the model)."""
+    """Sums the wall time of some modules' forward passes (hooks; no change to the model): a rank's
+    compute (tessel.parallel.runner.Runner.timed_modules: its model, or its pipeline chunks)."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device):
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device):
         self.total, self._t0, self.device = 0.0, None, device
-        module.register_forward_pre_hook(self._pre)
-        module.register_forward_hook(self._post)
+        for module in modules:
+            module.register_forward_pre_hook(self._pre)
+            module.register_forward_hook(self._post)
 
     def _pre(self, *_):
         # training forwards only: evaluation and sampling run without grad and are not a step's work

@@ -59,7 +59,7 @@ def _run_configs(configs):
         model = GPT(cfg.model)
         runner = parallelize(model, mesh, cfg)
         runner.timeline = False
-        summary = Trainer(cfg, mesh, model, runner, dist.get_rank()).fit()
+        summary = Trainer(cfg, mesh, runner, dist.get_rank()).fit()
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len), generator=torch.Generator().manual_seed(7))
         out.append({"losses": summary.losses, "state": {k: v.detach().clone() for k, v in runner.state_dict().items()},
                     "eval": runner.evaluate(x[:, :-1], x[:, 1:]).item(),

@@ -23,7 +23,9 @@ from tessel.sharding import mark_sharded, set_logical_shape
 from tessel.spawn import spawn
 from tessel.train.checkpoint import manager as checkpoint
 from tessel.train.checkpoint.manager import CheckpointError, CheckpointManager, commit, latest_valid, verify
+from tessel.train.checkpoint.optimizer_state import PerParameterState
 from tessel.train.checkpoint.safe_dcp import METADATA_FILE, UnsafeCheckpointError
+from tessel.train.checkpoint.tensors import LocalTensors
 from tests.helpers import build_trainer, tiny_config
 
 # Layouts are recipe overrides; a strategy joins the matrix by adding its own.
@@ -142,11 +144,11 @@ def _sharded_roundtrip(root: str, save: bool, rows: int, logical_rows: int | Non
     if save:
         model.table.grad, model.bias.grad = torch.ones_like(model.table), torch.ones_like(model.bias)
         opt.step()
-        mgr.save(1, _Runner(model), opt, BARE)
+        mgr.save(1, LocalTensors(_Runner(model), PerParameterState(opt)), BARE)
         return None
     with torch.no_grad():
         model.table.zero_()
-    mgr.load(Path(root) / "step_00000001", _Runner(model), opt)
+    mgr.load(Path(root) / "step_00000001", LocalTensors(_Runner(model), PerParameterState(opt)))
     return model.table.detach().clone(), opt.state[model.table]["exp_avg"].clone()
 
 
@@ -178,7 +180,7 @@ def test_truncated_and_flipped_shards_fall_back_to_previous(tmp_path):
     weights = {}
     for step in (1, 2, 3):
         trainer.train_step(step)
-        mgr.save(step, runner, trainer.optimizer, BARE)
+        mgr.save(step, trainer.state.tensors, BARE)
         weights[step] = model.lm_head.weight.detach().clone()
     newest = tmp_path / "step_00000003"
     shard = _shard_file(newest)
@@ -195,7 +197,7 @@ def test_truncated_and_flipped_shards_fall_back_to_previous(tmp_path):
     assert "step_00000002" in messages[1] and "checksum" in messages[1] and middle.name in messages[1]
 
     _, mesh2, model2, runner2, trainer2 = _tiny_state(7)
-    mgr.load(found[0], runner2, trainer2.optimizer)
+    mgr.load(found[0], trainer2.state.tensors)
     assert torch.equal(model2.lm_head.weight, weights[1])
     with pytest.raises(CheckpointError, match="checksum"):
         verify(tmp_path / "step_00000002")  # an explicit path is verified too, never silently used
@@ -206,12 +208,12 @@ def test_async_save_holds_the_state_of_its_step(tmp_path):
     mgr = CheckpointManager(tmp_path, mesh, async_save=True)
     trainer.train_step(0)
     at_save = model.lm_head.weight.detach().clone()
-    mgr.save(1, runner, trainer.optimizer, BARE)
+    mgr.save(1, trainer.state.tensors, BARE)
     trainer.train_step(1)  # training goes on while the files are written; the staged copy is unaffected
     mgr.wait()
     assert not torch.equal(model.lm_head.weight, at_save)
     _, _, model2, runner2, trainer2 = _tiny_state(5)
-    mgr.load(latest_valid(tmp_path)[0], runner2, trainer2.optimizer)
+    mgr.load(latest_valid(tmp_path)[0], trainer2.state.tensors)
     assert torch.equal(model2.lm_head.weight, at_save)
 
 
@@ -239,7 +241,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     cfg, mesh, model, runner, trainer = _tiny_state(0)
     trainer.train_step(0)
     mgr = CheckpointManager(tmp_path / "ck", mesh)
-    mgr.save(1, runner, trainer.optimizer, BARE)
+    mgr.save(1, trainer.state.tensors, BARE)
     ckpt = tmp_path / "ck" / "step_00000001"
     marker = tmp_path / "pwned"
 
@@ -256,7 +258,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     _recommit(ckpt)
     assert verify(ckpt)  # the manifest is consistent: only safe loading stands in the way
     with pytest.raises(CheckpointError, match="refused to unpickle"):
-        mgr.load(ckpt, runner, trainer.optimizer)
+        mgr.load(ckpt, trainer.state.tensors)
     assert not marker.exists()
 
     # 2. DCP's stock pickled metadata instead of JSON: never read
@@ -268,7 +270,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     with pytest.raises(CheckpointError, match=METADATA_FILE):
         verify(ckpt)
     with pytest.raises(FileNotFoundError):
-        mgr.load(ckpt, runner, trainer.optimizer)
+        mgr.load(ckpt, trainer.state.tensors)
     assert not marker.exists()
 
     # 3. JSON metadata that names a non-tensor (pickled bytes) entry
@@ -277,7 +279,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     (ckpt / METADATA_FILE).write_text(json.dumps(doc))
     _recommit(ckpt)
     with pytest.raises(UnsafeCheckpointError):
-        mgr.load(ckpt, runner, trainer.optimizer)
+        mgr.load(ckpt, trainer.state.tensors)
     assert not marker.exists()
     assert not any("pickle" in f.name for f in os.scandir(ckpt))
 
@@ -287,14 +289,14 @@ def test_disk_full_while_writing_the_manifest_stops_in_one_line(tmp_path, monkey
     cfg, mesh, model, runner, trainer = _tiny_state(0)
     mgr = CheckpointManager(tmp_path, mesh)
     trainer.train_step(0)
-    mgr.save(1, runner, trainer.optimizer, BARE)
+    mgr.save(1, trainer.state.tensors, BARE)
 
     def over_quota(tmp: Path, manifest: dict) -> None:
         (tmp / "manifest.json").write_text("{")  # what was written before the quota ran out
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(tmp / "manifest.json"))
     monkeypatch.setattr(checkpoint, "write_manifest", over_quota)
     with pytest.raises(FatalError) as err:
-        mgr.save(2, runner, trainer.optimizer, BARE)
+        mgr.save(2, trainer.state.tensors, BARE)
     assert str(err.value) == (f"disk quota exceeded (EDQUOT) writing checkpoint {tmp_path / '.tmp-step_00000002'}; "
                               f"the previous checkpoint {tmp_path / 'step_00000001'} is intact")
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
@@ -305,7 +307,7 @@ def _checkpoint_bytes(root: Path) -> int:
     """The size of one checkpoint of the tiny model with its AdamW state, saved by one process."""
     cfg, mesh, model, runner, trainer = _tiny_state(0)
     trainer.train_step(0)
-    CheckpointManager(root, mesh).save(1, runner, trainer.optimizer, BARE)
+    CheckpointManager(root, mesh).save(1, trainer.state.tensors, BARE)
     return sum(f.stat().st_size for f in (root / "step_00000001").iterdir())
 
 

@@ -18,7 +18,6 @@ import torch
 from tessel.train.checkpoint.manager import (CheckpointError, CheckpointManager, check_resume_target, choose, commit,
                                              latest_valid, newest_run_id, prune, run_model, step_dir, verify)
 from tessel.train.checkpoint.safe_dcp import METADATA_FILE
-from tessel.train.fault.guard import run_info
 from tests.helpers import ROOT, build_trainer, metrics_rows, tiny_config
 
 RUN = "run-a"
@@ -31,8 +30,7 @@ def _trainer(*overrides: str, seed: int = 0):
 
 
 def _info(cfg, trainer) -> dict:
-    return run_info(cfg, 1, trainer.sampler.state_dict(), trainer.scheduler.state_dict(),
-                    trainer.optimizer.param_groups)
+    return trainer.state.manifest_info(cfg, 1)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +41,7 @@ def series(tmp_path_factory) -> Path:
     mgr = CheckpointManager(root, mesh, keep=5, run_id=RUN)
     for step in (1, 2):
         trainer.train_step(step - 1)
-        mgr.save(step, runner, trainer.optimizer, _info(cfg, trainer))
+        mgr.save(step, trainer.state.tensors, _info(cfg, trainer))
     return root
 
 
@@ -229,7 +227,7 @@ def test_optimizer_state_of_another_shape_is_refused_before_loading(ckpts):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match=rf"'{EXP_AVG}' has shape \[33, 32\] in the checkpoint, "
                                               r"but this run's is \[32, 32\]"):
-        CheckpointManager(ckpts, mesh).load(ckpt, runner, trainer.optimizer)
+        CheckpointManager(ckpts, mesh).load(ckpt, trainer.state.tensors)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing was loaded
     with pytest.raises(CheckpointError, match=rf"step_00000002: '{EXP_AVG}' has shape \[33, 32\]"):
         check_resume_target(ckpt, cfg)
@@ -239,7 +237,7 @@ def test_model_of_another_shape_is_refused_before_loading(ckpts):
     _, trainer, _, runner, mesh = _trainer("model.d_model=64")
     with pytest.raises(CheckpointError, match=r"'model/tok_emb.weight' has shape \[256, 32\] in the checkpoint, "
                                               r"but this run's is \[256, 64\]"):
-        CheckpointManager(ckpts, mesh).load(ckpts / "step_00000002", runner, trainer.optimizer)
+        CheckpointManager(ckpts, mesh).load(ckpts / "step_00000002", trainer.state.tensors)
 
 
 def test_check_resume_target_says_what_is_wrong_in_one_line(ckpts, tmp_path):
@@ -276,7 +274,7 @@ def test_prune_counts_and_deletes_only_the_runs_own(ckpts):
     cfg, trainer, _, runner, mesh = _trainer()
     mgr = CheckpointManager(ckpts, mesh, keep=2, run_id="new-run")
     for step in (3, 4, 5):
-        mgr.save(step, runner, trainer.optimizer, _info(cfg, trainer))
+        mgr.save(step, trainer.state.tensors, _info(cfg, trainer))
     names = sorted(d.name for d in ckpts.iterdir())
     # run-a's 1 and 2 and old-run's 10 and 12 are not this run's; of its own, the newest 2 stay
     assert names == ["step_00000001", "step_00000002", "step_00000004", "step_00000005", "step_00000010",
@@ -302,7 +300,7 @@ def test_a_run_never_replaces_another_runs_step_folder(ckpts):
     _adopt(ckpts / "step_00000002", step_dir(ckpts, 5), "run-b")
     cfg, trainer, _, runner, mesh = _trainer()
     with pytest.raises(CheckpointError, match="step_00000005 belongs to run run-b; run run-a will not replace it"):
-        CheckpointManager(ckpts, mesh, run_id=RUN).save(5, runner, trainer.optimizer, _info(cfg, trainer))
+        CheckpointManager(ckpts, mesh, run_id=RUN).save(5, trainer.state.tensors, _info(cfg, trainer))
     assert verify(step_dir(ckpts, 5), MODEL, "run-b")["run_id"] == "run-b"
     assert not any(d.name.startswith(".tmp") for d in ckpts.iterdir())  # refused before writing
     # the same run saving a step again (after a rollback) replaces its own folder
