@@ -1,8 +1,10 @@
 """`tessel train` with parallel.dp_arch = "ps": config rules, and BSP training that matches all-reduce DP."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,39 @@ def test_ps_checkpoints_resume_ps_and_allreduce_runs_both_ways(tmp_path):
     out, _ = back.communicate(timeout=240)
     assert back.returncode == 0, out[-4000:]
     assert_close([r["loss"] for r in metrics_rows(tmp_path / "back")], full[4:], rtol=1e-5, atol=1e-6)
+
+
+def _wait_for_rows(out: Path, proc: subprocess.Popen, rows: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        path = out / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {rows} steps within {timeout}s")
+
+
+def test_ps_run_stops_on_a_signal_after_a_preemption_checkpoint_and_resumes_exactly(tmp_path):
+    """Workers run the trainer's loop: SIGTERM to `tessel train` stops a BSP run after the step the
+    workers agree on, worker 0 checkpoints the servers, and --resume continues bit for bit."""
+    many = ["train.steps=300", "train.eval_every=0", "checkpoint.every=1000"]  # short steps: it lands mid-run
+    ref = _train_ps(tmp_path / "ref", *many)
+    out, _ = ref.communicate(timeout=240)
+    assert ref.returncode == 0, out[-4000:]
+    run = tmp_path / "run"
+    proc = _train_ps(run, *many)
+    _wait_for_rows(run, proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    done = len(metrics_rows(run))
+    assert 3 <= done < 300
+    assert (run / "checkpoints" / f"step_{done:08d}").is_dir(), out[-4000:]
+    assert f"stopped by SIGTERM after step {done}" in out
+    again = _train_ps(run, *many, 'checkpoint.resume="auto"')
+    out, _ = again.communicate(timeout=240)
+    assert again.returncode == 0, out[-4000:]
+    got, want = ({r["step"]: r["loss"] for r in metrics_rows(d)} for d in (run, tmp_path / "ref"))
+    assert sorted(got) == list(range(300))
+    assert all(got[step] == want[step] for step in range(300))  # BSP: the same arithmetic in the same order
