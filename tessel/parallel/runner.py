@@ -141,8 +141,9 @@ class LocalRunner:
         """Accumulate gradients of mean loss over the local batch; returns that loss (detached)."""
         total = torch.zeros((), device=self.device)
         pairs = list(zip(x.chunk(self.chunks), y.chunk(self.chunks)))
-        # a data-parallel wrapper reduces gradients after each backward: only the last chunk's should
-        accumulates = isinstance(self.model, GradientSyncWrapper)
+        # a data-parallel wrapper reduces gradients after each backward: only the last chunk's
+        # should, unless the reduction is what keeps them small (ZeRO-2/3: see defer_reduction)
+        accumulates = isinstance(self.model, GradientSyncWrapper) and self.model.defer_reduction
         for i, (xc, yc) in enumerate(pairs):
             last = i == len(pairs) - 1
             with self.model.no_sync() if accumulates and not last else contextlib.nullcontext():

@@ -202,9 +202,6 @@ def test_pp2_1f1b_step(recorded):
     assert_same_calls(recorded, "pp2_1f1b")
 
 
-@pytest.mark.xfail(strict=True, reason="runtime: under train.grad_accum the LocalRunner runs every micro-batch "
-                   "but the last under no_sync, so ZeRO-2 reduce-scatters once per step and holds whole "
-                   "gradients while it accumulates; the planner (and zero_parallel's memory table) keep them "
-                   "sharded, a reduce-scatter per micro-batch. Owner: the ZeRO engineer.")
-def test_zero2_with_accumulation_reduces_once_per_step(recorded):
+def test_zero2_with_accumulation_reduce_scatters_every_micro_batch(recorded):
+    """ZeRO-2 keeps gradients sharded through accumulation, as its memory table and the planner say."""
     assert_same_calls(recorded, "zero2_dp2_ga2")

@@ -100,6 +100,11 @@ class GradientSyncWrapper(nn.Module):
     """A module wrapper whose backward reduces gradients unless inside no_sync()."""
 
     sync_gradients = True
+    # whether a runner's accumulation micro-steps should skip the reduction (no_sync): yes
+    # where the reduced gradient is as big as the unreduced one (DP, ZeRO-1); no where the
+    # reduction shards it (ZeRO-2/3 keep 1/N of the gradients only if every micro-step
+    # reduce-scatters into the owned shard)
+    defer_reduction = True
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -59,6 +59,7 @@ class ZeroDataParallel(GradientSyncWrapper):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data.data_parallel), got {stage}")
         self.module, self.stage, self.axes = module, stage, tuple(axes)
+        self.defer_reduction = stage == 1  # stages 2, 3: gradients stay sharded across micro-steps
         # mixed precision (tessel.parallel.zero.zero_parallel): the module computes with
         # parameters in param_dtype, gradients are reduced in reduce_dtype (default: param_dtype)
         param_dtype = param_dtype or torch.float32

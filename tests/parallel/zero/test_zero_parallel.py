@@ -29,7 +29,11 @@ PRECISION = {"fp32": ['train.precision="fp32"', "train.grad_clip=0.05"],
              # experts over dp alone, the rest over dp x ep
              "moe": ['train.precision="fp32"', "train.grad_clip=0.05", "model.n_experts=4", "parallel.ep=2"]}
 PRECISION["bf16-params"] = PRECISION["bf16"] + ['parallel.zero_param_dtype="bf16"', 'parallel.zero_reduce_dtype="fp32"']
-RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (0, "bf16"), (3, "moe"), (0, "moe"), (3, "bf16-params")]
+# the sharp bf16 check below needs both layouts to sum the same fp32 gradients: without
+# accumulation (with it, ZeRO-2/3 reduce-scatter every micro-batch and DP reduces once)
+PRECISION["bf16-ga1"] = PRECISION["bf16"] + ["train.grad_accum=1"]
+RUNS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (3, "bf16-ga1"), (0, "bf16-ga1"), (3, "moe"), (0, "moe"),
+        (3, "bf16-params")]
 
 # fp32: ZeRO sums the ranks' gradients in another order than one process does
 # (reduce-scatter or all-reduce), so gradients differ by a few ulps (~1e-7
@@ -51,7 +55,8 @@ FP32_NORM = dict(rtol=1e-5, atol=1e-6)
 # The sharp check is against plain data parallelism in bf16 on the same two
 # ranks: the same micro-batches, a sum of two fp32 gradients is the same in an
 # all-reduce and a reduce-scatter, and AdamW is elementwise, so ZeRO-3 must match
-# it bit for bit. (With clipping, the norm's summation order differs by an ulp,
+# it bit for bit (without accumulation: ZeRO-3 reduce-scatters every micro-batch,
+# so under accumulation it sums in another order than DP, which reduces once). (With clipping, the norm's summation order differs by an ulp,
 # and bf16 rounding turns ulps into the differences above: hence no clip there.)
 BF16_LOSS = dict(rtol=1e-2, atol=1e-2)
 BF16_NORM = dict(rtol=2e-2, atol=1e-4)
@@ -98,13 +103,13 @@ def test_zero_stages_match_single_process():
                     assert_close(got["state"][name], w, **FP32_WEIGHT, msg=lambda m: f"{where} {name}: {m}")
             else:
                 _check_bf16_weights(got["state"], ref["state"], where)
-        zero3_bf16, dp_bf16 = per_run[3], per_run[4]
+        zero3_bf16, dp_bf16 = per_run[4], per_run[5]
         assert zero3_bf16["losses"] == dp_bf16["losses"]
         for name, w in dp_bf16["state"].items():
             assert torch.equal(zero3_bf16["state"][name], w), f"rank {rank}: zero-3 vs dp in bf16, {name}"
         # MoE: ZeRO-3 against expert + data parallelism (tested against one process in
         # test_expert.py); fp32, reduction order only
-        zero3_moe, ep_moe = per_run[5], per_run[6]
+        zero3_moe, ep_moe = per_run[6], per_run[7]
         assert_close(torch.tensor(zero3_moe["losses"]), torch.tensor(ep_moe["losses"]), **FP32_LOSS)
         assert_close(torch.tensor(zero3_moe["norms"]), torch.tensor(ep_moe["norms"]), **FP32_NORM)
         for name, w in ep_moe["state"].items():
@@ -113,7 +118,7 @@ def test_zero_stages_match_single_process():
         # activations in bf16 throughout (not only matmuls), so against autocast in one
         # process the loss moves by bf16 rounding, as the micro-batch split above
         # (BF16_LOSS); numerics are tested sharply in test_bf16_compute_every_stage_*
-        stored = per_run[7]
+        stored = per_run[8]
         assert_close(torch.tensor(stored["losses"]), torch.tensor(refs["bf16"]["losses"]), **BF16_LOSS)
         assert {v.dtype for v in stored["state"].values()} == {torch.bfloat16}
     for ref in refs.values():
