@@ -94,6 +94,7 @@ class Emulator:
     name: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_counter)}")
     _made: list[str] = field(default_factory=list, repr=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    _old_term: object = field(default=None, repr=False)  # the SIGTERM handler to restore on cleanup
 
     # ---- names --------------------------------------------------------------
     def ns(self, k: int) -> str:
@@ -175,7 +176,7 @@ class Emulator:
             _kill_ns_pids(ns)
             _sh("ip", "netns", "del", ns, check=False)
         self._made.clear()
-        if getattr(self, "_old_term", None) is not None:
+        if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None
 

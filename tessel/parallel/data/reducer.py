@@ -9,6 +9,7 @@ import torch
 
 from tessel.comm.algorithms import hierarchical_all_reduce, ring_all_reduce
 from tessel.comm.topology import resolve_nodes
+from tessel.config import RuntimeConfig
 from tessel.parallel.data.data_parallel import native_all_reduce
 
 
@@ -68,9 +69,9 @@ def make_reducer(name: str, nodes: Sequence[Sequence[int]] | None = None, backgr
     return AlgorithmReducer(name, nodes, background)
 
 
-def dp_reducer(name: str, world_size: int, runtime=None, background: bool = True):
+def dp_reducer(name: str, world_size: int, runtime: RuntimeConfig, background: bool = True):
     """The reducer for config parallel.dp_algorithm; nodes from runtime.topology / nproc_per_node."""
     if name == "native":
         return make_reducer(name)
-    nodes = resolve_nodes(world_size, getattr(runtime, "topology", None), getattr(runtime, "nproc_per_node", None))
+    nodes = resolve_nodes(world_size, runtime.topology, runtime.nproc_per_node)
     return make_reducer(name, nodes, background)
