@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tessel.axes import AXES, Axis
 from tessel.errors import ConfigError
+from tessel.hf_shape import HFConfigError, model_shape
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
 
@@ -71,9 +72,33 @@ class ModelConfig(Strict):
     z_loss_coef: float = Field(0.0, ge=0)
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
+    # a Hugging Face architecture instead of the reference GPT
+    hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
+                                                    "architecture; the shape fields above are read from it")
+    init_from: str | None = Field(None, description="initial weights: a safetensors file, or a folder of them "
+                                                    "(the model's own parameter names)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_shape(cls, data):
+        """With model.hf_config the shape comes from that file; a field set to another value is an error."""
+        if not isinstance(data, dict) or not data.get("hf_config"):
+            return data
+        try:
+            shape = model_shape(data["hf_config"])
+        except HFConfigError as err:
+            raise ValueError(f"model.hf_config: {err}") from None
+        for key, value in shape.items():
+            if data.get(key) is not None and data[key] != value:
+                raise ValueError(f"model.{key}: {data[key]} differs from {value} in model.hf_config; leave it out")
+        return {**data, **shape}
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
+        if self.hf_config is not None:  # transformers' own rules: only what tessel's cuts need
+            if self.n_head % self.kv_heads:
+                raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
+            return self
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if (self.d_model // self.n_head) % 2:
@@ -275,6 +300,12 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
              f"({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
     _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
+    if m.hf_config is not None:
+        for axis in ("tp", "pp", "ep"):
+            _require(p.axis_sizes[axis] == 1, f"parallel.{axis}", "Hugging Face models train under dp, ZeRO and "
+                     "recompute so far (tp, pp and ep for their families are being added)")
+    if m.init_from is not None:
+        _require(Path(m.init_from).exists(), "model.init_from", f"no such file or folder: {m.init_from}")
     if cfg.data.source == "bin":
         _require(cfg.data.path is not None, "data.path", "is required when data.source = 'bin'")
         _require(Path(cfg.data.path).is_file(), "data.path", f"no such file: {cfg.data.path}")
@@ -342,8 +373,10 @@ def _first_error(err: ValidationError) -> ConfigError:
         msg = "unknown key"
     if e["type"] == "value_error" and msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-        head = msg.split(" ", 1)[0]
-        if "." in head:
+        head, _, rest = msg.partition(" ")
+        if head.endswith(":") and "." in head:  # "model.hf_config: why": the field, then the message
+            field, msg = head[:-1], rest
+        elif "." in head:
             field = head  # the validator named a deeper field itself
     return ConfigError(field, msg)
 

@@ -314,7 +314,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     import torch.distributed as dist
 
     from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
-    from tessel.models.gpt import GPT  # deferred: loads torch
+    from tessel.models.build import build_model  # deferred: loads torch
     from tessel.parallelize import parallelize  # deferred: loads torch and every strategy
     from tessel.runtime import init_distributed  # deferred: loads torch
     from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer
@@ -341,6 +341,6 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
-    model = GPT(cfg.model).to(device)
+    model = build_model(cfg.model).to(device)
     runner = parallelize(model, mesh, cfg)
     return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop).fit()

@@ -14,7 +14,9 @@ import torch.nn as nn
 
 from tessel.config import Config
 from tessel.mesh import Mesh
-from tessel.models.gpt import GPT, Block, cross_entropy
+from tessel.models.gpt import Block, cross_entropy
+from tessel.models.hf.families import FAMILIES, decoder_layers
+from tessel.hf_shape import family
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
@@ -78,7 +80,10 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.parallel.recompute:
-        recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
+        if cfg.model.hf_config is None:
+            recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
+        else:
+            recompute_blocks(decoder_layers(plan.model, FAMILIES.get(family(cfg.model.hf_config) or "")))
     return plan
 
 
@@ -97,7 +102,7 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     return plan
 
 
-def parallelize(model: GPT, mesh: Mesh, cfg: Config):
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     """Returns a runner (see tessel.parallel.runner) that owns the parallelized model."""
     if cfg.parallel.dp_arch == "ps":
         raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")

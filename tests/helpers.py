@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tessel.config import Config, build_config, to_toml
 from tessel.mesh import make_mesh
-from tessel.models.gpt import GPT
+from tessel.models.build import build_model
 from tessel.parallelize import parallelize
 from tessel.train.trainer import Trainer
 
@@ -30,7 +30,10 @@ TINY = {
 def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     # a private directory per run: concurrent test sessions must not share metrics files
     out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")
-    return build_config({k: dict(v) for k, v in TINY.items()}, [f'logging.out_dir="{out_dir}"', *overrides])
+    raw = {k: dict(v) for k, v in TINY.items()}
+    if any(o.startswith("model.hf_config") for o in overrides):
+        raw.pop("model")  # a Hugging Face config brings its own shape
+    return build_config(raw, [f'logging.out_dir="{out_dir}"', *overrides])
 
 
 def write_recipe(path: Path, *overrides: str) -> Path:
@@ -57,7 +60,7 @@ def build_trainer(cfg: Config, init_seed: int | None = None):
     p = cfg.parallel
     mesh = make_mesh(p.axis_sizes, order=p.rank_order)
     torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     runner = parallelize(model, mesh, cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Trainer(cfg, mesh, runner, rank), model, runner, mesh

@@ -47,7 +47,8 @@ from tessel.axes import AXES
 from tessel.config import Config, FaultConfig, TrainConfig
 from tessel.heartbeat import Heartbeat
 from tessel.mesh import Mesh
-from tessel.models.gpt import GPT, cross_entropy
+from tessel.models.build import build_model
+from tessel.models.gpt import cross_entropy
 from tessel.models.moe import with_aux_losses
 from tessel.parallel.ps.parameter_server import ParameterServer
 from tessel.parallel.ps.worker import WorkerRunner
@@ -142,7 +143,7 @@ def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None,
     p, t = cfg.parallel, cfg.train
     workers, servers = roles(cfg)
     torch.manual_seed(t.seed)  # the same initial weights everywhere (the servers' copy is broadcast too)
-    model = GPT(cfg.model).to(device)
+    model = build_model(cfg.model).to(device)
     mesh = worker_mesh(cfg, device)
     ps = ParameterServer(model, servers, workers, p.ps_mode, p.ps_staleness,
                          optimizer=lambda pieces: server_optimizer(pieces, t), grad_clip=t.grad_clip,

@@ -20,7 +20,8 @@ import torch
 from tessel.config import Config, TrainConfig
 from tessel.heartbeat import log
 from tessel.mesh import Mesh
-from tessel.models.gpt import GPT, count_params, flops_per_token
+from tessel.models.build import build_model
+from tessel.models.gpt import count_params, flops_per_token
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.runner import Runner
@@ -105,7 +106,7 @@ class Trainer:
         sampler, self.val_sampler = self._samplers()
         self.state = self._build_state(run_id, sampler)
         with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
-            self.n_params = count_params(GPT(cfg.model))
+            self.n_params = count_params(build_model(cfg.model))
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
@@ -228,7 +229,7 @@ def summary_from_metrics(cfg: Config) -> Summary:
         last[row["step"]] = row
     history = [last[s] for s in sorted(last)]
     with torch.device("meta"):
-        n_params = count_params(GPT(cfg.model))
+        n_params = count_params(build_model(cfg.model))
     if not history:
         return Summary(steps=0, losses=[], val_loss=None, tokens_per_s=0.0, mfu=0.0, peak_mem_mb=0.0,
                        params=n_params, files={})
