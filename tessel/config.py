@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tessel.axes import AXES, Axis
 from tessel.errors import ConfigError
-from tessel.hf_shape import HFConfigError, model_shape
+from tessel.hf_shape import FAMILIES as HF_FAMILIES, HFConfigError, family, model_shape, read_config
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
 
@@ -301,7 +301,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
     _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
     if m.hf_config is not None:
-        for axis in ("tp", "pp", "ep"):
+        _check_hf_tensor_parallel(cfg)
+        for axis in ("pp", "ep"):
             _require(p.axis_sizes[axis] == 1, f"parallel.{axis}", "Hugging Face models train under dp, ZeRO and "
                      "recompute so far (tp, pp and ep for their families are being added)")
     if m.init_from is not None:
@@ -323,6 +324,18 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
                  f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp (+ ps_servers) "
                  f"= {p.world_size}")
+
+
+def _check_hf_tensor_parallel(cfg: Config) -> None:
+    """tp > 1 splits the Hugging Face families tessel has rules for (tessel.models.hf.tp_plan); their heads,
+    kv heads and feed-forward must split over tp like the reference GPT's (checked above, from the shape the
+    config filled in); the vocabulary is padded to a multiple of tp."""
+    if cfg.parallel.tp == 1:
+        return
+    kind = read_config(cfg.model.hf_config)["model_type"]
+    _require(family(cfg.model.hf_config) is not None, "parallel.tp",
+             f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
+             "this architecture trains under dp, ZeRO and recompute")
 
 
 def _check_ps(cfg: Config) -> None:

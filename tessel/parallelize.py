@@ -16,6 +16,7 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
 from tessel.models.hf.families import FAMILIES, decoder_layers
+from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.plan import gpt_tp_plan
@@ -25,6 +26,7 @@ from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_blocks
 from tessel.parallel.runner import LocalRunner
+from tessel.parallel.tensor.regions import refuse_own_loss
 from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
 from tessel.train.optim import param_groups
@@ -42,12 +44,22 @@ class Plan:
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """Megatron TP (and sequence parallelism) from the GPT's plan; the loss becomes vocab-parallel."""
+    """Megatron TP (and sequence parallelism) from the model's plan; the loss becomes vocab-parallel.
+
+    The reference GPT's plan is tessel.models.plan's; a Hugging Face model's is derived from its config's
+    base_model_tp_plan and its family's rules (tessel.models.hf.tp_plan), and must place every parameter.
+    """
     if mesh.size("tp") == 1:
         return plan
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
-    moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
-    apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
+    if cfg.model.hf_config is None:
+        moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
+        apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
+    else:
+        known = FAMILIES.get(family(cfg.model.hf_config) or "")
+        hf_plan = hf_tp_plan(plan.model, known.tp if known is not None else None)
+        apply_plan(plan.model, hf_plan.styles, ctx, place_all=True, widths=hf_plan.widths)
+        refuse_own_loss(plan.model)  # its loss on vocab-sharded logits would be wrong
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
     plan.gather_vocab = GatherVocab(ctx)

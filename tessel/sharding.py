@@ -12,6 +12,10 @@ record:
 - `replica`: a copy of a parameter that another pipeline stage holds and
   counts (a tied embedding on the last stage): updated like the original but
   left out of the gradient norm.
+- `packed`: (axis, dim, parts) for a dim that packs equal blocks side by side
+  (a fused q|k|v projection) and splits each block over the axis: the shard is
+  then not one piece of the dim, so the axis has no entry in `dims` (a reader
+  that cuts plain pieces, a checkpoint, refuses it rather than misplace it).
 
 Strategies mark parameters as they cut them (tensor, expert, then ZeRO, which
 copies the marks of what it flattens onto its segments: so a mark must be set
@@ -36,6 +40,7 @@ class Sharding:
     dims: tuple[tuple[str, int], ...] = ()  # (axis, dim) pairs: hashable, like the rest
     logical_shape: tuple[int, ...] | None = None
     replica: bool = False
+    packed: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, parts): see mark_packed
 
 
 def sharding(p: torch.Tensor) -> Sharding:
@@ -55,6 +60,18 @@ def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
     if dim is not None:
         dims.update({a: dim for a in axes})
     _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, *axes))), dims=tuple(dims.items())))
+
+
+def mark_packed(p: torch.Tensor, axis: str, dim: int, parts: int) -> None:
+    """Declare p a shard over `axis` of a dim made of `parts` equal blocks, each split over the axis:
+    rank r holds the r-th chunk of every block, side by side (a fused q|k|v projection split by heads)."""
+    s = sharding(p)
+    _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, axis))), packed=(*s.packed, (axis, dim, parts))))
+
+
+def packed_dims(p: torch.Tensor) -> dict[str, tuple[int, int]]:
+    """{axis: (dim, parts)} for the axes that split p's dim block by block (mark_packed)."""
+    return {axis: (dim, parts) for axis, dim, parts in sharding(p).packed}
 
 
 def mark_replica(p: torch.Tensor) -> None:

@@ -13,17 +13,20 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from tessel.models.hf.tp_plan import GPT2_TP, LLAMA_TP, MIXTRAL_TP, TPRules
+
 
 @dataclass(frozen=True)
 class Family:
     name: str
     layers: str  # the ModuleList of decoder layers
+    tp: TPRules | None = None  # how tensor parallelism splits it (tessel.models.hf.tp_plan)
 
 
 FAMILIES = {
-    "llama": Family("llama", layers="model.layers"),  # also Mistral and Qwen2 (tessel.hf_shape.FAMILIES)
-    "mixtral": Family("mixtral", layers="model.layers"),
-    "gpt2": Family("gpt2", layers="transformer.h"),
+    "llama": Family("llama", layers="model.layers", tp=LLAMA_TP),  # also Mistral and Qwen2 (tessel.hf_shape.FAMILIES)
+    "mixtral": Family("mixtral", layers="model.layers", tp=MIXTRAL_TP),
+    "gpt2": Family("gpt2", layers="transformer.h", tp=GPT2_TP),
 }
 
 

@@ -18,6 +18,12 @@ Layers (Shoeybi et al. 2019, section 3):
 A vocabulary that tp does not divide is padded to the next multiple; padded
 rows are zero, never looked up, and their logits are masked out of the loss.
 
+The layers keep the weight layout of the module they replace: nn.Linear's
+[out, in], or [in, out] for transformers' Conv1D (GPT-2's linear layers), so
+parameter names, shapes and checkpoints stay the model's own. A fused q|k|v
+projection (GPT-2's c_attn) is split block by block: each rank holds the q, k
+and v columns of its own heads (tessel.sharding.mark_packed).
+
 Every layer is built `from_xxx(plain_module, ctx)` where ctx (TPContext) holds
 the group and the sequence-parallel switch. Colossal-AI's 2D/2.5D/3D layers fit
 the same shape: their own context (a grid of groups) and `from_linear`
@@ -28,7 +34,6 @@ constructors, registered as further styles in STYLES so that plans and
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,47 +41,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tessel.mesh import Mesh
-from tessel.parallel.tensor import comm
-from tessel.sharding import logical_shape, mark_sharded, set_logical_shape, shard_dims
+from tessel.parallel.tensor import comm, regions
+from tessel.parallel.tensor.context import TPContext
+from tessel.sharding import logical_shape, mark_packed, mark_sharded, packed_dims, set_logical_shape, shard_dims
 
 
-@dataclass(frozen=True)
-class TPContext:
-    """The tensor-parallel group as the layers see it. Activations are (B, T, C)."""
-    group: object = None  # None when tp == 1
-    size: int = 1
-    rank: int = 0
-    sequence_parallel: bool = False
-    seq_dim: int = 1
-
-    @classmethod
-    def from_mesh(cls, mesh: Mesh, sequence_parallel: bool = False, axis: str = "tp") -> "TPContext":
-        group = mesh.group(axis)
-        rank = dist.get_rank(group) if group is not None else 0
-        return cls(group, mesh.size(axis), rank, sequence_parallel and group is not None)
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Into a region of column-parallel layers: f, or g under sequence parallelism."""
-        if self.sequence_parallel:
-            return comm.gather_seq(x, self.seq_dim, self.group)
-        return comm.copy_to_tp(x, self.group)
-
-    def exit(self, x: torch.Tensor) -> torch.Tensor:
-        """Out of a region (row-parallel partial sums): g, or g-bar under sequence parallelism."""
-        if self.sequence_parallel:
-            return comm.reduce_scatter_seq(x, self.seq_dim, self.group)
-        return comm.reduce_from_tp(x, self.group)
-
-    def padded(self, n: int) -> int:
-        return -(-n // self.size) * self.size
-
-
-def _shard_rows(full: torch.Tensor, ctx: TPContext, padded_rows: int) -> torch.Tensor:
-    """This rank's block of dim-0 rows of `full`, zero-padded to padded_rows first."""
-    if padded_rows > full.size(0):
-        full = torch.cat([full, full.new_zeros(padded_rows - full.size(0), *full.shape[1:])])
-    return full.chunk(ctx.size, dim=0)[ctx.rank].detach().clone()
+def _shard(full: torch.Tensor, dim: int, ctx: TPContext, padded: int) -> torch.Tensor:
+    """This rank's block of `full` along `dim`, zero-padded to `padded` entries first."""
+    if padded > full.size(dim):
+        pad = list(full.shape)
+        pad[dim] = padded - full.size(dim)
+        full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+    return full.chunk(ctx.size, dim=dim)[ctx.rank].detach().clone()
 
 
 def _sharded_param(data: torch.Tensor, dim: int, logical_shape: torch.Size | None = None) -> nn.Parameter:
@@ -87,44 +63,78 @@ def _sharded_param(data: torch.Tensor, dim: int, logical_shape: torch.Size | Non
     return p
 
 
+def _packed_param(full: torch.Tensor, dim: int, parts: int, ctx: TPContext) -> nn.Parameter:
+    """This rank's chunk of each of the `parts` equal blocks of `full` along dim, side by side."""
+    if full.size(dim) % (parts * ctx.size):
+        raise ValueError(f"{parts} packed blocks of size {full.size(dim)} do not split over tp {ctx.size}")
+    blocks = full.unflatten(dim, (parts, -1))  # (.., parts, block, ..)
+    p = nn.Parameter(blocks.chunk(ctx.size, dim=dim + 1)[ctx.rank].flatten(dim, dim + 1).detach().clone())
+    mark_packed(p, "tp", dim, parts)
+    return p
+
+
+def _in_out(module: nn.Module) -> bool:
+    """True when the module stores its weight [in, out] (transformers' Conv1D, GPT-2's linear
+    layers: y = x W + b), False for nn.Linear's [out, in]."""
+    if isinstance(module, nn.Linear):
+        return False
+    # deferred: transformers takes seconds to import; only a module that is not an nn.Linear gets here
+    from transformers.pytorch_utils import Conv1D
+    if isinstance(module, Conv1D):
+        return True
+    raise TypeError(f"a {type(module).__name__} is neither an nn.Linear nor transformers' Conv1D")
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split over the tp group.
 
     enter: apply ctx.enter to the input (set False when an enclosing module
     already did, so that q, k, v share one all-gather / one gradient all-reduce).
     gather_output: return the whole output (padding removed) instead of the shard.
+    in_out: the weight is stored [in, out] (transformers' Conv1D), sharded on dim 1.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext,
-                 out_features: int, enter: bool = True, gather_output: bool = False):
+                 out_features: int, enter: bool = True, gather_output: bool = False, in_out: bool = False):
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = weight.size(1), out_features
+        self.weight, self.bias, self.ctx, self.in_out = weight, bias, ctx, in_out
+        self.in_features, self.out_features = weight.size(0 if in_out else 1), out_features
         self.enter, self.gather_output = enter, gather_output
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ctx: TPContext, shared_weight: nn.Parameter | None = None,
-                    **kw) -> "ColumnParallelLinear":
-        out = linear.out_features
-        rows = ctx.padded(out)
-        logical = linear.weight.shape if rows != out else None
+    def from_linear(cls, linear: nn.Module, ctx: TPContext, shared_weight: nn.Parameter | None = None,
+                    parts: int = 1, **kw) -> "ColumnParallelLinear":
+        """From an nn.Linear or a Conv1D. parts > 1: the output packs that many equal blocks (q|k|v),
+        each split over tp, so that every rank holds the q, k and v of its own heads."""
+        in_out = _in_out(linear)
+        dim = 1 if in_out else 0  # the output features' dim of the weight
+        out = linear.weight.size(dim)
+        if parts > 1:
+            if kw.get("gather_output"):
+                raise ValueError("a packed projection's output cannot be gathered whole")
+            weight = _packed_param(linear.weight, dim, parts, ctx)
+            bias = None if linear.bias is None else _packed_param(linear.bias, 0, parts, ctx)
+            return cls(weight, bias, ctx, out, in_out=in_out, **kw)
+        padded = ctx.padded(out)
+        logical = linear.weight.shape if padded != out else None
         weight = shared_weight if shared_weight is not None else \
-            _sharded_param(_shard_rows(linear.weight, ctx, rows), 0, logical)
+            _sharded_param(_shard(linear.weight, dim, ctx, padded), dim, logical)
         bias = None
         if linear.bias is not None:
-            bias = _sharded_param(_shard_rows(linear.bias, ctx, rows), 0, linear.bias.shape if logical else None)
-        return cls(weight, bias, ctx, out, **kw)
+            bias = _sharded_param(_shard(linear.bias, 0, ctx, padded), 0, linear.bias.shape if logical else None)
+        return cls(weight, bias, ctx, out, in_out=in_out, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter:
             x = self.ctx.enter(x)
-        y = F.linear(x, self.weight, self.bias)  # (.., out / tp)
+        y = F.linear(x, self.weight.t() if self.in_out else self.weight, self.bias)  # (.., out / tp)
         if self.gather_output:
             y = comm.gather_last_dim(y, self.ctx.group)[..., : self.out_features]
         return y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.size(0)}, tp={self.ctx.size}"
+        local = self.weight.size(1 if self.in_out else 0)
+        return f"in={self.in_features}, out={self.out_features}, local_out={local}, tp={self.ctx.size}"
 
 
 class RowParallelLinear(nn.Module):
@@ -132,27 +142,33 @@ class RowParallelLinear(nn.Module):
 
     input_is_parallel: x already holds this rank's slice of the features (the
     output of a column-parallel layer); otherwise it is scattered here.
+    in_out: the weight is stored [in, out] (transformers' Conv1D), sharded on dim 0.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: TPContext,
-                 input_is_parallel: bool = True):
+                 input_is_parallel: bool = True, in_out: bool = False):
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = weight.size(1) * ctx.size, weight.size(0)
+        self.weight, self.bias, self.ctx, self.in_out = weight, bias, ctx, in_out
+        local_in, out = (weight.size(0), weight.size(1)) if in_out else (weight.size(1), weight.size(0))
+        self.in_features, self.out_features = local_in * ctx.size, out
         self.input_is_parallel = input_is_parallel
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ctx: TPContext, **kw) -> "RowParallelLinear":
-        if linear.in_features % ctx.size:
-            raise ValueError(f"in_features {linear.in_features} is not divisible by tp {ctx.size}")
-        weight = _sharded_param(linear.weight.chunk(ctx.size, dim=1)[ctx.rank].detach().clone(), 1)
+    def from_linear(cls, linear: nn.Module, ctx: TPContext, **kw) -> "RowParallelLinear":
+        """From an nn.Linear or a Conv1D."""
+        in_out = _in_out(linear)
+        dim = 0 if in_out else 1  # the input features' dim of the weight
+        if linear.weight.size(dim) % ctx.size:
+            raise ValueError(f"in_features {linear.weight.size(dim)} is not divisible by tp {ctx.size}")
+        weight = _sharded_param(linear.weight.chunk(ctx.size, dim=dim)[ctx.rank].detach().clone(), dim)
         bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # replicated
-        return cls(weight, bias, ctx, **kw)
+        return cls(weight, bias, ctx, in_out=in_out, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_last_dim(x, self.ctx.group)
-        y = self.ctx.exit(F.linear(x, self.weight))  # partial sums -> whole (or sequence shard)
+        w = self.weight.t() if self.in_out else self.weight
+        y = self.ctx.exit(F.linear(x, w))  # partial sums -> whole (or sequence shard)
         if self.bias is not None:
             # under sequence parallelism each rank adds the bias to its own tokens only
             bias = comm.copy_to_tp(self.bias, self.ctx.group) if self.ctx.sequence_parallel else self.bias
@@ -160,57 +176,46 @@ class RowParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.size(1)}, tp={self.ctx.size}"
+        local = self.weight.size(0 if self.in_out else 1)
+        return f"in={self.in_features}, out={self.out_features}, local_in={local}, tp={self.ctx.size}"
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by rows (vocabulary ids) over the tp group."""
+    """Embedding table split by rows (vocabulary ids) over the tp group.
 
-    def __init__(self, weight: nn.Parameter, ctx: TPContext, num_embeddings: int):
+    whole_output: the partial embeddings are all-reduced (g) even under sequence parallelism, for a
+    model that reads positions and its causal mask from the embedding's output (Hugging Face's);
+    the sequence is then split at the first decoder layer (style "split_sequence"). Otherwise they
+    leave through ctx.exit (reduce-scattered along the sequence under sequence parallelism).
+    padding_idx: as nn.Embedding's, a row that gets no gradient.
+    """
+
+    def __init__(self, weight: nn.Parameter, ctx: TPContext, num_embeddings: int, whole_output: bool = False,
+                 padding_idx: int | None = None):
         super().__init__()
         self.weight, self.ctx, self.num_embeddings = weight, ctx, num_embeddings
+        self.whole_output = whole_output
         self.vocab_start = ctx.rank * weight.size(0)
         self.vocab_end = self.vocab_start + weight.size(0)
+        own = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self.local_padding_idx = padding_idx - self.vocab_start if own else None
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, ctx: TPContext) -> "VocabParallelEmbedding":
+    def from_embedding(cls, emb: nn.Embedding, ctx: TPContext, whole_output: bool = False) -> "VocabParallelEmbedding":
         rows = ctx.padded(emb.num_embeddings)
         logical = emb.weight.shape if rows != emb.num_embeddings else None
-        return cls(_sharded_param(_shard_rows(emb.weight, ctx, rows), 0, logical), ctx, emb.num_embeddings)
+        return cls(_sharded_param(_shard(emb.weight, 0, ctx, rows), 0, logical), ctx, emb.num_embeddings,
+                   whole_output, emb.padding_idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         foreign = (idx < self.vocab_start) | (idx >= self.vocab_end)  # ids another rank owns
         local = (idx - self.vocab_start).masked_fill(foreign, 0)
-        out = F.embedding(local, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)  # (B, T, C) partial
-        return self.ctx.exit(out)
+        out = F.embedding(local, self.weight, self.local_padding_idx)
+        out = out.masked_fill(foreign.unsqueeze(-1), 0.0)  # (B, T, C) partial
+        return comm.reduce_from_tp(out, self.ctx.group) if self.whole_output else self.ctx.exit(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.weight.size(1)}, rows {self.vocab_start}:{self.vocab_end}"
-
-
-class SequenceParallelNorm(nn.Module):
-    """RMSNorm / LayerNorm on sequence-sharded activations.
-
-    Each rank normalizes its own tokens, so the gradient of the (replicated)
-    weight is a partial sum over 1/tp of the tokens: the weight passes through
-    f (CopyToTP), whose backward all-reduces it over tp before it accumulates.
-    After that the gradient is whole and identical on every rank, so the
-    global norm counts it once (the parameter stays unmarked: replicated).
-    """
-
-    def __init__(self, norm: nn.RMSNorm | nn.LayerNorm, ctx: TPContext):
-        super().__init__()
-        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
-        self.normalized_shape, self.eps, self.ctx = tuple(norm.normalized_shape), norm.eps, ctx
-        self.weight = norm.weight  # the same Parameter objects: state_dict names are unchanged
-        self.bias = getattr(norm, "bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = comm.copy_to_tp(self.weight, self.ctx.group) if self.weight is not None else None
-        if self.kind == "rms":
-            return F.rms_norm(x, self.normalized_shape, w, self.eps)
-        b = comm.copy_to_tp(self.bias, self.ctx.group) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -269,57 +274,77 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ct
 # ---- plans: module name pattern -> style ---------------------------------------
 
 def _enter_region(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
-    # one f (or all-gather) for every column-parallel layer inside: q, k, v share it
-    module.register_forward_pre_hook(lambda mod, args: (ctx.enter(args[0]), *args[1:]))
+    regions.enter_region(module, ctx)  # its input by position or by name (HF calls attention by keyword)
     return module
 
 
-def _vocab_embedding(module: nn.Embedding, ctx: TPContext, memo: dict) -> nn.Module:
-    new = VocabParallelEmbedding.from_embedding(module, ctx)
+def _vocab_embedding(module: nn.Embedding, ctx: TPContext, memo: dict, whole_output: bool = False) -> nn.Module:
+    new = VocabParallelEmbedding.from_embedding(module, ctx, whole_output)
     memo[id(module.weight)] = new.weight
     return new
 
 
-def _vocab_head(module: nn.Linear, ctx: TPContext, memo: dict) -> nn.Module:
+def _vocab_embedding_whole(module: nn.Embedding, ctx: TPContext, memo: dict) -> nn.Module:
+    return _vocab_embedding(module, ctx, memo, whole_output=True)
+
+
+def _vocab_head(module: nn.Linear, ctx: TPContext, memo: dict, enter: bool = True) -> nn.Module:
     shared = memo.get(id(module.weight))  # tied embeddings: the same rows, the same shard
-    new = ColumnParallelLinear.from_linear(module, ctx, shared_weight=shared, enter=True)
+    new = ColumnParallelLinear.from_linear(module, ctx, shared_weight=shared, enter=enter)
     memo[id(module.weight)] = new.weight
     return new
 
 
-def _colwise(module: nn.Linear, ctx: TPContext, memo: dict) -> nn.Module:
+def _vocab_head_entered(module: nn.Linear, ctx: TPContext, memo: dict) -> nn.Module:
+    return _vocab_head(module, ctx, memo, enter=False)  # a "final_norm" before it entered the region
+
+
+def _colwise(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
     return ColumnParallelLinear.from_linear(module, ctx, enter=False)
 
 
-def _rowwise(module: nn.Linear, ctx: TPContext, memo: dict) -> nn.Module:
+def _colwise_qkv(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    return ColumnParallelLinear.from_linear(module, ctx, parts=3, enter=False)
+
+
+def _rowwise(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
     return RowParallelLinear.from_linear(module, ctx)
 
 
 def _sequence_norm(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
-    return SequenceParallelNorm(module, ctx) if ctx.sequence_parallel else module
+    regions.sum_grads_over_tp(module, ctx)  # under sequence parallelism only
+    return module
+
+
+def _final_norm(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    regions.sum_grads_over_tp(module, ctx)
+    regions.enter_after(module, ctx)  # into the head's region: the model's output is the whole sequence
+    return module
+
+
+def _split_sequence(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    regions.split_sequence(module, ctx)  # under sequence parallelism only
+    return module
 
 
 def _replicate(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
-    """Computed whole on every tp rank: input, output and parameter gradients are replicated,
-    so the gradients need no tp reduction (MoE blocks: experts split over ep, not tp).
+    regions.replicate(module, ctx)
+    return module
 
-    Under sequence parallelism the input arrives sequence-sharded: it is all-gathered
-    (backward: this rank's slice of the already whole gradient) and the output split
-    again (backward: all-gather). Every rank then routes the same tokens as without
-    SP, so MoE capacity and aux losses stay those of the whole micro-batch.
-    """
-    if ctx.sequence_parallel:
-        module.register_forward_pre_hook(
-            lambda mod, args: (comm.gather_seq_to_replica(args[0], ctx.seq_dim, ctx.group), *args[1:]))
-        module.register_forward_hook(lambda mod, args, out: comm.scatter_seq(out, ctx.seq_dim, ctx.group))
+
+def _keep(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
     return module
 
 
 STYLES: dict[str, Callable[[nn.Module, TPContext, dict], nn.Module]] = {
-    "enter": _enter_region, "colwise": _colwise, "rowwise": _rowwise,
-    "vocab_embedding": _vocab_embedding, "vocab_head": _vocab_head, "sequence_norm": _sequence_norm,
-    "replicate": _replicate,
+    "enter": _enter_region, "colwise": _colwise, "colwise_qkv": _colwise_qkv, "rowwise": _rowwise,
+    "vocab_embedding": _vocab_embedding, "vocab_embedding_whole": _vocab_embedding_whole,
+    "vocab_head": _vocab_head, "vocab_head_entered": _vocab_head_entered, "sequence_norm": _sequence_norm,
+    "final_norm": _final_norm, "split_sequence": _split_sequence,
+    "replicate": _replicate, "keep": _keep,
 }
+COLUMN_STYLES = ("colwise", "colwise_qkv")  # need an enclosing "enter"
+PLACING_STYLES = frozenset(STYLES) - {"enter", "split_sequence"}  # say where a module's parameters live
 
 
 def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -338,8 +363,8 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         raise ValueError(f"plan patterns match no module: {unused}")
     for name, style in found.items():
         # a column-parallel layer that does not enter a region itself needs an enclosing one
-        if style == "colwise" and not any(found.get(a) == "enter" for a in _ancestors(name)):
-            raise ValueError(f"{name} is 'colwise' but no enclosing module has style 'enter'")
+        if style in COLUMN_STYLES and not any(found.get(a) == "enter" for a in _ancestors(name)):
+            raise ValueError(f"{name} is {style!r} but no enclosing module has style 'enter'")
     return found
 
 
@@ -348,22 +373,65 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts))]
 
 
-def apply_plan(model: nn.Module, plan: dict[str, str], ctx: TPContext) -> nn.Module:
-    """Swap the modules a plan names for their tensor-parallel versions, in place."""
+def unplaced_modules(model: nn.Module, found: dict[str, str]) -> list[str]:
+    """Modules holding parameters of their own that no placing style names, nor one of a module above."""
+    return [name for name, module in model.named_modules()
+            if next(module.parameters(recurse=False), None) is not None
+            and not any(found.get(a) in PLACING_STYLES for a in (*_ancestors(name), name))]
+
+
+def apply_plan(model: nn.Module, plan: dict[str, str], ctx: TPContext, place_all: bool = False,
+               widths: dict[str, tuple[str, ...]] | None = None) -> nn.Module:
+    """Swap the modules a plan names for their tensor-parallel versions, in place.
+
+    place_all: first check that the plan says where every parameter goes (a model of another
+    architecture fails here, naming the module, before anything changes).
+    widths: {module pattern: attribute names} of widths a kept module computes its local shapes
+    from, divided by tp (GPT-2's attention splits its fused q|k|v output at `split_size`).
+    """
+    found = match_plan(model, plan)
+    missing = unplaced_modules(model, found) if place_all else []
+    if missing:
+        kind = type(model.get_submodule(missing[0])).__name__
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"tensor parallelism cannot place {missing[0]!r} ({kind}){more}: "
+                         "no entry of the plan names it or a module above it")
     memo: dict = {}
-    for name, style in match_plan(model, plan).items():  # parents before children
+    for name, style in found.items():  # parents before children
         module = model.get_submodule(name)
-        new = STYLES[style](module, ctx, memo)
+        try:
+            new = STYLES[style](module, ctx, memo)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"tensor parallelism cannot place {name!r} ({type(module).__name__}) "
+                             f"as {style!r}: {err}") from None
         if new is not module:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, new)
+    _divide_widths(model, widths or {}, ctx)
     return model
+
+
+def _divide_widths(model: nn.Module, widths: dict[str, tuple[str, ...]], ctx: TPContext) -> None:
+    for name, module in model.named_modules():
+        for pattern, attrs in widths.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                for attr in attrs:
+                    whole = getattr(module, attr)
+                    if whole % ctx.size:
+                        raise ValueError(f"{name}.{attr} = {whole} is not divisible by tp {ctx.size}")
+                    setattr(module, attr, whole // ctx.size)
 
 
 # ---- helpers for checks and checkpoints --------------------------------------------
 
 def full_tensor(t: torch.Tensor, param: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """The whole logical tensor of `t` (a parameter or its gradient) from its tp shards; a copy."""
+    packed = packed_dims(param).get("tp")
+    if packed is not None and ctx.group is not None:
+        dim, parts = packed
+        full = comm.all_gather_dim(t.detach(), dim, ctx.group)  # rank-major: [r0: q k v | r1: q k v ..]
+        # (.., tp, parts, chunk, ..) -> (.., parts, tp, chunk, ..): each block whole again, in order
+        return full.unflatten(dim, (ctx.size, parts, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
     dim = shard_dims(param).get("tp")
     if dim is None or ctx.group is None:
         return t.detach().clone()
