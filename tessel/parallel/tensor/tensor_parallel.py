@@ -20,9 +20,10 @@ rows are zero, never looked up, and their logits are masked out of the loss.
 
 The layers keep the weight layout of the module they replace: nn.Linear's
 [out, in], or [in, out] for transformers' Conv1D (GPT-2's linear layers), so
-parameter names, shapes and checkpoints stay the model's own. A fused q|k|v
+parameter names and logical shapes stay the model's own. A fused q|k|v
 projection (GPT-2's c_attn) is split block by block: each rank holds the q, k
-and v columns of its own heads (tessel.sharding.mark_packed).
+and v columns of its own heads (tessel.sharding.mark_packed; not a plain shard,
+so checkpoints refuse it until they learn to cut it).
 
 Every layer is built `from_xxx(plain_module, ctx)` where ctx (TPContext) holds
 the group and the sequence-parallel switch. Colossal-AI's 2D/2.5D/3D layers fit
