@@ -20,6 +20,13 @@ Parameters sharded over one of the data axes (experts over ep, see
 tessel.parallel.expert.expert_parallel) are summed only over the data axes that replicate
 them, and still divided by the number of data shards: the all-to-all's backward
 has already summed the contributions of the other ep ranks' tokens into them.
+
+A parameter no rank used in a step keeps grad None on every rank, and one used on
+some ranks only gets the reduced gradient on all, as under DDP with
+find_unused_parameters (tessel.parallel.data.unused: the "no gradient" bit rides in
+the all-reduce). With broadcast_buffers (the default, as DDP's) the first rank's
+persistent buffers (BatchNorm's statistics) are broadcast before every forward that
+a synchronised backward follows (tessel.parallel.data.broadcast).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
+from tessel.parallel.data.broadcast import BufferBroadcast, broadcast_by_axes, group_of
+from tessel.parallel.data.unused import mark_no_gradient, no_gradient
 from tessel.sharding import shard_axes
 
 # A reducer receives a flat buffer and a group and returns a waitable work
@@ -58,7 +67,7 @@ class Bucket:
 
     def view_of(self, i: int) -> torch.Tensor:
         p = self.params[i]
-        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view(p.shape)
 
 
 def build_buckets(params: Sequence[nn.Parameter], bucket_bytes: int,
@@ -105,8 +114,13 @@ class GradientSyncWrapper(nn.Module):
     # reduction shards it (ZeRO-2/3 keep 1/N of the gradients only if every micro-step
     # reduce-scatters into the owned shard)
     defer_reduction = True
+    # broadcast_buffers: the first rank's buffers to every rank before a training forward (DDP's)
+    buffer_sync: BufferBroadcast | None = None
 
     def forward(self, *args, **kwargs):
+        # as DDP: only a forward whose backward reduces (grad enabled, not inside no_sync)
+        if self.buffer_sync is not None and torch.is_grad_enabled() and self.sync_gradients:
+            self.buffer_sync()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -124,7 +138,8 @@ class DataParallel(GradientSyncWrapper):
 
     def __init__(self, module: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp",),
                  bucket_mb: float = 25.0, reducer: Reducer = native_all_reduce,
-                 params: Sequence[nn.Parameter] | None = None, broadcast: bool = True):
+                 params: Sequence[nn.Parameter] | None = None, broadcast: bool = True,
+                 broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
         self.axes = tuple(axes)
@@ -136,10 +151,12 @@ class DataParallel(GradientSyncWrapper):
             params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         if broadcast and self.group is not None:
             self._broadcast(module, mesh)
+        if broadcast_buffers and self.group is not None:
+            self.buffer_sync = BufferBroadcast(module, mesh, self.axes)
         # reverse order approximates the order in which gradients become ready
         self.buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20), axes_of=self.reduce_axes)
         for bucket in self.buckets:
-            bucket.group = _group(mesh, bucket.axes)
+            bucket.group = group_of(mesh, bucket.axes)
         self._where: dict[int, tuple[int, int]] = {}
         for b_idx, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
@@ -154,14 +171,9 @@ class DataParallel(GradientSyncWrapper):
         return tuple(a for a in self.axes if a not in shard_axes(p))
 
     def _broadcast(self, module: nn.Module, mesh: Mesh) -> None:
-        # each tensor from the first rank of the axes that replicate it: shards stay distinct
-        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {self.axes: list(module.buffers())}
-        for p in module.parameters():
-            by_axes.setdefault(self.reduce_axes(p), []).append(p)
-        for axes, tensors in by_axes.items():
-            group = _group(mesh, axes)
-            if group is not None and tensors:
-                broadcast_tensors(tensors, src=mesh.group_ranks(axes)[0], group=group)
+        # every parameter (frozen ones too) and buffer, each from the first rank of the axes
+        # that replicate it: shards stay distinct
+        broadcast_by_axes(mesh, self.axes, [*module.parameters(), *module.buffers()])
 
     # ---- backward-time machinery --------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -192,14 +204,14 @@ class DataParallel(GradientSyncWrapper):
             self._next_to_launch += 1
 
     def _finish(self) -> None:
-        # parameters that got no gradient this backward still take part (as zeros),
-        # so every rank reduces the same buckets
+        # parameters that got no gradient this backward still take part, as "no gradient"
+        # (-0.0, tessel.parallel.data.unused), so every rank reduces the same buckets
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if i not in bucket.ready:
                     view = bucket.view_of(i)
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        view.zero_() if p.grad is None else view.copy_(p.grad)
+                        mark_no_gradient(view) if p.grad is None else view.copy_(p.grad)
                         p.grad = view
                     bucket.ready.add(i)
         self._launch_ready_in_order()
@@ -211,36 +223,20 @@ class DataParallel(GradientSyncWrapper):
             bucket.ready.clear()
         self._next_to_launch = 0
         self._callback_queued = False
+        self._drop_unused()
 
-
-def _group(mesh: Mesh, axes: tuple[str, ...]):
-    """mesh.group(*axes), creating it if this combination is new (collective: the
-    layout is the same on every rank, so all ranks reach here with the same axes)."""
-    if mesh.size(*axes) == 1:
-        return None
-    try:
-        return mesh.group(*axes)
-    except KeyError:
-        mesh.build_groups([axes])
-        return mesh.group(*axes)
-
-
-def broadcast_tensors(tensors: list[torch.Tensor], src: int, group=None) -> None:
-    """Broadcast tensors from global rank `src`, flattened per dtype to send few messages."""
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for t in dict.fromkeys(tensors):
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for group_tensors in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        with torch.no_grad():
-            for t in group_tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def _drop_unused(self) -> None:
+        """A parameter no rank used keeps grad None, as without data parallelism (AdamW skips it)."""
+        params = [p for bucket in self.buckets for p in bucket.params]
+        for p, unused in zip(params, no_gradient([p.grad for p in params])):
+            if unused:
+                p.grad = None
 
 
 def data_parallel(module: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp",), bucket_mb: float = 25.0,
-                  reducer: Reducer = native_all_reduce) -> DataParallel:
-    """tessel's data parallelism for any nn.Module. See the module docstring."""
-    return DataParallel(module, mesh, axes, bucket_mb, reducer)
+                  reducer: Reducer = native_all_reduce, broadcast_buffers: bool = True) -> DataParallel:
+    """tessel's data parallelism for any nn.Module. See the module docstring.
+
+    broadcast_buffers: as DDP's, the first rank's persistent buffers to every rank before
+    each forward that a synchronised backward follows (tessel.parallel.data.broadcast)."""
+    return DataParallel(module, mesh, axes, bucket_mb, reducer, broadcast_buffers=broadcast_buffers)

@@ -76,7 +76,7 @@ import torch.nn as nn
 
 from tessel.comm.algorithms import offsets_of, split_sizes
 from tessel.heartbeat import Heartbeat, watch_beats
-from tessel.parallel.data.data_parallel import broadcast_tensors
+from tessel.parallel.data.broadcast import broadcast_tensors
 
 log = logging.getLogger("tessel.ps")
 MODES = ("bsp", "asp", "ssp")

@@ -7,7 +7,9 @@ not depend on N or on the stage, so it holds what a plain run would:
 for AdamW, under the full model's parameter names.
 
 - save: every flat group's parameter shard and optimizer-state shards are
-  all-gathered over the group's ranks, then cut into per-parameter views.
+  all-gathered over the group's ranks, then cut into per-parameter views. A
+  parameter AdamW never stepped (no rank ever used it) has no optim/ entries,
+  as under a plain AdamW; each has its own step.
 - load: every rank reads the whole logical tensors (DCP, without coordination,
   so any saved layout reshards into this one), lays them out flat like its own
   group and copies its slice into the shard (and, stages 1 and 2, the whole
@@ -25,6 +27,7 @@ need their names mapped back to the full model's).
 
 from __future__ import annotations
 
+import bisect
 import warnings
 
 import torch
@@ -69,14 +72,22 @@ def _gather(g: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _global_step(segs, device) -> torch.Tensor | None:
-    """AdamW's step (the same for every segment); None before the first step, on every rank alike."""
-    local = max((float(opt_state["step"]) for _, opt_state in segs if "step" in opt_state), default=-1.0)
-    t = torch.tensor([local], dtype=torch.float64, device=device)  # on the device: NCCL needs it
-    if dist.is_initialized():
-        # a rank may own no segment at all: agree on the value over every rank
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return None if t.item() < 0 else torch.tensor(t.item(), dtype=torch.float32)
+def param_at(g: FlatGroup, position: int) -> nn.Parameter:
+    """The parameter of g whose elements include flat `position`."""
+    return g.params[bisect.bisect_right(g.offsets, position) - 1]
+
+
+def _steps(g: FlatGroup, gi: int, segs, optimizer: torch.optim.Optimizer) -> list[float]:
+    """AdamW's step of each parameter of g (-1: never stepped), the same on every rank of the group:
+    a rank holds the step of the parameters its shard cuts, maybe none."""
+    steps = torch.full((len(g.params),), -1.0, dtype=torch.float64, device=g.shard.device)  # NCCL: on device
+    index = {id(p): i for i, p in enumerate(g.params)}
+    for seg, sgi, off in segs:
+        if sgi == gi and "step" in optimizer.state.get(seg, {}):
+            steps[index[id(param_at(g, g.lo + off))]] = float(optimizer.state[seg]["step"])
+    if g.comm.group is not None:
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=g.comm.group)
+    return steps.tolist()
 
 
 @torch.no_grad()
@@ -85,25 +96,25 @@ def checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Optimize
     groups = engine.groups
     names = param_names(engine)
     segs = segment_offsets(optimizer, groups)
-    step = _global_step([(s, optimizer.state.get(s, {})) for s, _, _ in segs], groups[0].shard.device)
     out: dict[str, torch.Tensor] = {}
     for gi, g in enumerate(groups):
+        steps = _steps(g, gi, segs, optimizer)
         flats = {"param": _gather(g, g.shard)}
-        if step is not None:
+        if max(steps) >= 0:
             for key in MOMENTS:
                 local = torch.zeros_like(g.shard)
                 for seg, sgi, off in segs:
-                    if sgi == gi:
+                    if sgi == gi and key in optimizer.state.get(seg, {}):
                         local[off: off + seg.numel()].copy_(optimizer.state[seg][key])
                 flats[key] = _gather(g, local)
-        for p, start in zip(g.params, g.offsets):
+        for p, start, step in zip(g.params, g.offsets, steps):
             ns = names[id(p)]
             for n in ns:
-                out[MODEL + n] = flats["param"][start: start + p.numel()].view_as(p).clone()
-            if step is not None:
-                out[f"{OPTIM}{ns[0]}/step"] = step.clone()
+                out[MODEL + n] = flats["param"][start: start + p.numel()].view(p.shape).clone()
+            if step >= 0:
+                out[f"{OPTIM}{ns[0]}/step"] = torch.tensor(step, dtype=torch.float32)
                 for key in MOMENTS:
-                    out[f"{OPTIM}{ns[0]}/{key}"] = flats[key][start: start + p.numel()].view_as(p).clone()
+                    out[f"{OPTIM}{ns[0]}/{key}"] = flats[key][start: start + p.numel()].view(p.shape).clone()
     return out
 
 
@@ -161,8 +172,11 @@ def load_checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Opt
         flats.append(flat)
     if not has_optim:
         return
-    step = next(t for k, t in targets.items() if k.endswith("/step"))
     for seg, gi, off in segment_offsets(optimizer, groups):
         lo = groups[gi].lo + off
+        step = targets.get(f"{OPTIM}{names[id(param_at(groups[gi], lo))][0]}/step")
+        if step is None:  # a parameter AdamW never stepped: no state, as in the saved run
+            optimizer.state.pop(seg, None)
+            continue
         optimizer.state[seg] = {"step": step.clone(), **{k: flats[gi][k][lo: lo + seg.numel()].clone()
                                                           for k in MOMENTS}}

@@ -11,8 +11,11 @@ and where parameters live between uses (tessel.parallel.zero.parameters):
     3      P_os+g+p   ReduceScatterGradients    GatheredParameters
 
 The wrapper itself lays the parameters out by process group, broadcasts the
-first rank's weights, and passes autograd's per-parameter hooks to the pieces.
-tessel.parallel.zero.zero_parallel explains the stages, their memory and usage.
+first rank's weights (frozen ones and buffers too; with broadcast_buffers, the
+first rank's buffers again before every training forward, as DDP), casts inputs
+and frozen parameters to param_dtype, and passes autograd's per-parameter hooks
+to the pieces. tessel.parallel.zero.zero_parallel explains the stages, their
+memory and usage.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
-from tessel.parallel.data.data_parallel import GradientSyncWrapper, broadcast_tensors
+from tessel.parallel.data.broadcast import BufferBroadcast, broadcast_by_axes, broadcast_tensors
+from tessel.parallel.data.data_parallel import GradientSyncWrapper
 from tessel.parallel.zero.flat import Comm, FlatSpec, Precision, trainable
 from tessel.parallel.zero.gradients import AllReduceGradients, GradientReduction, ReduceScatterGradients
 from tessel.parallel.zero.parameters import GatheredParameters, ParameterPlacement, WholeParameters, map_tensors
@@ -54,7 +58,8 @@ class ZeroDataParallel(GradientSyncWrapper):
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, axes: Sequence[str] = ("dp",),
                  bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None, broadcast: bool = True,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 broadcast_buffers: bool = True):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data.data_parallel), got {stage}")
@@ -70,6 +75,10 @@ class ZeroDataParallel(GradientSyncWrapper):
         by_comm = _by_comm(mesh, self.axes, params)
         if broadcast:
             _broadcast(mesh, self.axes, module, by_comm)
+        if broadcast_buffers and mesh.size(*self.axes) > 1:
+            self.buffer_sync = BufferBroadcast(module, mesh, self.axes)
+        if param_dtype != torch.float32:
+            _cast_frozen(module, param_dtype)
         spec = FlatSpec(module, params, by_comm, int(bucket_mb * 2**20), units, self.precision)
         self.placement = STAGES[stage].parameters(spec)
         self.groups = self.placement.groups
@@ -81,12 +90,13 @@ class ZeroDataParallel(GradientSyncWrapper):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.placement.install_hooks(on_backward=self._queue_finish)
         if param_dtype != torch.float32:
-            module.register_forward_pre_hook(self._cast_inputs)
+            module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
 
-    def _cast_inputs(self, module, args):
-        """Floating-point inputs to param_dtype, as the parameters they meet (FSDP2 does the same)."""
+    def _cast_inputs(self, module, args, kwargs):
+        """Floating-point inputs, positional or by keyword, to param_dtype, as the parameters they
+        meet (FSDP2's cast_forward_inputs does the same)."""
         dtype = self.precision.param_dtype
-        return map_tensors(args, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return map_tensors((args, kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     # ---- parameters --------------------------------------------------------------------
     def gathered(self) -> ContextManager[None]:
@@ -160,11 +170,18 @@ def _comm(mesh: Mesh, axes: tuple[str, ...]) -> Comm:
 
 
 def _broadcast(mesh: Mesh, axes: tuple[str, ...], module: nn.Module, by_comm: dict[Comm, list[nn.Parameter]]) -> None:
-    """Every rank of a group starts from the same weights: those of its first rank."""
+    """Every rank of a group starts from the same weights: those of its first rank. Frozen
+    parameters and buffers too, each over the axes that replicate it (as DDP and FSDP do)."""
     for comm, ps in by_comm.items():
         if comm.group is not None:
             broadcast_tensors(ps, src=mesh.group_ranks(comm.axes)[0], group=comm.group)
-    buffers = list(module.buffers())
-    group = mesh.group(*axes)
-    if buffers and group is not None:
-        broadcast_tensors(buffers, src=mesh.group_ranks(axes)[0], group=group)
+    frozen = [p for p in dict.fromkeys(module.parameters()) if not p.requires_grad]
+    broadcast_by_axes(mesh, axes, [*frozen, *module.buffers()])
+
+
+def _cast_frozen(module: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters compute in param_dtype like the rest (FSDP2 casts every
+    parameter it gathers); they never step, so no fp32 copy is kept. Buffers keep their dtype."""
+    for p in dict.fromkeys(module.parameters()):
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)

@@ -8,7 +8,8 @@ a zero weight with a zero gradient nowhere.
 
 Two layouts: gradient buckets (stages 1, 2: sized so that reductions overlap
 backward, as in tessel.parallel.data) and units (stage 3: what is gathered as
-one, by default each block of the model, plus the rest as the root unit).
+one, by default each block of the model, plus the rest as the root unit; see
+find_units and size_based_units).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from tessel.parallel.data.data_parallel import Bucket, build_buckets
+from tessel.parallel.data.unused import NO_GRADIENT
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,12 @@ class FlatGroup(Bucket):
 
     def param_view(self, i: int) -> torch.Tensor:
         p = self.params[i]
-        return self.full[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return self.full[self.offsets[i]: self.offsets[i] + p.numel()].view(p.shape)
 
     def grad_view(self, i: int) -> torch.Tensor:
-        """Parameter i's view of the flat gradient buffer, allocated as zeros if there is none."""
+        """Parameter i's view of the flat gradient buffer, allocated as "no gradient" if there is none."""
         if self.buffer is None:
-            self.buffer = torch.zeros(self.full.shape, dtype=self.grad_dtype, device=self.full.device)
+            self.buffer = torch.full(self.full.shape, NO_GRADIENT, dtype=self.grad_dtype, device=self.full.device)
         return self.view_of(i)
 
     def shard_source(self) -> torch.Tensor:
@@ -193,13 +195,41 @@ def _unit_group(params: Sequence[nn.Parameter], comm: Comm, index: int, precisio
     return g
 
 
+CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
 def find_units(module: nn.Module) -> list[nn.Module]:
-    """Default stage-3 units: each child of each nn.ModuleList, outermost lists first."""
+    """Default stage-3 units: each child holding parameters of each nn.ModuleList or nn.Sequential,
+    outermost containers first (the module itself counts), in registration order.
+
+    The blocks of a model are kept in such containers: the decoder layers of a GPT, Llama or
+    GPT-2 (a ModuleList), the BasicBlocks of a ResNet's stages (Sequentials), the layers of a
+    plain Sequential. A container inside a unit (a block's downsample) belongs to that unit.
+    A module with no container gets none: pass `units` (size_based_units picks them by size)."""
     units, inside = [], set()
     for m in module.modules():
-        if id(m) in inside or not isinstance(m, nn.ModuleList):
+        if id(m) in inside or not isinstance(m, CONTAINERS):
             continue
-        for child in m:
-            units.append(child)
+        for child in m.children():
             inside.update(id(x) for x in child.modules())
+            if any(True for _ in child.parameters()):
+                units.append(child)
+    return units
+
+
+def size_based_units(module: nn.Module, min_params: int) -> list[nn.Module]:
+    """Stage-3 units chosen by size, as FSDP's size_based_auto_wrap_policy: bottom up, a submodule
+    becomes a unit once the parameters it holds outside smaller units reach min_params. What
+    stays unclaimed (the module's own parameters and small leftovers) forms the root unit."""
+    units: list[nn.Module] = []
+
+    def claim(m: nn.Module) -> int:
+        """The parameters of m not yet in a unit (m's subtree claims first)."""
+        free = sum(claim(child) for child in m.children()) + sum(p.numel() for p in m.parameters(recurse=False))
+        if m is not module and free >= min_params:
+            units.append(m)
+            return 0
+        return free
+
+    claim(module)
     return units

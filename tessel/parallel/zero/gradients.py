@@ -7,6 +7,11 @@ every rank (collectives must match), and every gradient ends up divided by the
 number of data shards, also one summed over fewer ranks (experts: the
 all-to-all's backward already summed the other ep ranks' tokens into it), as in
 tessel.parallel.data.data_parallel. Its two subclasses are the stages' own code.
+
+A parameter without a gradient takes part as "no gradient" (-0.0 in every element,
+tessel.parallel.data.unused), and the buffers that accumulate gradients start from
+it, so the owner of a piece of a parameter no rank used finds -0.0 there and the
+optimizer leaves that piece alone (tessel.parallel.zero.optim).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.parallel.data.unused import NO_GRADIENT, mark_no_gradient
 from tessel.parallel.zero.collectives import all_reduce_gradients, reduce_scatter_gradients
 from tessel.parallel.zero.flat import FlatGroup
 
@@ -65,11 +71,11 @@ class GradientReduction(ABC):
 
     @abstractmethod
     def fill_missing(self, g: FlatGroup, i: int, p: nn.Parameter) -> None:
-        """Parameter i of g got no gradient in this backward: it takes part as zeros."""
+        """Parameter i of g got no gradient in this backward: it takes part as "no gradient"."""
 
     @abstractmethod
     def zero(self, g: FlatGroup) -> None:
-        """The optimizer stepped: the next step's gradients start from zero."""
+        """The optimizer stepped: the next step's gradients start from "no gradient"."""
 
     # ---- what every stage shares ---------------------------------------------------
     def arrived(self, p: nn.Parameter, sync: bool) -> FlatGroup | None:
@@ -100,7 +106,7 @@ class GradientReduction(ABC):
 
     def reduce_all(self) -> None:
         """End of a synchronised backward: every group reduced and delivered. Parameters that
-        got no gradient still take part (as zeros), so every rank reduces the same groups."""
+        got no gradient still take part (as -0.0), so every rank reduces the same groups."""
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if i not in g.ready:
@@ -132,8 +138,9 @@ class AllReduceGradients(GradientReduction):
     max_in_flight = None  # the buffers persist anyway: every bucket may be in flight
 
     def allocate(self, g: FlatGroup) -> None:
-        g.buffer = torch.zeros(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
-        g.grad_shard = g.buffer[g.lo: g.hi] if g.grad_dtype == g.shard.dtype else torch.zeros_like(g.shard)
+        g.buffer = torch.full(g.full.shape, NO_GRADIENT, dtype=g.grad_dtype, device=g.full.device)
+        g.grad_shard = (g.buffer[g.lo: g.hi] if g.grad_dtype == g.shard.dtype
+                        else torch.full_like(g.shard, NO_GRADIENT))
 
     def store(self, g: FlatGroup, i: int, p: nn.Parameter, sync: bool) -> None:
         view = g.view_of(i)
@@ -156,17 +163,17 @@ class AllReduceGradients(GradientReduction):
 
     def fill_missing(self, g: FlatGroup, i: int, p: nn.Parameter) -> None:
         if self.add_into_buffer:
-            return  # the view holds zeros or what earlier micro-steps added
+            return  # the view holds "no gradient" or what earlier micro-steps added
         view = g.view_of(i)
         if p.grad is None:
-            view.zero_()
+            mark_no_gradient(view)
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
         p.grad = view
 
     def zero(self, g: FlatGroup) -> None:
-        g.buffer.zero_()  # the owned gradient shard is a view of it (fp32)
-        g.grad_shard.zero_()  # or a copy (another grad_dtype)
+        mark_no_gradient(g.buffer)  # the owned gradient shard is a view of it (fp32)
+        mark_no_gradient(g.grad_shard)  # or a copy (another grad_dtype)
 
 
 class ReduceScatterGradients(GradientReduction):
@@ -181,7 +188,7 @@ class ReduceScatterGradients(GradientReduction):
 
     def allocate(self, g: FlatGroup) -> None:
         g.buffer = None  # allocated by the group's reduction, freed once reduce-scattered
-        g.grad_shard = torch.zeros_like(g.shard)
+        g.grad_shard = torch.full_like(g.shard, NO_GRADIENT)
 
     def store(self, g: FlatGroup, i: int, p: nn.Parameter, sync: bool) -> None:
         if self.add_into_buffer and not sync:
@@ -202,15 +209,16 @@ class ReduceScatterGradients(GradientReduction):
         return work
 
     def deliver(self, g: FlatGroup) -> None:
-        # add: gradients accumulate across steps; the mean in the same pass
+        # add: gradients accumulate across steps; the mean in the same pass (-0.0 stays -0.0
+        # only where every micro-step brought "no gradient")
         g.grad_shard.add_(g.out, alpha=1.0 / self.data_shards)
         g.out = None
 
     def fill_missing(self, g: FlatGroup, i: int, p: nn.Parameter) -> None:
-        pass  # _flatten_grads writes zeros for a parameter without a gradient
+        pass  # _flatten_grads writes "no gradient" for a parameter without one
 
     def zero(self, g: FlatGroup) -> None:
-        g.grad_shard.zero_()
+        mark_no_gradient(g.grad_shard)
         g.buffer = None  # gradients left over from no_sync micro-steps
         for p in g.params:
             p.grad = None
@@ -225,9 +233,9 @@ class ReduceScatterGradients(GradientReduction):
                     g.view_of(i).add_(p.grad)
                 p.grad = None
             return
-        # every element is written: a gradient, zeros for a parameter without one, zero padding
+        # every element is written: a gradient, "no gradient" for a parameter without one, zero padding
         g.buffer = torch.empty(g.full.shape, dtype=g.grad_dtype, device=g.full.device)
         g.buffer[max(o + p.numel() for o, p in zip(g.offsets, g.params)):].zero_()
         for i, p in enumerate(g.params):
-            g.view_of(i).zero_() if p.grad is None else g.view_of(i).copy_(p.grad)
+            mark_no_gradient(g.view_of(i)) if p.grad is None else g.view_of(i).copy_(p.grad)
             p.grad = None

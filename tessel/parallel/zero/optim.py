@@ -1,12 +1,15 @@
 """The ZeRO optimizer: torch's AdamW on the shard this rank owns (P_os, Rajbhandari et al. 2020, section 5.1).
 
 Its parameters are "segments": the pieces of a flat group's owned shard
-(tessel.parallel.zero.flat) that belong to one parameter group and one sharding
-class. The caller gives parameter groups over the module's parameters, as to
-any torch optimizer; each group's options carry over to the segments cut from
-its parameters. After stepping, the optimizer asks the engine to make the
-parameters whole again (publish); checkpoints save and load its shard as
-logical whole tensors (tessel.parallel.zero.checkpoint).
+(tessel.parallel.zero.flat), one per parameter. The caller gives parameter
+groups over the module's parameters, as to any torch optimizer; each group's
+options carry over to the segments cut from its parameters. A segment whose
+gradient is "no gradient" (-0.0 everywhere: no rank used its parameter since
+the last zero_grad, tessel.parallel.data.unused) has grad None for the step, so
+AdamW skips it as it skips an unused parameter without ZeRO. After stepping, the
+optimizer asks the engine to make the parameters whole again (publish);
+checkpoints save and load its shard as logical whole tensors
+(tessel.parallel.zero.checkpoint).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from tessel.parallel.data.unused import no_gradient
 from tessel.parallel.zero import checkpoint
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.parallel.zero.flat import FlatGroup
@@ -42,7 +46,15 @@ class ZeroAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = super().step(closure)
+        segs = [seg for seg in self.grad_params() if seg.grad is not None]
+        skipped = [(seg, seg.grad) for seg, unused in zip(segs, no_gradient([s.grad for s in segs])) if unused]
+        for seg, _ in skipped:
+            seg.grad = None  # AdamW leaves a parameter without a gradient alone
+        try:
+            loss = super().step(closure)
+        finally:
+            for seg, grad in skipped:
+                seg.grad = grad  # the view of the gradient shard, for the next step
         self.engine.publish()
         return loss
 
@@ -89,36 +101,33 @@ def segments(groups: list[FlatGroup], group_of: Callable[[nn.Parameter], int | N
              ) -> dict[int, list[nn.Parameter]]:
     """The optimizer's parameters: owned pieces of each flat group, by parameter group.
 
-    A segment is a run of parameters of one group and one sharding class, clipped
-    to the owned shard. Each segment aliases the owned parameter shard, and its
-    gradient the gradient shard, so the optimizer updates the flat buffers in
-    place. A segment is marked sharded over its group's axes and over those its
-    parameters were already sharded on (tp, ep), so the global gradient norm adds
-    the pieces up; a piece of a replica (tessel.sharding.mark_replica) is a replica too."""
+    A segment is one parameter's piece of the owned shard: one per parameter, not
+    one per run of them, so that a parameter no rank used can be skipped alone.
+    Each segment aliases the owned parameter shard, and its gradient the gradient
+    shard, so the optimizer updates the flat buffers in place. A segment is marked
+    sharded over its group's axes and over those its parameter was already sharded
+    on (tp, ep), so the global gradient norm adds the pieces up; a piece of a
+    replica (tessel.sharding.mark_replica) is a replica too."""
     out: dict[int, list[nn.Parameter]] = {}
     for g in groups:
-        for a, b, (k, axes, replica) in _owned_pieces(g, group_of):
+        for a, b, p in owned_pieces(g):
+            k = group_of(p)
             if k is None:
                 continue  # parameters no group steps
             seg = nn.Parameter(g.shard[a - g.lo: b - g.lo], requires_grad=False)
             seg.grad = g.grad_shard[a - g.lo: b - g.lo]
-            mark_sharded(seg, *g.comm.axes, *axes)
-            if replica:  # a copy another pipeline stage counts (the last stage's tied head)
+            mark_sharded(seg, *g.comm.axes, *shard_axes(p))
+            if is_replica(p):  # a copy another pipeline stage counts (the last stage's tied head)
                 mark_replica(seg)
             out.setdefault(k, []).append(seg)
     return out
 
 
-def _owned_pieces(g: FlatGroup, group_of: Callable[[nn.Parameter], int | None]) -> list[tuple[int, int, tuple]]:
-    """(start, end, key) in flat coordinates, clipped to the owned shard; neighbours with one key merged."""
-    pieces: list[tuple[int, int, tuple]] = []
+def owned_pieces(g: FlatGroup) -> list[tuple[int, int, nn.Parameter]]:
+    """(start, end, parameter) in flat coordinates: each parameter clipped to the owned shard."""
+    pieces = []
     for p, off in zip(g.params, g.offsets):
         a, b = max(g.lo, off), min(g.hi, off + p.numel())
-        if a >= b:
-            continue
-        key = (group_of(p), shard_axes(p), is_replica(p))
-        if pieces and pieces[-1][2] == key and pieces[-1][1] == a:
-            pieces[-1] = (pieces[-1][0], b, key)
-        else:
-            pieces.append((a, b, key))
+        if a < b:
+            pieces.append((a, b, p))
     return pieces

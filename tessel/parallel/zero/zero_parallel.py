@@ -13,11 +13,15 @@ into N equal contiguous shards; rank r owns shard r of every group.
   backward has filled it (post-accumulate-grad hooks) and then freed, so a rank
   keeps only the gradient shard it owns.
 - stage 3: parameters are sharded too. Each unit (by default every child of
-  every nn.ModuleList, plus the rest of the model as the root unit) is
-  all-gathered just before its forward and again just before its backward,
-  and freed after each; the next unit's gather is issued before the current
-  unit computes (prefetch), so communication overlaps compute. The root unit
-  stays gathered from the start of forward to the end of backward.
+  every nn.ModuleList or nn.Sequential, outermost first: decoder layers,
+  ResNet blocks; tessel.parallel.zero.flat.find_units; plus the rest of the
+  model as the root unit) is all-gathered just before its forward and again
+  just before its backward, and freed after each; the next unit's gather is
+  issued before the current unit computes (prefetch), so communication
+  overlaps compute. The root unit stays gathered from the start of forward to
+  the end of backward. Between uses a parameter's values cannot be read (a
+  Python error says so): read them inside `gathered()`, or take state_dict(),
+  which gathers whole copies (so `save_pretrained` works).
 
 Precision. By default parameters, gradients and optimizer state are fp32, so
 the parameters are the master weights; bf16 compute comes from autocast
@@ -44,6 +48,16 @@ all-gathered after each step; stage 3: at every gather). Per rank:
     2      pPsi + 4Psi/N      4Psi/N             8Psi/N
     3      4Psi/N             4Psi/N             8Psi/N   (gathered units take p bytes per element)
     (*) rPsi alone when r = 4: the fp32 shard is then a view of the reduced buffer
+
+Any module. Parameters unused in a step keep no gradient (AdamW skips them, as
+under DDP with find_unused_parameters: tessel.parallel.data.unused). Frozen
+parameters (requires_grad=False) and buffers are broadcast from the first rank
+at wrap time and stay whole on every rank, in param_dtype; they are not sharded,
+even at stage 3. Inputs reach the module as they are passed (by position or by
+keyword; floating ones cast to param_dtype) and outputs leave it with their
+type (a transformers ModelOutput stays one). broadcast_buffers (default, as
+DDP's): the first rank's persistent buffers, such as BatchNorm's running
+statistics, to every rank before each training forward.
 
 How the stages are built: tessel.parallel.zero.engine (one object per stage
 behaviour: tessel.parallel.zero.gradients, tessel.parallel.zero.parameters).
@@ -82,23 +96,27 @@ from tessel.parallel.zero.optim import ZeroAdamW
 def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, params: Iterable[nn.Parameter] | Iterable[dict], *,
                   lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                   axes: Sequence[str] = ("dp",), bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None,
-                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
-                  ) -> tuple[nn.Module, torch.optim.Optimizer]:
+                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                  broadcast_buffers: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """tessel's ZeRO for any nn.Module: returns (wrapped model, AdamW over what this rank owns).
 
     `params`: the module's parameters or parameter groups, as torch.optim.AdamW takes
     them (weight_decay applies to groups that set none). Stage 0 is plain data
     parallelism (tessel.parallel.data.data_parallel) with a full AdamW.
-    `units` (stage 3) are the modules gathered as one; default: find_units(module).
+    `units` (stage 3) are the modules gathered as one; default: find_units(module) (children of
+    ModuleList/Sequential containers); size_based_units(module, n) picks them by size instead.
     param_dtype / reduce_dtype (stages 1-3): the dtype the module computes with and the
-    gradients are reduced in; the optimizer keeps fp32 masters (module docstring)."""
+    gradients are reduced in; the optimizer keeps fp32 masters (module docstring).
+    broadcast_buffers: as DDP's, the first rank's persistent buffers to every rank before each
+    forward that a synchronised backward follows."""
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if stage == 0:
         if param_dtype not in (None, torch.float32) or reduce_dtype not in (None, torch.float32):
             raise ValueError("param_dtype/reduce_dtype need ZeRO stage 1, 2 or 3 (fp32 masters)")
-        return data_parallel(module, mesh, axes, bucket_mb), torch.optim.AdamW(params, **hyper)
+        return (data_parallel(module, mesh, axes, bucket_mb, broadcast_buffers=broadcast_buffers),
+                torch.optim.AdamW(params, **hyper))
     model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units, param_dtype=param_dtype,
-                             reduce_dtype=reduce_dtype)
+                             reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers)
     return model, ZeroAdamW(model, params, **hyper)
 
 
