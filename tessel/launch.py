@@ -183,6 +183,7 @@ class Preflight:
 def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
     """Every check that needs no process: the flags, the world, devices, data, memory, the checkpoint."""
     from tessel.calibrate.device import check_memory  # deferred: the cost model, ~20 ms a bad recipe skips
+    from tessel.models.build import check_init_from  # deferred: loads torch (the model on the meta device)
     from tessel.train.data import validate_data  # deferred: loads torch, after the checks that need none
     opts.check()
     cfg = with_resume(cfg, opts.resume)
@@ -191,6 +192,7 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
     check_devices(cfg, nproc)
     check_environment(cfg)
     validate_data(cfg)
+    check_init_from(cfg.model)  # the weights' names and shapes against the model, from their headers
     check_memory(cfg, nproc, force=opts.force)
     return Preflight(cfg, nproc, check_resume(cfg))
 
