@@ -143,6 +143,33 @@ def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tes
     typer.echo(plot_metrics(metrics, out))
 
 
+data_app = typer.Typer(no_args_is_help=True, help="Token data.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    input_: str = typer.Argument(..., metavar="INPUT", help="a text or JSONL file, or a folder of them"),
+    tokenizer: str = typer.Option(..., "--tokenizer", help="a tokenizer.json, or stdlib-bpe-N (tessel's BPE)"),
+    out: str = typer.Option(..., "--out", help="the folder for train.bin, val.bin, tokenizer.json"),
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="check the vocabulary against this "
+                                               "Hugging Face config.json"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="... or against this recipe's model"),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of documents for val.bin"),
+    workers: int = typer.Option(min(8, os.cpu_count() or 1), "--workers", help="tokenizing processes"),
+    field: str = typer.Option("text", "--field", help="the JSONL field holding each document"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the .bin files in --out"),
+) -> None:
+    """Tokenize text into the uint16 .bin files that data.source = "bin" reads, with a progress bar."""
+    from tessel.train.prepare import check_prepare, prepare  # deferred: loads numpy and the tokenizer
+    try:
+        job = check_prepare(input_, tokenizer, out, model_config, recipe, val_fraction, workers, field, overwrite)
+        report = prepare(job)
+    except ConfigError as err:
+        fail(err)
+    typer.echo(f"{report['train_tokens']:,} train and {report['val_tokens']:,} val tokens -> {job.out}")
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
 app.add_typer(bench_app, name="bench")
 

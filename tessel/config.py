@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -198,6 +199,9 @@ class DataConfig(Strict):
     path: str | None = Field(None, description="train .bin for source=bin (val: sibling val.bin)")
     val_fraction: float = Field(0.05, gt=0, lt=1)
     max_bytes: int = Field(32_000_000, ge=1_000, description="cap on the stdlib corpus")
+    tokenizer: str | None = Field(None, description="a tokenizers tokenizer.json, or 'stdlib-bpe-N' (a byte-level "
+                                                    "BPE of N ids trained on the stdlib corpus, built on demand); "
+                                                    "default: bytes")
 
 
 class LoggingConfig(Strict):
@@ -311,8 +315,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(cfg.data.path is not None, "data.path", "is required when data.source = 'bin'")
         _require(Path(cfg.data.path).is_file(), "data.path", f"no such file: {cfg.data.path}")
     if cfg.data.source in ("stdlib", "bin"):
-        _require(m.vocab_size >= 256 or cfg.data.source == "bin", "model.vocab_size",
-                 "byte-level data needs vocab_size >= 256")
+        _require(m.vocab_size >= 256 or cfg.data.source == "bin" or cfg.data.tokenizer is not None,
+                 "model.vocab_size", "byte-level data needs vocab_size >= 256")
+    check_tokenizer(cfg.data)
     r = cfg.runtime
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
     if r.topology is not None:
@@ -324,6 +329,31 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
                  f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp (+ ps_servers) "
                  f"= {p.world_size}")
+
+
+BUILTIN_TOKENIZER = re.compile(r"stdlib-bpe-(\d+)")
+BPE_VOCAB = (512, 65536)  # a byte-level BPE needs its 256 bytes and room to merge; ids must fit uint16
+
+
+def builtin_bpe_vocab(tokenizer: str | None) -> int | None:
+    """N for data.tokenizer = 'stdlib-bpe-N' (tessel's BPE trained on the stdlib corpus), None otherwise."""
+    found = BUILTIN_TOKENIZER.fullmatch(tokenizer or "")
+    return int(found.group(1)) if found else None
+
+
+def check_tokenizer(d: DataConfig) -> None:
+    """data.tokenizer names tessel's stdlib BPE with a vocabulary it can build, or an existing file (its
+    contents and its size against the model are checked with the data, tessel.train.data.validate_data)."""
+    if d.tokenizer is None:
+        return
+    vocab = builtin_bpe_vocab(d.tokenizer)
+    if vocab is not None:
+        low, high = BPE_VOCAB
+        _require(low <= vocab <= high, "data.tokenizer", f"'{d.tokenizer}': the stdlib BPE's vocabulary must be "
+                 f"{low}..{high} ids")
+        return
+    _require(Path(d.tokenizer).is_file(), "data.tokenizer", f"no such file: {d.tokenizer} (a tokenizer.json of "
+             "the tokenizers library, or 'stdlib-bpe-N')")
 
 
 def _check_hf_tensor_parallel(cfg: Config) -> None:

@@ -4,6 +4,10 @@ Sources:
 - `stdlib`: the Python standard library's own .py files as byte tokens, a real
   corpus every machine has. Files are split into train/validation by a hash of
   their path, so the split is the same everywhere and no file is in both.
+  With `data.tokenizer` the corpus is tokenized once (cached beside it); with
+  `stdlib-bpe-N` that tokenizer is tessel's byte-level BPE of N ids, trained
+  on the corpus's first BPE_TRAIN_BYTES (tessel.train.tokenizer), built on
+  demand and cached.
 - `bin`: nanoGPT-style memory-mapped uint16 token files (train.bin, val.bin).
 - `synthetic`: a fixed random Markov chain, learnable and tiny, for tests.
 
@@ -30,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessel.config import Config, ConfigError, DataConfig
+from tessel.config import Config, ConfigError, DataConfig, builtin_bpe_vocab
+from tessel.train.tokenizer import ByteCodec, Codec, TokenizerError, encode_file, read_tokenizer, token_dtype, train_bpe
 
 
 def cache_dir() -> Path:
@@ -72,6 +77,42 @@ def build_stdlib_corpus(max_bytes: int, val_fraction: float) -> tuple[Path, Path
     return train_path, val_path
 
 
+# ---- tokenizers ---------------------------------------------------------------------------------
+BPE_TRAIN_BYTES = 8_000_000  # the stdlib text tessel's BPE learns from: ~2 s, whatever data.max_bytes is
+BPE_VAL_FRACTION = 0.05  # ... its training split at DataConfig's default
+
+
+def tokenizer_file(d: DataConfig) -> Path | None:
+    """data.tokenizer's tokenizer.json (tessel's stdlib BPE built and cached on first use); None for bytes."""
+    vocab = builtin_bpe_vocab(d.tokenizer)
+    if vocab is None:
+        return None if d.tokenizer is None else Path(d.tokenizer)
+    text, _ = build_stdlib_corpus(BPE_TRAIN_BYTES, BPE_VAL_FRACTION)
+    out = cache_dir() / "tokenizers" / f"stdlib-bpe-{vocab}-{text.parent.name}.json"
+    return out if out.exists() else train_bpe(text, vocab, out)
+
+
+def text_codec(d: DataConfig) -> Codec:
+    """How the run's text becomes ids and back: data.tokenizer's, or bytes."""
+    path = tokenizer_file(d)
+    return ByteCodec() if path is None else read_tokenizer(path)
+
+
+def tokenized_stdlib(d: DataConfig) -> tuple[Path, Path]:
+    """The stdlib corpus's train/val splits as uint16 ids of data.tokenizer, tokenized once and cached
+    beside the corpus under the tokenizer's sha256."""
+    train_text, val_text = build_stdlib_corpus(d.max_bytes, d.val_fraction)
+    path = tokenizer_file(d)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    out = [train_text.with_name(f"{split}-{digest}.u16") for split in ("train", "val")]
+    if all(p.exists() for p in out):
+        return out[0], out[1]
+    codec = read_tokenizer(path)
+    for text, ids in zip((train_text, val_text), out):
+        encode_file(codec, text, ids)
+    return out[0], out[1]
+
+
 def synthetic_tokens(vocab_size: int, n_tokens: int, seed: int = 0) -> np.ndarray:
     """A first-order Markov chain where each token has 4 likely successors."""
     rng = np.random.default_rng(seed)
@@ -96,6 +137,10 @@ SYNTHETIC_TOKENS = 100_000
 
 
 def load_tokens(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenData:
+    if cfg.source == "stdlib" and cfg.tokenizer is not None:
+        train_path, val_path = tokenized_stdlib(cfg)
+        return TokenData(np.memmap(train_path, dtype=np.uint16, mode="r"),
+                         np.memmap(val_path, dtype=np.uint16, mode="r"))
     if cfg.source == "stdlib":
         train_path, val_path = build_stdlib_corpus(cfg.max_bytes, cfg.val_fraction)
         return TokenData(np.memmap(train_path, dtype=np.uint8, mode="r"),
@@ -135,8 +180,15 @@ def validate_data(cfg: Config) -> None:
     Raises ConfigError naming the field and the file.
     """
     d = cfg.data
+    if d.tokenizer is not None:
+        _check_tokenizer_fits(d, cfg.model.vocab_size)
     if d.source == "bin":
         splits = _bin_splits(d)
+    elif d.source == "stdlib" and d.tokenizer is not None:
+        train, val = tokenized_stdlib(d)
+        splits = [(f"the stdlib corpus tokenized by {d.tokenizer} ({train}, data.max_bytes = {d.max_bytes})",
+                   train.stat().st_size // 2),
+                  (f"its validation split ({val}, data.val_fraction = {d.val_fraction})", val.stat().st_size // 2)]
     elif d.source == "stdlib":
         splits = _stdlib_splits(d, cfg.model.vocab_size)
     else:  # ids come from rng.integers(0, vocab_size) in synthetic_tokens: below it by construction
@@ -149,6 +201,18 @@ def validate_data(cfg: Config) -> None:
     if d.source == "bin":
         for path in filter(None, (Path(d.path), val_bin(Path(d.path)))):
             _require_ids_below(path, cfg.model.vocab_size)
+
+
+def _check_tokenizer_fits(d: DataConfig, vocab_size: int) -> None:
+    """data.tokenizer reads, fits uint16 ids, and has no id the model's vocabulary lacks."""
+    try:
+        n = text_codec(d).vocab_size
+        token_dtype(n)
+    except TokenizerError as err:
+        raise ConfigError("data.tokenizer", str(err)) from None
+    if n > vocab_size:
+        raise ConfigError("data.tokenizer", f"{d.tokenizer} has {n} ids, but model.vocab_size is {vocab_size}: "
+                                            "the model has no embedding for the ids past it")
 
 
 def _bin_splits(d: DataConfig) -> list[tuple[str, int]]:

@@ -27,7 +27,7 @@ from tessel.observe.progress import Progress
 from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort
-from tessel.train.data import BatchSampler, load_tokens
+from tessel.train.data import BatchSampler, load_tokens, text_codec
 from tessel.train.fault.guard import Guard, checkpoint_root
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
@@ -50,13 +50,15 @@ class Summary:
 
 
 def sample_text(runner, cfg: Config) -> str:
-    """train.sample_tokens bytes generated from train.sample_prompt ("" when 0); collective over the runner."""
+    """train.sample_tokens tokens generated from train.sample_prompt ("" when 0), encoded and decoded by
+    data.tokenizer (bytes by default); collective over the runner."""
     t = cfg.train
     if t.sample_tokens == 0:
         return ""
-    prompt = torch.tensor([list(t.sample_prompt.encode())], dtype=torch.long) % cfg.model.vocab_size
+    codec = text_codec(cfg.data)
+    prompt = torch.tensor([codec.encode(t.sample_prompt)], dtype=torch.long) % cfg.model.vocab_size
     out = runner.generate(prompt, t.sample_tokens, seed=t.seed)
-    return bytes(int(v) % 256 for v in out[0].tolist()).decode("utf-8", errors="replace")
+    return codec.decode(out[0].tolist())
 
 
 def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops: float,
