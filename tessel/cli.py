@@ -143,6 +143,26 @@ def plot(metrics: str = typer.Argument(..., help="a metrics.jsonl written by tes
     typer.echo(plot_metrics(metrics, out))
 
 
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(..., help="a checkpoint folder (step_N) of any layout"),
+    fmt: str = typer.Option("hf", "--format", help="hf: a folder AutoModelForCausalLM.from_pretrained loads"),
+    out: str = typer.Option(..., "--out", help="the folder to write"),
+    config: Optional[str] = typer.Option(None, "--config", help="a Hugging Face model's config.json, when the "
+                                         "checkpoint carries none and the recipe's has moved"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as saved)"),
+    shard_mb: float = typer.Option(5000.0, "--shard-mb", help="largest safetensors file before sharding (MiB)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty --out folder"),
+) -> None:
+    """Export a checkpoint's model: a Hugging Face model under its own names, the reference GPT as a Llama."""
+    from tessel.export import check_export, export_hf  # deferred: loads torch and the checkpoint reader
+    try:
+        job = check_export(checkpoint, fmt, out, config, dtype, shard_mb, overwrite)
+    except ConfigError as err:
+        fail(err)
+    typer.echo(f"exported {job.checkpoint} -> {export_hf(job)}")
+
+
 data_app = typer.Typer(no_args_is_help=True, help="Token data.")
 app.add_typer(data_app, name="data")
 

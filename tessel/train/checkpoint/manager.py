@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessel.errors import FatalError
-from tessel.models.gpt import GPT
+from tessel.hf_shape import config_file
+from tessel.models.build import build_model
 from tessel.train.checkpoint.logical import LogicalView, check_shapes, module_shapes
 from tessel.train.checkpoint.manifest import (FORMAT, MANIFEST, CheckpointError, check_model, check_owner,
                                               read_manifest, regular_file, run_model, run_of)
@@ -51,6 +52,7 @@ from tessel.train.checkpoint.safe_dcp import (METADATA_FILE, JsonMetadataWriter,
 from tessel.train.checkpoint.tensors import StateTensors
 
 PREFIX = "step_"
+HF_CONFIG = "hf_config.json"  # a Hugging Face model's config, as the run read it (embed_hf_config)
 
 
 class DiskFullError(FatalError):
@@ -106,9 +108,18 @@ def refuse_others(final: Path, run_id: str | None) -> None:
                               "(give this run its own checkpoint.dir)")
 
 
+def embed_hf_config(tmp: Path, model: dict | None) -> None:
+    """A Hugging Face model's config.json travels inside each checkpoint (HF_CONFIG), checksummed with
+    the rest: `tessel export` needs it after the recipe's copy has moved or changed."""
+    path = (model or {}).get("hf_config")
+    if path and config_file(path).is_file():
+        shutil.copyfile(config_file(path), tmp / HF_CONFIG)
+
+
 def commit(tmp: Path, final: Path, step: int, info: dict, run_id: str | None = None) -> None:
     """Checksum every file, write the manifest (owned by `run_id`), rename tmp -> final (rank 0 only)."""
     refuse_others(final, run_id)
+    embed_hf_config(tmp, info.get("model"))
     files = {}
     for f in sorted(tmp.iterdir()):
         if f.is_file():
@@ -187,7 +198,7 @@ def check_resume_target(path: Path, cfg) -> dict:
                               f"(the newest valid one in checkpoint.dir) or --resume {inside[0]}")
     manifest = verify(path, model=run_model(cfg))
     with torch.device("meta"):  # names and shapes only
-        model_shapes, param_shapes = module_shapes(GPT(cfg.model))
+        model_shapes, param_shapes = module_shapes(build_model(cfg.model))
     try:
         check_shapes(read_metadata(path).state_dict_metadata, model_shapes, param_shapes)
     except CheckpointError as err:
