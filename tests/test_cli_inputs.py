@@ -122,6 +122,56 @@ BAD = [
      "data.path"),  # ids >= vocab_size: tp=1 crashed
     (["train", "{tmp}/tiny.toml", "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"',
       "--set", "parallel.tp=2", "--set", "parallel.dp=1"], "data.path"),  # tp=2 trained on them silently
+    # train: weights and tokenizers
+    (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{tmp}/missing.safetensors"'], "model.init_from"),
+    (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt-no-head.safetensors"'],
+     "model.init_from"),  # a missing tensor, named before any rank starts
+    (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt"'], "model.init_from"),  # no safetensors
+    (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/missing.json"'], "data.tokenizer"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/not_json.jsonl"'], "data.tokenizer"),
+    (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{assets}/bpe300.json"'], "data.tokenizer"),  # > vocab
+    (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="stdlib-bpe-70000"'], "data.tokenizer"),
+    # export
+    (["export", "--out", "{tmp}/o"], "CHECKPOINT"),
+    (["export", "{assets}/gpt/step_00000001"], "--out"),
+    (["export", "{tmp}/missing", "--out", "{tmp}/o"], "CHECKPOINT"),
+    (["export", "{tmp}/a_file", "--out", "{tmp}/o"], "CHECKPOINT"),
+    (["export", "{tmp}/ckroot", "--out", "{tmp}/o"], "CHECKPOINT"),  # a folder of checkpoints
+    (["export", "{tmp}/ckroot/step_00000002", "--out", "{tmp}/o"], "CHECKPOINT"),  # no manifest
+    (["export", "{assets}/corrupt/step_00000001", "--out", "{tmp}/o"], "CHECKPOINT"),  # fails its checksum
+    (["export", "{assets}/moe/step_00000001", "--out", "{tmp}/o"], "CHECKPOINT"),  # MoE GPT: no Llama
+    (["export", "{assets}/gpt/step_00000001", "--format", "gguf", "--out", "{tmp}/o"], "--format"),
+    (["export", "{assets}/gpt/step_00000001", "--out", "{tmp}"], "--out"),  # not empty
+    (["export", "{assets}/gpt/step_00000001", "--out", "{tmp}/a_file"], "--out"),
+    (["export", "{assets}/gpt/step_00000001", "--out", UNWRITABLE], "--out"),
+    (["export", "{assets}/gpt/step_00000001", "--out", "{tmp}/o", "--dtype", "fp8"], "--dtype"),
+    (["export", "{assets}/gpt/step_00000001", "--out", "{tmp}/o", "--shard-mb", "0"], "--shard-mb"),
+    (["export", "{assets}/gpt/step_00000001", "--out", "{tmp}/o", "--config", "{assets}/llama256.json"],
+     "--config"),  # a reference GPT's checkpoint has no Hugging Face config
+    # data prepare
+    (["data", "prepare", "{tmp}/a_file", "--out", "{tmp}/o"], "--tokenizer"),
+    (["data", "prepare", "{tmp}/missing", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o"], "INPUT"),
+    (["data", "prepare", "{tmp}/ckroot", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o"], "INPUT"),
+    (["data", "prepare", "{tmp}/not_json.jsonl", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o"],
+     "INPUT"),
+    (["data", "prepare", "{tmp}/good.jsonl", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o"],
+     "--field"),  # no "text" in its records
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{tmp}/missing.json", "--out", "{tmp}/o"], "--tokenizer"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{tmp}/not_json.jsonl", "--out", "{tmp}/o"],
+     "--tokenizer"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "stdlib-bpe-100", "--out", "{tmp}/o"], "--tokenizer"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
+      "--model-config", "{assets}/llama256.json"], "--model-config"),  # 300 ids, 256 embeddings
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
+      "--recipe", "{tmp}/tiny.toml"], "--recipe"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
+      "--model-config", "{assets}/llama256.json", "--recipe", "{tmp}/tiny.toml"], "--model-config"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}"], "--out"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/a_file"], "--out"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
+      "--val-fraction", "1"], "--val-fraction"),
+    (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
+      "--workers", "0"], "--workers"),
 ]
 
 
@@ -144,6 +194,38 @@ def tmp(tmp_path):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Files some rows need that cost more than a write: checkpoints (a tiny GPT, an MoE GPT, a corrupt
+    copy), weights missing a tensor, a 300-id BPE, a Llama config of 256 ids; made once per module."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tessel.config import ModelConfig
+    from tessel.models.gpt import GPT
+    from tessel.train.tokenizer import train_bpe
+    from tests.helpers import TINY, build_trainer, tiny_config
+    root = tmp_path_factory.mktemp("assets")
+    for name, extra in (("gpt", []), ("moe", ["model.n_experts=2"])):
+        build_trainer(tiny_config(*extra, "train.steps=1", "train.warmup_steps=0", "checkpoint.every=1",
+                                  "fault.heartbeat_s=0", f'checkpoint.dir="{root / name}"'))[0].fit()
+    shutil.copytree(root / "gpt", root / "corrupt")
+    shard = next((root / "corrupt" / "step_00000001").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    shard.write_bytes(bytes(data))
+    state = GPT(ModelConfig(**TINY["model"])).state_dict()
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(root / "gpt-no-head.safetensors"))
+    (root / "corpus.txt").write_text("".join(f"def f{i}(x): return x + {i * 7 % 101}  # n{i % 37}\n"
+                                             for i in range(500)))
+    train_bpe(root / "corpus.txt", 300, root / "bpe300.json")
+    (root / "llama256.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+                                                    "intermediate_size": 64, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 4, "max_position_embeddings": 32}))
+    return root
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """Fail the test on any new process: torchrun (_standalone), subprocesses, multiprocessing."""
@@ -162,8 +244,8 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return exit_.value.code, out, err
 
 
-def filled(argv: list[str], tmp) -> list[str]:
-    return [a.format(tmp=tmp) for a in argv]
+def filled(argv: list[str], tmp, assets=None) -> list[str]:
+    return [a.format(tmp=tmp, assets=assets) for a in argv]
 
 
 def assert_refused(code: int, out: str, err: str, field: str) -> None:
@@ -175,13 +257,13 @@ def assert_refused(code: int, out: str, err: str, field: str) -> None:
 
 
 @pytest.mark.parametrize("argv,field", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_is_refused_in_one_line(argv, field, tmp, no_spawn, capsys):
-    assert_refused(*run_cli(filled(argv, tmp), capsys), field)
+def test_bad_input_is_refused_in_one_line(argv, field, tmp, assets, no_spawn, capsys):
+    assert_refused(*run_cli(filled(argv, tmp, assets), capsys), field)
 
 
 def test_the_table_covers_every_command():
     assert len(BAD) >= 30
-    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot"}
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data"}
 
 
 REAL = [  # the installed entry point, in a process of its own

@@ -11,9 +11,12 @@ Two measurements, both cached as JSON under the tessel cache directory:
   concurrent compute, memory bandwidth, and the resident memory a rank holds
   before it holds any model (Python, torch, gloo, the trainer's modules).
 - `profile_model(model, seq_len, world, ...)`: the same ranks time forward +
-  backward of the reference GPT at several micro-batch sizes, whole and as one
-  rank of each tensor-parallel degree holds it (with and without its
-  collectives), the clipped AdamW step, and the trainer's per-step bookkeeping.
+  backward of the recipe's model (tessel.models.build.build_model: the
+  reference GPT or a Hugging Face model) at several micro-batch sizes, whole
+  and, for the reference GPT, as one rank of each tensor-parallel degree holds
+  it (with and without its collectives), the clipped AdamW step, and the
+  trainer's per-step bookkeeping. A Hugging Face model is timed whole; the
+  cost model prices its tp ranks from those times (Calibration.flops_at).
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
 reading on this machine. Importing this module loads torch and the trainer's
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from tessel.calibrate.cache import cache_path, probe_path
 from tessel.config import ModelConfig, TrainConfig
+from tessel.models.build import build_model
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.models.moe import MoE
 from tessel.models.plan import gpt_tp_plan
@@ -306,7 +310,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
     for tp in tp_sizes:
         for real in ((False, True) if tp > 1 else (False,)):
             torch.manual_seed(0)
-            models[tp, real] = _tp_shaped(GPT(cfg), cfg, tp, *(groups[tp] if real else (None, 0)))
+            models[tp, real] = _tp_shaped(build_model(cfg), cfg, tp, *(groups[tp] if real else (None, 0)))
 
     def fwd_bwd(key, x):
         model, loss_fn = models[key]
@@ -363,11 +367,18 @@ def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
     return t_opt, _median_time(bookkeeping, 10)
 
 
+def profiled_tp_degrees(model_cfg: ModelConfig, world: int) -> list[int]:
+    """The tp degrees whose rank-local model is timed: every one tessel accepts for the reference GPT
+    (tessel.models.plan cuts it here without the trainer); the whole model for a Hugging Face one."""
+    return tp_degrees(model_cfg, world) if model_cfg.hf_config is None else [1]
+
+
 def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int], precision: str = "fp32",
                   refresh: bool = False) -> Calibration:
     """Time the reference GPT on `world` concurrent ranks at each micro-batch size (cached)."""
     raw = model_cfg.model_dump(exclude_none=True)
-    tps = tp_degrees(model_cfg, world)
+    raw.pop("init_from", None)  # timing needs the shapes, not the weights (nor a cache entry per weights file)
+    tps = profiled_tp_degrees(model_cfg, world)
     key = hashlib.sha1(json.dumps([raw, seq_len, world, sorted(micro_batches), precision, tps, "v3"],
                                   sort_keys=True).encode()).hexdigest()[:12]
     path = cache_path("profile", key)

@@ -139,5 +139,5 @@ def param_count(spec: ModelSpec) -> int:
     c = spec.cfg
     n_moe = c.n_layer // c.moe_every if c.n_experts else 0  # ModelSpec.is_moe: every moe_every-th block
     moe = sum(spec.layer_params(c.moe_every - 1)) if n_moe else 0
-    dense = spec.attn_params + 2 * c.d_model + spec.mlp_params
+    dense = sum(spec.layer_params(0)) if c.n_layer > n_moe else 0  # block 0 is dense unless every block is MoE
     return n_moe * moe + (c.n_layer - n_moe) * dense + spec.embedding_params + spec.head_params

@@ -1,8 +1,14 @@
-"""The model as the planner sees it: sizes of the reference GPT, from a recipe or a preset.
+"""The model as the planner sees it: its sizes, from a recipe (the reference GPT or a Hugging Face
+config) or a preset.
 
 The planner prices tessel's own model (RMSNorm, rotary attention with grouped
 KV heads, SwiGLU MLP, optional MoE blocks), so a plan's `--out` recipe trains
-exactly the model that was priced. GPT-3 sizes follow Brown et al. 2020,
+exactly the model that was priced. A Hugging Face model's shape fills the same
+fields (tessel.hf_shape); what its family does differently is an `Arch`: GPT-2's
+two-matrix GELU MLP, LayerNorms with biases, biased projections and learned
+positions, Qwen2's q/k/v biases, Llama's optional attention and MLP biases and
+head_dim. Parameter counts then equal the built model's
+(tests/planner/test_model_spec_hf.py). GPT-3 sizes follow Brown et al. 2020,
 Table 2.1 (layers, d_model, heads, batch in tokens, 2048-token context); the
 SwiGLU width ~8/3 d_model keeps the 8 d^2 MLP parameters of GPT-3's 4x GELU
 MLP. The vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128).
@@ -11,8 +17,36 @@ MLP. The vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from tessel.config import ConfigError, ModelConfig
+from tessel.hf_shape import read_config
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Where a family's blocks differ from the reference GPT's (whose values are the defaults)."""
+    mlp_matrices: int = 3  # SwiGLU: gate, up, down; GPT-2's GELU MLP: fc, proj
+    norm_params: int = 1  # per feature: RMSNorm's weight; LayerNorm's weight and bias
+    qkv_bias: bool = False
+    out_bias: bool = False  # the attention's output projection
+    mlp_bias: bool = False
+    positions: int = 0  # learned position embeddings (GPT-2's wpe)
+    head_dim: int | None = None  # None: d_model / n_head
+
+
+def architecture(cfg: ModelConfig) -> Arch:
+    """The Arch of the model cfg names (read from its Hugging Face config, torch-free)."""
+    if cfg.hf_config is None:
+        return Arch()
+    doc = read_config(cfg.hf_config)
+    if doc["model_type"] == "gpt2":
+        return Arch(mlp_matrices=2, norm_params=2, qkv_bias=True, out_bias=True, mlp_bias=True,
+                    positions=cfg.max_seq_len)
+    attention_bias = bool(doc.get("attention_bias", False))
+    head_dim = doc.get("head_dim")
+    return Arch(qkv_bias=attention_bias or doc["model_type"] == "qwen2", out_bias=attention_bias,
+                mlp_bias=bool(doc.get("mlp_bias", False)), head_dim=head_dim if isinstance(head_dim, int) else None)
 
 
 @dataclass(frozen=True)
@@ -22,19 +56,41 @@ class ModelSpec:
     seq_len: int
     global_batch: int  # sequences per step, the preset's (or recipe's) default
 
+    @cached_property
+    def arch(self) -> Arch:
+        return architecture(self.cfg)
+
     # ---- parameter counts ----------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.cfg.d_model // self.cfg.n_head
+        return self.arch.head_dim or self.cfg.d_model // self.cfg.n_head
 
     @property
-    def attn_params(self) -> int:
+    def attn_matrix_params(self) -> int:
+        """q, k, v and output projections' weights (what a token is multiplied by)."""
         c = self.cfg
         return 2 * c.d_model * c.n_head * self.head_dim + 2 * c.d_model * c.kv_heads * self.head_dim
 
     @property
+    def attn_params(self) -> int:
+        c, a = self.cfg, self.arch
+        qkv_bias = (c.n_head + 2 * c.kv_heads) * self.head_dim if a.qkv_bias else 0
+        return self.attn_matrix_params + qkv_bias + (c.d_model if a.out_bias else 0)
+
+    @property
+    def mlp_matrix_params(self) -> int:
+        return self.arch.mlp_matrices * self.cfg.d_model * self.cfg.ffn_dim
+
+    @property
     def mlp_params(self) -> int:
-        return 3 * self.cfg.d_model * self.cfg.ffn_dim
+        c, a = self.cfg, self.arch
+        bias = (a.mlp_matrices - 1) * c.ffn_dim + c.d_model if a.mlp_bias else 0
+        return self.mlp_matrix_params + bias
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters."""
+        return self.arch.norm_params * self.cfg.d_model
 
     def is_moe(self, layer: int) -> bool:
         c = self.cfg
@@ -47,20 +103,21 @@ class ModelSpec:
     def layer_params(self, layer: int) -> tuple[int, int]:
         """(dense, expert) parameters of one block; norms count as dense."""
         c = self.cfg
-        dense = self.attn_params + 2 * c.d_model
+        dense = self.attn_params + 2 * self.norm_params
         if self.is_moe(layer):
             return dense + c.d_model * c.n_experts, c.n_experts * self.mlp_params  # router is dense
         return dense + self.mlp_params, 0
 
     @property
     def embedding_params(self) -> int:
-        return self.cfg.vocab_size * self.cfg.d_model
+        """Token embeddings, and learned position embeddings where the family has them."""
+        return (self.cfg.vocab_size + self.arch.positions) * self.cfg.d_model
 
     @property
     def head_params(self) -> int:
         """Final norm + output head (shared with the embedding when tied)."""
         c = self.cfg
-        return c.d_model + (0 if c.tie_embeddings else c.vocab_size * c.d_model)
+        return self.norm_params + (0 if c.tie_embeddings else c.vocab_size * c.d_model)
 
     @property
     def total_params(self) -> int:
@@ -77,12 +134,12 @@ class ModelSpec:
         factor when given (fixed-capacity dispatch computes the padding too).
         """
         c = self.cfg
-        f = 2 * self.attn_params + 4 * self.seq_len * c.d_model
+        f = 2 * self.attn_matrix_params + 4 * self.seq_len * c.n_head * self.head_dim
         if self.is_moe(layer):
             pad = capacity_factor if capacity_factor is not None else 1.0
-            f += 2 * c.d_model * c.n_experts + 2 * c.moe_top_k * pad * self.mlp_params
+            f += 2 * c.d_model * c.n_experts + 2 * c.moe_top_k * pad * self.mlp_matrix_params
         else:
-            f += 2 * self.mlp_params
+            f += 2 * self.mlp_matrix_params
         return f
 
     @property

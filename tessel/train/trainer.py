@@ -21,7 +21,8 @@ from tessel.config import Config, TrainConfig
 from tessel.heartbeat import log
 from tessel.mesh import Mesh
 from tessel.models.build import build_model
-from tessel.models.gpt import count_params, flops_per_token
+from tessel.models.flops import training_flops_per_token
+from tessel.models.gpt import count_params
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.parallel.runner import Runner
@@ -108,8 +109,9 @@ class Trainer:
         sampler, self.val_sampler = self._samplers()
         self.state = self._build_state(run_id, sampler)
         with torch.device("meta"):  # the whole model's count, whatever this rank holds of it
-            self.n_params = count_params(build_model(cfg.model))
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+            whole = build_model(cfg.model)
+        self.n_params = count_params(whole)
+        self.flops_per_token = training_flops_per_token(whole, cfg.model, cfg.train.seq_len)  # its own weights
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
         # a resumed run appends to the metrics of the attempt it continues

@@ -1,0 +1,55 @@
+"""Training FLOPs per token of any model, counted from its own parameters: the MFU numerator.
+
+The count of Kaplan et al. 2020 (and PaLM's 6N + 12 L d T): every weight a
+token multiplies costs 2 FLOPs forward and 4 backward, and causal attention
+adds 2 * 2 * T * (heads * head_dim) per layer forward for the scores and the
+weighted sum (counted without the causal halving, as tessel.models.gpt does).
+Read from the module instead of a formula, it holds for any architecture:
+
+- a matmul weight is a parameter of two or more dimensions (nn.Linear, GPT-2's
+  Conv1D, a stack of experts); vectors (norms, biases) are not counted;
+- an embedding is a lookup, no FLOPs, unless the same tensor is also a
+  Linear's weight (a tied output head), which then counts once;
+- experts stored as one stacked tensor (n_experts, ...) count top_k of
+  n_experts: a token visits only the experts its router picks (the reference
+  GPT's MoE and transformers' Mixtral alike); the router itself counts whole.
+
+For the reference GPT this equals tessel.models.gpt.flops_per_token exactly
+(tests/models/test_flops.py).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tessel.config import ModelConfig
+from tessel.hf_shape import read_config
+
+
+def matmul_params(model: nn.Module, cfg: ModelConfig) -> float:
+    """Weights a token is multiplied by in one forward (expert stacks scaled to the experts it visits)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear
+    total = 0.0
+    for p in model.parameters():  # each tensor once: a tied head counts once
+        if p.dim() < 2 or id(p) in lookup:
+            continue
+        if cfg.n_experts and p.dim() >= 3 and p.shape[0] == cfg.n_experts:
+            total += p.numel() * cfg.moe_top_k / cfg.n_experts
+        else:
+            total += p.numel()
+    return total
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """heads * head_dim: d_model, unless a Hugging Face config sets its own head_dim."""
+    if cfg.hf_config is not None:
+        head_dim = read_config(cfg.hf_config).get("head_dim")
+        if isinstance(head_dim, int):
+            return cfg.n_head * head_dim
+    return cfg.d_model
+
+
+def training_flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token (3x forward) of `model` (any device, the meta device too)."""
+    return 6 * matmul_params(model, cfg) + 12 * cfg.n_layer * attention_width(cfg) * seq_len
