@@ -15,6 +15,12 @@ weight decay can skip vectors as the trainer's AdamW does). Any elementwise
 optimizer (SGD, Adam, AdamW, ...) applies unchanged; optimizers that need
 whole-tensor norms (LAMB, Shampoo) would not.
 
+A parameter a worker did not use in its step is pushed as "no gradient" (-0.0,
+tessel.parallel.data.unused); the server's optimizer skips a piece whose update
+has no gradient from any worker it averages (BSP) or from the one pushing
+(ASP, SSP), as a torch optimizer skips a parameter whose grad is None: AdamW
+neither decays it nor counts its step.
+
 Gradient clipping (`grad_clip`): BSP clips the averaged gradient by its global
 norm (the servers sum their squares: what all-reduce DP does); ASP and SSP
 apply one worker's gradient at a time, so the worker clips its own before
@@ -77,6 +83,7 @@ import torch.nn as nn
 from tessel.comm.algorithms import offsets_of, split_sizes
 from tessel.heartbeat import Heartbeat, watch_beats
 from tessel.parallel.data.broadcast import broadcast_tensors
+from tessel.parallel.data.unused import NO_GRADIENT, no_gradient
 
 log = logging.getLogger("tessel.ps")
 MODES = ("bsp", "asp", "ssp")
@@ -122,8 +129,8 @@ class ParameterServer:
         self.is_server = self.rank in self.servers
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.device = self.params[0].device
-        if broadcast:  # one starting point everywhere, whatever each rank's seed was
-            broadcast_tensors(self.params, src=self.servers[0], group=group)
+        if broadcast:  # one starting point everywhere (frozen weights, buffers too), whatever each rank's seed was
+            broadcast_tensors([*model.parameters(), *model.buffers()], src=self.servers[0], group=group)
         self.total = sum(p.numel() for p in self.params)
         self.ranges = shard_ranges(self.total, len(self.servers))
         self.step_count = 0
@@ -160,7 +167,8 @@ class ParameterServer:
         return torch.cat([p.detach().reshape(-1).to(WIRE) for p in self.params])
 
     def flat_grads(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(WIRE)
+        """The step's gradients, flat; a parameter without one is pushed as "no gradient" (-0.0)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.full_like(p, NO_GRADIENT)).reshape(-1).to(WIRE)
                           for p in self.params])
 
     @torch.no_grad()
@@ -384,6 +392,9 @@ class _ServerLoop:
         for piece in ps.pieces:
             piece.grad = grad[off: off + piece.numel()]
             off += piece.numel()
+        for piece, unused in zip(ps.pieces, no_gradient([piece.grad for piece in ps.pieces])):
+            if unused:  # no worker in this update used it: the optimizer leaves it alone
+                piece.grad = None
         ps.optimizer.step()
         for piece in ps.pieces:
             piece.grad = None
