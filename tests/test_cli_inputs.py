@@ -127,6 +127,8 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt-no-head.safetensors"'],
      "model.init_from"),  # a missing tensor, named before any rank starts
     (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt"'], "model.init_from"),  # no safetensors
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set",
+      'model.init_from="{assets}/llama-no-norm.safetensors"'], "model.init_from"),  # one line, transformers' too
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/missing.json"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/not_json.jsonl"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{assets}/bpe300.json"'], "data.tokenizer"),  # > vocab
@@ -202,7 +204,8 @@ def assets(tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from tessel.config import ModelConfig
+    from tessel.config import ModelConfig, to_toml
+    from tessel.models.build import build_model
     from tessel.models.gpt import GPT
     from tessel.train.tokenizer import train_bpe
     from tests.helpers import TINY, build_trainer, tiny_config
@@ -223,6 +226,9 @@ def assets(tmp_path_factory):
     (root / "llama256.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
                                                     "intermediate_size": 64, "num_hidden_layers": 2,
                                                     "num_attention_heads": 4, "max_position_embeddings": 32}))
+    (root / "llama.toml").write_text(to_toml(tiny_config(f'model.hf_config="{root / "llama256.json"}"')))
+    llama = build_model(ModelConfig(hf_config=str(root / "llama256.json"))).state_dict()
+    save_file({k: v for k, v in llama.items() if k != "model.norm.weight"}, str(root / "llama-no-norm.safetensors"))
     return root
 
 

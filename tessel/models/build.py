@@ -15,7 +15,7 @@ from tessel.config import ModelConfig
 from tessel.errors import ConfigError
 from tessel.models.gpt import GPT
 from tessel.models.hf.build import build_hf
-from tessel.models.hf.convert import hf_naming
+from tessel.models.hf.convert import converted_by_transformers, hf_naming
 from tessel.models.weights import Naming, WeightsError, check_against, load_weights
 
 
@@ -24,8 +24,34 @@ def build_model(m: ModelConfig) -> nn.Module:
     names and shapes) reads no weights."""
     model = GPT(m) if m.hf_config is None else build_hf(m.hf_config)
     if m.init_from is not None and not next(model.parameters()).is_meta:
-        load_weights(model, m.init_from, naming(model, m))
+        load_init_from(model, m)
     return model
+
+
+def load_init_from(model: nn.Module, m: ModelConfig) -> None:
+    """model.init_from's weights into `model`: read under the model's own names, or, for a Hugging Face
+    model whose files use names transformers converts on load (Mixtral's per-expert tensors as
+    save_pretrained writes them), through transformers' from_pretrained."""
+    try:
+        load_weights(model, m.init_from, naming(model, m))
+    except WeightsError as direct:
+        if m.hf_config is None:
+            raise
+        load_weights_state(model, _converted(m, direct))
+
+
+def _converted(m: ModelConfig, direct: WeightsError) -> dict[str, torch.Tensor]:
+    try:
+        return converted_by_transformers(m.hf_config, m.init_from)
+    except WeightsError as err:  # neither way fits: name the model's own mismatches, and transformers'
+        raise WeightsError(f"{direct}; nor through transformers' conversions: {err}") from None
+
+
+def load_weights_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict of the model's own class (same names, same shapes) into it."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            t.copy_(state[name])
 
 
 def naming(model: nn.Module, m: ModelConfig) -> Naming:
@@ -42,5 +68,10 @@ def check_init_from(m: ModelConfig) -> None:
         model = build_model(m)
     try:
         check_against(model, m.init_from, naming(model, m))
-    except WeightsError as err:
-        raise ConfigError("model.init_from", f"{m.init_from}: {err}") from None
+    except WeightsError as direct:
+        try:
+            if m.hf_config is None:
+                raise direct
+            _converted(m, direct)  # reads the weights once on the CPU: only files that need converting
+        except WeightsError as err:
+            raise ConfigError("model.init_from", f"{m.init_from}: {err}") from None

@@ -108,3 +108,22 @@ def test_write_weights_shards_and_reads_back(tmp_path):
     assert len(files) == 3 and json.loads((tmp_path / INDEX).read_text())["weight_map"]["t4"] == files[2].name
     back = read_weights(tmp_path)
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_mixtral_as_save_pretrained_writes_it_loads_through_transformers(tmp_path):
+    """transformers 5 fuses Mixtral's experts in memory but saves them per expert (w1/w2/w3, the hub's
+    layout): such files load through its own conversions, exactly; a broken one is still named."""
+    source, config = hf_model(tmp_path, MIXTRAL, seed=0)
+    source.save_pretrained(tmp_path / "w")
+    assert any(".experts.0.w1." in k for k in stored_shapes(tmp_path / "w"))  # not the model's own names
+    check_init_from(ModelConfig(hf_config=str(config), init_from=str(tmp_path / "w")))
+    loaded, _ = hf_model(tmp_path, MIXTRAL, seed=1, init_from=tmp_path / "w")
+    assert same_state(source, loaded)
+    state = read_weights(tmp_path / "w")
+    del state["model.layers.1.block_sparse_moe.gate.weight"]
+    save_file(state, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(ConfigError, match="nor through transformers' conversions: missing model.layers.1.mlp.gate"):
+        check_init_from(ModelConfig(hf_config=str(config), init_from=str(tmp_path / "broken.safetensors")))

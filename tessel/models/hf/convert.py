@@ -1,5 +1,9 @@
 """tessel's reference GPT as a Hugging Face `LlamaForCausalLM`, and the names transformers' files may use.
 
+(The names: hf_naming says what from_pretrained also accepts besides the model's own, and
+converted_by_transformers hands files that need transformers' own conversions, such as Mixtral's
+per-expert tensors, to its from_pretrained.)
+
 The reference GPT (tessel.models.gpt) is a Llama in all but names and one
 convention: RMSNorm, rotary attention with grouped KV heads, a SwiGLU MLP, no
 biases. What differs:
@@ -23,11 +27,17 @@ drops tokens past capacity; Mixtral's does not) and is refused.
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
 from tessel.config import ModelConfig
-from tessel.models.weights import Naming
+from tessel.hf_shape import config_file
+from tessel.models.weights import INDEX, Naming, WeightsError, stored_shapes, weight_files
 
 LLAMA_NAMES = {  # the GPT's per-layer names -> Llama's
     "attn_norm.weight": "input_layernorm.weight",
@@ -82,6 +92,35 @@ def gpt_to_llama(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, to
                 t = rotate_half_rows(t, hd)
             out[f"model.layers.{i}.{theirs}"] = t
     return out
+
+
+def converted_by_transformers(hf_config: str, weights: str) -> dict[str, torch.Tensor]:
+    """The model's own state from weights saved under names transformers converts while loading (Mixtral's
+    per-expert w1/w2/w3 that v5 fuses into stacked experts, renamed keys of older checkpoints): its
+    from_pretrained reads a scratch folder of the config and links to the files, on the CPU.
+    WeightsError naming what it found missing, unexpected or misshapen."""
+    from transformers import AutoModelForCausalLM  # deferred: transformers loads in seconds
+    from transformers.utils import logging  # deferred: as above
+    logging.set_verbosity_error()  # its load report and progress bars: the error below says what matters
+    logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="tessel-weights-") as scratch:
+        folder = Path(scratch)
+        shutil.copyfile(config_file(hf_config), folder / "config.json")
+        weight_map = {}
+        for i, f in enumerate(weight_files(weights)):  # an index of our own: any file names, sharded or not
+            link = folder / f"part-{i:05d}.safetensors"
+            link.symlink_to(f.absolute())
+            weight_map.update(dict.fromkeys(stored_shapes(f), link.name))
+        (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        except (OSError, ValueError, RuntimeError, KeyError) as err:
+            raise WeightsError(f"transformers could not read them ({type(err).__name__}: {err})") from None
+    problems = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys",
+                                                                  "mismatched_keys")}
+    if any(problems.values()):
+        raise WeightsError("; ".join(f"{k.replace('_keys', '')} {', '.join(v[:4])}" for k, v in problems.items() if v))
+    return model.state_dict()
 
 
 def hf_naming(model: nn.Module) -> Naming:
