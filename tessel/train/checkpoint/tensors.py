@@ -47,7 +47,8 @@ class LocalTensors:
 
     def save_tensors(self, view: LogicalView) -> tuple[dict[str, torch.Tensor], dict]:
         named = model_tensors(self.runner)
-        state = {f"model/{k}": view.to_logical(v, v, k) for k, v in named.items()}
+        owned = self.optimizer.model_names()  # its storage may be sharded (ZeRO-3): it hands those over itself
+        state = {f"model/{k}": view.to_logical(v, v, k) for k, v in named.items() if k not in owned}
         # the optimizer's, shaped like their parameters: sharded like them
         state.update({k: as_logical(view, named, k, t) for k, t in self.optimizer.tensors(named).items()})
         state[f"rng/{_rank()}/cpu"] = torch.get_rng_state()
