@@ -108,23 +108,26 @@ def test_reference_gpt_dp2_tp2_pp2_checkpoint_exports_as_llama(tmp_path):
     assert_close(exported_loss(tmp_path / "hf"), torch.tensor(sharded), **SHARDED_LOSS)
 
 
-# the widest layout a Hugging Face Llama checkpoints under today: dp2 x tp2 with ZeRO-1 (pipeline
-# parallelism for Hugging Face models is another engineer's work in progress); a vocabulary of 250
-# is padded to 252 over tp: the checkpoint holds the 250 logical rows
-HF_LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"]
+# the widest layouts a Hugging Face Llama checkpoints under today: dp2 x tp2 with ZeRO-1, and dp4 with
+# ZeRO-3's flat shards (pipeline parallelism for Hugging Face models is another engineer's work in
+# progress); a vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250 logical rows
+HF_LAYOUTS = {"dp2tp2zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
+              "dp4zero3": ["parallel.dp=4", "parallel.zero_stage=3"]}
 
 
-def test_hf_llama_sharded_checkpoint_exports_under_its_own_names(tmp_path):
+def test_hf_llama_sharded_checkpoints_export_under_their_own_names(tmp_path):
     hf = f'model.hf_config="{config_file(tmp_path, {**LLAMA, "vocab_size": 250})}"'
-    sharded = spawn(_train, 4, str(tmp_path), {"llama": [hf, *HF_LAYOUT]}, 250, timeout=300)[0]["llama"]
-    checkpoint = tmp_path / "llama" / "step_00000002"
+    runs = {name: [hf, *layout] for name, layout in HF_LAYOUTS.items()}
+    sharded = spawn(_train, 4, str(tmp_path), runs, 250, timeout=300)[0]
     (tmp_path / "llama.json").unlink()  # the recipe's config is gone: the checkpoint carries its own copy
-    export(checkpoint, tmp_path / "hf", "--shard-mb", "0.05")  # several safetensors files and an index
-    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
     x = batch(250)
-    cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
-    assert_close(hf_logits(tmp_path / "hf", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
-    assert_close(exported_loss(tmp_path / "hf", 250), torch.tensor(sharded), **SHARDED_LOSS)
+    for name in HF_LAYOUTS:
+        checkpoint = tmp_path / name / "step_00000002"
+        export(checkpoint, tmp_path / f"hf-{name}", "--shard-mb", "0.05")  # several files and an index
+        assert len(list((tmp_path / f"hf-{name}").glob("*.safetensors"))) > 1
+        cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
+        assert_close(hf_logits(tmp_path / f"hf-{name}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
+        assert_close(exported_loss(tmp_path / f"hf-{name}", 250), torch.tensor(sharded[name]), **SHARDED_LOSS)
 
 
 # ---- one process: every conversion, and the round trip -----------------------------------------
