@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessel.mesh import make_mesh
-from tessel.parallel.zero.flat import find_units
+from tessel.parallel.zero.flat import find_units, size_based_units
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.spawn import spawn
 from tests.parallel.zero.modules import Branchy, TinyResNet, image_batch, vector_batch
@@ -242,3 +242,32 @@ def test_find_units_in_any_module():
     stack = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     assert [id(u) for u in find_units(stack)] == [id(stack[0]), id(stack[2])]
     assert find_units(nn.Linear(2, 2)) == []
+
+
+def test_size_based_units_claim_bottom_up():
+    """A BasicBlock of the first stage holds 1184 parameters, each convolution of the second
+    stage 1152 or 2304: at 1100 the first stage's blocks become units whole, the second stage's
+    convolutions alone, and what is left (norms, downsample, stem, head) stays in the root."""
+    net = TinyResNet()
+    names = {id(m): n for n, m in net.named_modules()}
+    assert [names[id(u)] for u in size_based_units(net, 1100)] == [
+        "layer1.0", "layer1.1", "layer2.0.conv1", "layer2.0.conv2", "layer2.1.conv1", "layer2.1.conv2"]
+    assert size_based_units(net, sum(p.numel() for p in net.parameters()) + 1) == []
+
+
+@pytest.mark.parametrize("stage,mixed", [(1, True), (2, False), (3, False), (3, True)])
+def test_load_state_dict_reaches_the_fp32_masters(stage, mixed):
+    """load_state_dict writes the loaded values into the optimizer's fp32 masters exactly (under
+    bf16 storage the module's copy is their rounding), so the next step starts from them."""
+    torch.manual_seed(0)
+    net, source = Branchy(), Branchy()
+    dtypes = {"param_dtype": BF16, "reduce_dtype": torch.float32} if mixed else {}
+    model, opt = zero_parallel(net, make_mesh({"dp": 1}), stage, groups_of(net), **HYPER, **dtypes)
+    model.load_state_dict({f"module.{k}": v for k, v in source.state_dict().items()})
+    masters = {k.removeprefix("model/"): v for k, v in opt.checkpoint_tensors().items() if k.startswith("model/")}
+    for name, want in source.state_dict().items():
+        if name in masters:
+            assert torch.equal(masters[name], want), name
+    with model.gathered():
+        for name, got in net.state_dict().items():
+            assert torch.equal(got, source.state_dict()[name].to(got.dtype)), name
