@@ -141,7 +141,9 @@ class ParallelConfig(Strict):
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
     pp_balance: Literal["layers", "params", "time"] = Field(
         "layers", description="without pp_layout: equal blocks, or balance parameters or measured time")
-    recompute: bool = False
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recomputation: none; full (every block keeps only its input); "
+                            "selective (the attention core, Korthikanti et al. 2022); true = full, false = none")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for data parallelism")
     dp_algorithm: Literal["native", "ring", "hierarchical"] = "native"
     dp_arch: Literal["allreduce", "ps"] = Field(
@@ -150,6 +152,14 @@ class ParallelConfig(Strict):
     ps_staleness: int = Field(0, ge=0, description="ssp: steps a worker may run ahead of the slowest")
     ps_servers: int = Field(1, ge=1, description="server ranks added after the dp worker ranks")
     rank_order: list[Axis] = Field(default_factory=lambda: list(AXES))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recompute_booleans(cls, data: Any) -> Any:
+        """recompute = true/false keep their meaning (full, none) next to the named modes."""
+        if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
+            data = {**data, "recompute": "full" if data["recompute"] else "none"}
+        return data
 
     @property
     def world_size(self) -> int:
@@ -305,8 +315,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
     _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
     if m.hf_config is not None:
+        _require(p.recompute != "selective", "parallel.recompute", "selective recomputes the reference GPT's "
+                 "attention core; a Hugging Face model takes 'full' or 'none'")
         _check_hf_tensor_parallel(cfg)
-        for axis in ("pp", "ep"):
+        _check_hf_pipeline(cfg)
+        for axis in ("ep",):
             _require(p.axis_sizes[axis] == 1, f"parallel.{axis}", "Hugging Face models train under dp, ZeRO and "
                      "recompute so far (tp, pp and ep for their families are being added)")
     if m.init_from is not None:
@@ -372,6 +385,25 @@ def _check_hf_tensor_parallel(cfg: Config) -> None:
     _require(family(cfg.model.hf_config) != "gpt2" or (c.every == 0 and c.resume is None), "checkpoint.every",
              "checkpoints of GPT-2 models under tp > 1 are not supported yet (their fused q|k|v projection is "
              "split per head); use tp = 1 or checkpoint.every = 0")
+
+
+def _check_hf_pipeline(cfg: Config) -> None:
+    """pp > 1 cuts the Hugging Face families tessel knows by their module names (embedding, decoder layers,
+    final norm, head: tessel.models.hf.families); the rules every pipeline obeys (n_layer against the
+    stages, pp_layout, micro-batches) are checked in check_layout."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    kind = read_config(cfg.model.hf_config)["model_type"]
+    _require(family(cfg.model.hf_config) is not None, "parallel.pp",
+             f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
+             f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
+             "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
+    # a stage after the first derives its positions and causal mask from the length of its inputs_embeds
+    _require(not p.sequence_parallel, "parallel.sequence_parallel", "is not supported for Hugging Face models "
+             "under pp > 1 (a later stage would read a sequence shard as the whole sequence)")
+    _require(p.pp_balance != "time", "parallel.pp_balance", "'time' times the reference GPT's blocks; a Hugging "
+             "Face model under pp > 1 is balanced by 'layers' or 'params'")
 
 
 def _check_ps(cfg: Config) -> None:

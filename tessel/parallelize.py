@@ -15,16 +15,17 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, decoder_layers
+from tessel.models.hf.families import FAMILIES, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
+from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
-from tessel.parallel.recompute import recompute_blocks
+from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.tensor.regions import refuse_own_loss
 from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
@@ -41,6 +42,7 @@ class Plan:
     optimizer: object | None = None  # a strategy that shards the optimizer (ZeRO) supplies it
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
     gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
+    parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -80,9 +82,12 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """pp > 1: the model becomes this rank's stage chunks (original parameter names kept)."""
+    """pp > 1: the model becomes this rank's stage chunks (original parameter names kept), cut by the
+    module names of its parts: the reference GPT's, or its Hugging Face family's."""
     if mesh.size("pp") > 1:
-        plan.model = pipeline_chunks(plan.model, mesh, cfg)
+        if cfg.model.hf_config is not None:
+            plan.parts = pipeline_parts(plan.model, FAMILIES.get(family(cfg.model.hf_config) or ""))
+        plan.model = pipeline_chunks(plan.model, mesh, cfg, plan.parts)
         plan.full_logits = None
         if cfg.model.n_experts:  # routing stats of the MoE blocks this rank holds
             local = moe_layers(plan.model)
@@ -91,11 +96,15 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    if cfg.parallel.recompute:
+    if cfg.parallel.recompute == "selective":  # the reference GPT only (tessel.config refuses it for HF models)
+        recompute_attention_cores(plan.model.modules())
+    elif cfg.parallel.recompute == "full":
         if cfg.model.hf_config is None:
             recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
         else:
-            recompute_blocks(decoder_layers(plan.model, FAMILIES.get(family(cfg.model.hf_config) or "")))
+            stages = plan.model if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
+            known = FAMILIES.get(family(cfg.model.hf_config) or "")
+            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, known)])
     return plan
 
 
@@ -127,7 +136,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
         return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
                                extra_metrics=plan.extra_metrics,
-                               param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay))
+                               param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
+                               parts=plan.parts)
     plan = apply_data_parallel(plan, mesh, cfg)
     chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,

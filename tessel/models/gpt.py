@@ -49,12 +49,17 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = self.core(q, k, v, cos, sin)  # (B, nh, T, hs)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor:
+        """Rotary, the kv heads shared, causal attention: what selective recompute runs again."""
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if k.size(1) != q.size(1):  # grouped-query attention: share each kv head
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class SwiGLU(nn.Module):

@@ -1,23 +1,36 @@
-"""Activation recomputation per block (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost").
+"""Activation recomputation: whole blocks (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+Cost"), or only their attention cores (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", selective recomputation).
 
-Each transformer block keeps only its input for backward and runs its forward
-again when backward reaches it (torch.utils.checkpoint, non-reentrant), trading
-about one extra forward for the block's internal activations.
+Full: each transformer block keeps only its input for backward and runs its
+forward again when backward reaches it (torch.utils.checkpoint, non-reentrant),
+trading about one extra forward for the block's internal activations.
 
-The block's own forward is replaced on the instance rather than wrapping the
-block in another module: a wrapper would add a level to every parameter name
+Selective: only the attention core (rotary, the shared kv heads, the attention
+itself: tessel.models.gpt.Attention.core) keeps just its inputs, q, k and v;
+the rotated copies, the attention's output and its softmax statistics are
+rebuilt in backward. Korthikanti et al. choose this region because it holds
+the activations that grow with the sequence (the T x T scores without a fused
+kernel) while costing few FLOPs to recompute.
+
+The forward (or core) is replaced on the instance rather than wrapping the
+module in another one: a wrapper would add a level to every parameter name
 (`layers.3.inner.attn...`), and checkpoints must keep the full model's names
 in every layout.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from tessel.models.gpt import Attention
+
 
 class _Recomputed:
-    """A block's forward that saves only its inputs and recomputes the rest in backward."""
+    """A forward that saves only its inputs and recomputes the rest in backward."""
 
     def __init__(self, forward):
         self.inner = forward
@@ -30,3 +43,10 @@ def recompute_blocks(blocks: nn.ModuleList | list[nn.Module]) -> None:
     for block in blocks:
         if not isinstance(block.forward, _Recomputed):
             block.forward = _Recomputed(block.forward)
+
+
+def recompute_attention_cores(modules: Iterable[nn.Module]) -> None:
+    """Selective recomputation: the attention core of every reference-GPT Attention in `modules`."""
+    for module in modules:
+        if isinstance(module, Attention) and not isinstance(module.core, _Recomputed):
+            module.core = _Recomputed(module.core)

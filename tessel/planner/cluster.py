@@ -1,18 +1,23 @@
 """What the planner knows about the hardware: a cluster spec, presets, and "this machine".
 
-Presets come from vendor spec sheets (dense, no sparsity). Latencies are not on
-spec sheets; the preset values are typical small-message collective latencies
-(a few microseconds inside an NVSwitch node, ~10 us across InfiniBand) and are
-labelled as such. "this" is measured by `probe_this` (tessel.calibrate.profile),
-which hands the planner the Cluster it built.
+A preset is a device model, every constant of it from a spec sheet, a vendor's
+published figure or first principles, cited beside it (PRESETS below); nothing
+is fitted to anyone's training throughput. `--set cluster.<field>=value`
+overrides any field (cluster.intra.bandwidth, cluster.peak_flops.bf16, ...).
+"this" is measured by `probe_this` (tessel.calibrate.profile), which hands the
+planner the Cluster it built; its compute is priced from a profile of the
+model instead of the device model.
 
 Bandwidths are per device and per direction: what one GPU can push into the
-fabric at once (an NVSwitch port, or its share of the node's NICs).
+fabric at once (its NVSwitch ports, or its share of the node's NICs); a link's
+`efficiency` is the fraction of that rate the collective library reaches.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
 
 from tessel.config import ConfigError
 
@@ -21,8 +26,14 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    bandwidth: float  # bytes/s per device, one direction
+    bandwidth: float  # bytes/s per device, one direction, as the spec sheet gives it
     latency: float  # seconds per message (the alpha of alpha-beta)
+    efficiency: float = 1.0  # fraction of `bandwidth` the collective library reaches on large messages
+
+    @property
+    def rate(self) -> float:
+        """Bytes/s a large transfer achieves."""
+        return self.bandwidth * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -34,9 +45,9 @@ class Cluster:
     memory: float  # bytes per device
     intra: Link
     inter: Link
-    mem_bandwidth: float  # bytes/s per device, prices the (memory-bound) optimizer step
-    # fraction of the peak that large matmuls reach; 1.0 for presets (nothing
-    # measured), measured on "this" machine
+    mem_bandwidth: float  # bytes/s per device (HBM): memory-bound ops and the optimizer step
+    # a flat fraction of the peak for every FLOP where no device model exists (tests, the fit
+    # check's placeholder); 1.0 for presets, whose GEMMs are priced by the model below
     efficiency: float = 1.0
     # memory every rank spends before it holds a tensor (CUDA context, or the
     # Python/torch/gloo runtime on CPU), measured on "this"
@@ -47,11 +58,24 @@ class Cluster:
     usable_memory: float = 0.9  # allocator fragmentation and workspace keep the rest
     source: str = "preset"
     # measured on "this": {"op/group size": [alpha s, beta s/byte]} (tessel.planner.traffic);
-    # empty for presets, whose collectives are priced by the alpha-beta formulas
+    # empty for presets, whose collectives are priced by tessel.planner.network
     collectives: dict = field(default_factory=dict)
     # measured on "this": {op: host memory a call adds beyond its buffers, per byte of them}
-    # (gloo copies; tessel.calibrate.profile.collective_workspace); empty for presets
+    # (gloo copies; tessel.calibrate.profile.collective_workspace). It belongs to the device it
+    # was measured on: Cluster.workspace() never hands it to a GPU device model.
     collective_workspace: dict = field(default_factory=dict)
+    # ---- the device model of a GPU (tessel.planner.compute); sms = 0: no model, flat efficiency
+    sms: int = 0  # streaming multiprocessors: the GEMM tiles run in waves of this many
+    gemm_efficiency: float = 1.0  # fraction of the peak a large GEMM's main loop sustains
+    gemm_tile_feed: float = 0.0  # MACs per operand element an SM needs to stay compute-bound (0: none)
+    gemm_k_overhead: float = 0.0  # a tile's prologue and epilogue, in K-steps of its main loop
+    hbm_efficiency: float = 1.0  # fraction of mem_bandwidth a streaming kernel reaches
+    attention_efficiency: tuple[float, float] = (1.0, 1.0)  # fused attention (fwd, bwd), of the peak
+    fused_attention: bool = True  # attention through a fused (flash) kernel, as SDPA runs it on GPUs
+    # ---- the network between nodes (tessel.planner.network)
+    rails: bool = False  # rail-optimised: each GPU's own NIC on its own rail switch
+    sharp: bool = False  # in-network all-reduce in the switches (NVIDIA SHARP)
+    pxn: bool = False  # NCCL's PXN: all-to-all through NVLink to the rail-aligned GPU, then one rail hop
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -61,6 +85,12 @@ class Cluster:
     def flops(self, precision: str) -> float:
         dtype = "bf16" if precision == "bf16" else "fp32"
         return self.peak_flops[dtype] * self.efficiency
+
+    def workspace(self) -> dict:
+        """The backend's measured host-copy workspace, only on the kind of device it was measured on:
+        gloo's copies on a CPU. A GPU preset (a device model) runs NCCL in buffers of its own and never
+        takes it, whatever a cached probe of this machine says."""
+        return {} if self.sms > 0 else self.collective_workspace
 
     def resized(self, world: int) -> "Cluster":
         """The same hardware with enough nodes for `world` devices."""
@@ -75,30 +105,93 @@ class Cluster:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["intra"], d["inter"] = asdict(self.intra), asdict(self.inter)
+        d["attention_efficiency"] = list(self.attention_efficiency)
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "Cluster":
         d = dict(d)
         d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
+        if "attention_efficiency" in d:
+            d["attention_efficiency"] = tuple(d["attention_efficiency"])
         return Cluster(**d)
 
 
+# ---- presets ------------------------------------------------------------------------------
+# Each constant's source is beside it. Where a source gives a range, the value taken and why is
+# said; none is fitted to a training run's throughput.
+
 def _a100(nodes: int) -> Cluster:
-    # NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32
-    # (156 with TF32, which PyTorch enables for matmuls on request only),
-    # 2,039 GB/s HBM2e, NVLink 600 GB/s total = 300 GB/s per direction via
-    # NVSwitch. DGX A100 networking: 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
-    return Cluster("a100", nodes, 8, {"bf16": 312e12, "fp32": 19.5e12}, 80 * 2**30,
-                   Link(300 * GB, 3e-6), Link(25 * GB, 10e-6), mem_bandwidth=2039 * GB)
+    return Cluster(
+        "a100", nodes, 8,
+        # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM, 2021): 312 TFLOP/s dense BF16 Tensor Core,
+        # 19.5 TFLOP/s FP32 (156 with TF32, which PyTorch uses for matmuls only on request)
+        peak_flops={"bf16": 312e12, "fp32": 19.5e12},
+        memory=80 * 2**30,  # datasheet: 80 GB HBM2e
+        # datasheet: NVLink 600 GB/s = 300 GB/s per direction through NVSwitch. NCCL's all-reduce
+        # reaches ~230 GB/s bus bandwidth on a DGX A100 (NVIDIA nccl-tests all_reduce_perf, 8 GPUs):
+        # 0.77 of the link. Latency per ring step: a few us inside an NVSwitch node (typical NCCL
+        # small-message step, not on a spec sheet).
+        intra=Link(300 * GB, 3e-6, efficiency=0.77),
+        # NVIDIA DGX A100 datasheet: 8 x single-port ConnectX-6 200 Gb/s HDR InfiniBand for the compute
+        # fabric = 25 GB/s per GPU per direction. First principles: 64b/66b coding is below the 200 Gb/s
+        # data rate already; RDMA headers on a 4 KiB MTU (~1.5%) and NCCL's protocol leave ~94%
+        # (nccl-tests report ~23-24 GB/s per HDR NIC). ~10 us per message across the fabric (typical).
+        inter=Link(25 * GB, 10e-6, efficiency=0.94),
+        mem_bandwidth=2039 * GB,  # datasheet: 2,039 GB/s HBM2e (80GB SXM)
+        # NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs
+        sms=108,
+        # FlashAttention-2 (Dao 2023), sec. 1: optimized GEMMs "reach up to 80-90% of the theoretical
+        # maximum device throughput" on A100. The lower end: in training every GPU of a node runs at
+        # its board power limit, which a single-GEMM benchmark does not reach.
+        gemm_efficiency=0.80,
+        # first principles from the whitepaper: an SM is compute-bound only if each operand element it
+        # loads from L2 feeds enough MACs: peak 312e12 FLOP/s over the L2's 5,120 bytes/clk x 1.41 GHz
+        # (whitepaper) = 43 MACs per bf16 element (2 FLOP per MAC and 2 bytes per element cancel). A
+        # tile m x n feeds m*n/(m+n) MACs per element: 128x128 64 (compute-bound), 64x64 32 (L2-bound).
+        gemm_tile_feed=312e12 / (5120 * 1.41e9),
+        # first principles: a tile's cp.async pipeline (3 stages of k=32, NVIDIA's Matrix
+        # Multiplication Background User's Guide and CUTLASS's Ampere kernels) is loaded before its
+        # first MMA: ~96 K-steps of latency per tile beyond its K
+        gemm_k_overhead=96,
+        # first principles: DRAM refresh, bank conflicts and read/write turnarounds keep streaming
+        # kernels ~10% below the interface rate (STREAM-class copy kernels reach 85-92% on HBM GPUs)
+        hbm_efficiency=0.90,
+        # FlashAttention-2 (Dao 2023), abstract and fig. 4-7: the forward reaches 50-73% of the A100's
+        # peak (the middle for causal head-dim-128 attention at 2k tokens), the backward less (~50%)
+        attention_efficiency=(0.60, 0.50),
+        # NVIDIA DGX SuperPOD (A100) reference architecture: a rail-optimised, non-blocking HDR fat
+        # tree, GPU i of every node on rail switch i, Quantum QM8790 switches with SHARPv2. SHARP is
+        # used by NCCL only through its SHARP plugin (opt-in: off here); PXN is NCCL's default since 2.12.
+        rails=True, sharp=False, pxn=True)
 
 
 def _h100(nodes: int) -> Cluster:
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32,
-    # 3.35 TB/s HBM3, NVLink 900 GB/s total = 450 GB/s per direction.
-    # DGX H100: 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
-    return Cluster("h100", nodes, 8, {"bf16": 989e12, "fp32": 67e12}, 80 * 2**30,
-                   Link(450 * GB, 3e-6), Link(50 * GB, 8e-6), mem_bandwidth=3350 * GB)
+    return Cluster(
+        "h100", nodes, 8,
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense BF16, 67 TFLOP/s FP32
+        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        memory=80 * 2**30,  # datasheet: 80 GB HBM3
+        # datasheet: NVLink 900 GB/s = 450 GB/s per direction. NCCL's ring all-reduce on a DGX H100
+        # reaches ~360 GB/s bus bandwidth (nccl-tests all_reduce_perf, 8 GPUs, without NVLink SHARP): 0.8
+        intra=Link(450 * GB, 3e-6, efficiency=0.80),
+        # NVIDIA DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s NDR InfiniBand = 50 GB/s per GPU; the same
+        # header and protocol overheads as HDR (above)
+        inter=Link(50 * GB, 8e-6, efficiency=0.94),
+        mem_bandwidth=3350 * GB,  # datasheet: 3.35 TB/s HBM3
+        sms=132,  # NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs in H100 SXM5
+        gemm_efficiency=0.80,  # as A100 (FlashAttention-2's 80-90% for optimized GEMMs, the lower end)
+        # Hopper multicasts operand tiles to the SMs of a thread-block cluster (TMA, whitepaper), and no
+        # L2 bytes/clk figure is published: the A100's feed requirement is kept
+        gemm_tile_feed=312e12 / (5120 * 1.41e9),
+        gemm_k_overhead=96,  # as A100: a tile's load pipeline before its first MMA
+        hbm_efficiency=0.90,  # as A100 (first principles, above)
+        # FlashAttention-3 (Shah et al. 2024), abstract: FlashAttention-2, which PyTorch's SDPA runs,
+        # "achieves only 35% utilization on the H100"; its backward less
+        attention_efficiency=(0.35, 0.30),
+        # NVIDIA DGX SuperPOD (H100) reference architecture: rail-optimised NDR fat tree, Quantum-2
+        # switches with SHARPv3 (opt-in through NCCL's plugin); PXN by default
+        rails=True, sharp=False, pxn=True)
 
 
 PRESETS = {"a100": _a100, "h100": _h100}
@@ -116,6 +209,68 @@ def get_cluster(name: str, world: int | None = None) -> Cluster:
         raise ConfigError("--cluster", f"unknown cluster '{name}'; choose one of {sorted(PRESETS) + ['this']}")
     base = PRESETS[key](1)
     return base.resized(world or base.devices_per_node)
+
+
+# ---- --set cluster.<field>=value ------------------------------------------------------------
+
+FIXED = ("name", "nodes", "devices_per_node", "source", "collectives", "collective_workspace", "extra")
+
+
+def cluster_fields() -> list[str]:
+    """Every key `--set cluster.<key>=value` accepts."""
+    out = []
+    for f in fields(Cluster):
+        if f.name in FIXED:
+            continue
+        if f.name in ("intra", "inter"):
+            out += [f"{f.name}.{g.name}" for g in fields(Link)]
+        elif f.name == "peak_flops":
+            out += ["peak_flops.bf16", "peak_flops.fp32"]
+        elif f.name == "attention_efficiency":
+            out += ["attention_efficiency.fwd", "attention_efficiency.bwd"]
+        else:
+            out.append(f.name)
+    return out
+
+
+def override(cluster: Cluster, key: str, raw: str) -> Cluster:
+    """The cluster with one field replaced: `key` as cluster_fields() names it, `raw` its text."""
+    if key not in cluster_fields():
+        raise ConfigError(f"cluster.{key}", f"unknown cluster field; one of {', '.join(cluster_fields())}")
+    head, _, sub = key.partition(".")
+    current = getattr(cluster, head)
+    if isinstance(current, Link):
+        return replace(cluster, **{head: replace(current, **{sub: _number(key, raw)})})
+    if head == "peak_flops":
+        return replace(cluster, peak_flops={**current, sub: _number(key, raw)})
+    if head == "attention_efficiency":
+        fwd, bwd = current
+        value = _number(key, raw)
+        return replace(cluster, attention_efficiency=(value, bwd) if sub == "fwd" else (fwd, value))
+    if isinstance(current, bool):
+        return replace(cluster, **{head: _flag(key, raw)})
+    value = _number(key, raw)
+    return replace(cluster, **{head: int(value) if isinstance(current, int) else value})
+
+
+def _number(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"cluster.{key}", f"'{raw}' is not a number") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and key not in ("intra.latency", "inter.latency",
+                                                                          "gemm_k_overhead", "gemm_tile_feed",
+                                                                          "baseline_memory")):
+        raise ConfigError(f"cluster.{key}", f"'{raw}' is out of range (a positive number)")
+    return value
+
+
+def _flag(key: str, raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"cluster.{key}", f"'{raw}': expected true/false")
 
 
 # ---- placement --------------------------------------------------------------
@@ -149,3 +304,32 @@ def link_for(cluster: Cluster, sizes: dict[str, int], order: tuple[str, ...], ax
     """The link class a group over `axes` uses: inter-node if any member sits on another node."""
     strides = axis_strides(sizes, order)
     return cluster.inter if spans_nodes(sizes, strides, axes, cluster.devices_per_node) else cluster.intra
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a process group lies on the nodes: n members, k of them on each node it touches, on N nodes."""
+    n: int
+    k: int
+    nodes: int
+
+
+def group_geometry(sizes: dict[str, int], order: tuple[str, ...], axes: tuple[str, ...],
+                   devices_per_node: int) -> Geometry:
+    """The geometry of the group over `axes` that holds rank 0 (every group of an axis set is a
+    translate of it, so all share its shape when nodes hold whole blocks, as tessel.mesh lays them)."""
+    key = tuple(sorted(sizes.items())), tuple(order), tuple(axes), devices_per_node
+    return _geometry(*key)
+
+
+@lru_cache(maxsize=4096)
+def _geometry(sizes: tuple, order: tuple, axes: tuple, devices_per_node: int) -> Geometry:
+    sizes_d = dict(sizes)
+    strides = axis_strides(sizes_d, order)
+    members = [0]
+    for a in axes:
+        members = [m + c * strides[a] for m in members for c in range(sizes_d[a])]
+    per_node: dict[int, int] = {}
+    for m in members:
+        per_node[m // devices_per_node] = per_node.get(m // devices_per_node, 0) + 1
+    return Geometry(len(members), max(per_node.values()), len(per_node))

@@ -5,14 +5,24 @@ Sources of each formula are cited where they are used; the hand-checkable
 pieces (collective times, activation bytes, in-flight micro-batches, ZeRO
 shards) are small functions with unit tests in tests/planner/test_cost.py.
 
+Compute: on "this" machine, the profile's measured speed of the whole model
+(tessel.calibrate.profile); on a GPU preset, a roofline per op of every block
+(tessel.planner.compute); on a cluster without either, a flat fraction of the
+peak.
+
 Communication is priced call by call: tessel.planner.traffic lists the
 collectives tessel's layers, data-parallel wrappers and pipeline issue, and
 each call costs the probe's measured fit for its op and group size on "this"
-machine, or the ring alpha-beta formula below on a preset cluster.
+machine, or the network model (tessel.planner.network: NVLink rings, rails,
+SHARP, PXN) on a preset cluster.
+
+Links are shared: every collective and message also holds its device's NVLink
+or NIC for a while, and a step is never shorter than its busiest link's total
+(nor than its compute), however much of that traffic overlaps compute.
 
 Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
-lays them out; a group is priced on the intra-node link when it fits in a node
-and on the inter-node link otherwise (tessel.planner.cluster.link_for).
+lays them out; a group's geometry (members per node, nodes) says which links
+it uses (tessel.planner.cluster.group_geometry).
 """
 
 from __future__ import annotations
@@ -20,18 +30,23 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessel.axes import AXES
-from tessel.planner.cluster import Cluster, Link, link_for
+from tessel.planner.cluster import Cluster, Geometry, Link, group_geometry, link_for
+from tessel.planner.compute import Shape, block_seconds, edge_seconds
 from tessel.planner.layout import Layout
-from tessel.planner.memory import head_activation_bytes, layer_activation_bytes, recompute_layer_bytes, zero_shards
+from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, layer_activation_bytes,
+                                   recompute_layer_bytes, unfused_attention_bytes, zero_state_bytes)
 from tessel.planner.model_spec import ModelSpec
+from tessel.planner.network import NONE, Cost, collective
 from tessel.planner.traffic import (Call, bookkeeping_calls, dp_step_calls, ep_chunk_calls, merged, pp_calls,
                                     times, tp_chunk_calls, trainer_calls)
 
 ORDER = AXES  # tessel.mesh lays ranks out in this order by default
 ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
+CLIP_BYTES = 12  # per parameter of the gradient shard: the norm reads it, the clip scales it in place
+PUBLISH_BYTES = 6  # bf16 storage: each updated fp32 master written back as bf16 (read 4, write 2)
 
 
 # ---- alpha-beta collectives (Thakur et al. 2005; NCCL's bus-bandwidth factors) ----
@@ -40,14 +55,14 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce: 2(n-1) steps of nbytes/n each."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+    return 2 * (n - 1) / n * nbytes / link.rate + 2 * (n - 1) * link.latency
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather (or reduce-scatter) of an nbytes result: n-1 steps of nbytes/n."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+    return (n - 1) / n * nbytes / link.rate + (n - 1) * link.latency
 
 
 reduce_scatter_time = all_gather_time
@@ -57,11 +72,11 @@ def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     """Each rank keeps 1/n of its nbytes and sends the rest, one message per peer."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+    return (n - 1) / n * nbytes / link.rate + (n - 1) * link.latency
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
-    return link.latency + nbytes / link.bandwidth
+    return link.latency + nbytes / link.rate
 
 
 FORMULAS = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
@@ -74,9 +89,6 @@ def sent_bytes(calls: list[Call], n: int) -> float:
         return 0.0
     factor = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}
     return sum(c.count * c.nbytes * factor.get(c.op, (n - 1) / n) for c in calls)
-
-
-# ---- measured compute speed --------------------------------------------------
 
 @dataclass
 class Calibration:
@@ -150,6 +162,27 @@ def peak_chunks_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1
     return min(pp - stage, m)
 
 
+
+def pipeline_time(stage_busy: list[float], m: int, v: int, p2p: float) -> float:
+    """One flush of the pipeline: m micro-batches over stages busy `stage_busy[s]` each per micro-batch.
+
+    The busiest stage paces the steady state (m of its micro-batches); filling
+    and draining adds the other stages' work once, spread over the v chunks a
+    stage holds (Narayanan et al. 2021: interleaving shrinks the bubble v
+    times), and each of the p*v - 1 chunk boundaries delays the first forward
+    and the last backward by one message. Uniform stages give GPipe's and
+    1F1B's (m + p - 1) t and the interleaved (m + (p-1)/v) t; an uneven stage
+    (the head's) is charged for its own micro-batches, not v times per
+    micro-batch. tests/planner/test_pipeline_pricing.py checks it against the
+    event simulator replaying the runtime's own schedules.
+    """
+    p = len(stage_busy)
+    if p == 1:
+        return m * stage_busy[0]
+    top = max(stage_busy)
+    return m * top + (sum(stage_busy) - top) / v + 2 * (p * v - 1) * p2p
+
+
 @dataclass
 class Estimate:
     layout: Layout
@@ -167,17 +200,24 @@ class Estimate:
     dp_comm_s: float = 0.0
     stage_memory: dict[int, dict[str, float]] = field(default_factory=dict)  # stages 0 and pp-1 (all if v>1)
     placement: dict[str, str] = field(default_factory=dict)  # axis -> "intra" / "inter" node link
+    hardware_flops_per_device: float = 0.0  # ... with the recomputed forwards counted (what the GPU runs)
+    links: dict[str, float] = field(default_factory=dict)  # seconds each link of a device is busy per step
+    path_s: float = 0.0  # the critical path alone (compute, exposed communication, bubble, optimizer)
 
     @property
     def memory_total(self) -> float:
         return self.memory["total"]
+
+    def days_to_train(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 86400
 
     def to_json(self) -> dict:
         mib = {k: v / 2**20 for k, v in self.memory.items()}
         return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
                 "model_flops_per_device": self.model_flops_per_device, "mfu": self.mfu,
-                "memory_mib": mib, "time_s": self.time, "comm_bytes": self.comm_bytes,
+                "hardware_flops_per_device": self.hardware_flops_per_device,
+                "memory_mib": mib, "time_s": self.time, "comm_bytes": self.comm_bytes, "link_busy_s": self.links,
                 "bubble": self.bubble, "fits": self.fits, "placement": self.placement}
 
 
@@ -185,10 +225,11 @@ class CostModel:
     """Prices layouts of one model on one cluster at one global batch."""
 
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str = "bf16",
-                 calibration: Calibration | None = None, bucket_mb: float = 25.0):
+                 calibration: Calibration | None = None, bucket_mb: float = 25.0, reduce_dtype: str | None = None):
         self.spec, self.cluster, self.precision = spec, cluster, precision
         self.cal = calibration or Calibration()
         self.bucket_bytes = bucket_mb * 2**20
+        self.reduce_dtype = reduce_dtype  # parallel.zero_reduce_dtype; None: the layout's param_dtype
         L = spec.cfg.n_layer
         # tessel's experts compute only the rows they keep (tessel.models.moe.Experts), not a
         # buffer padded to the capacity; the profile converts its times with the same count
@@ -197,28 +238,80 @@ class CostModel:
         self.act_bytes = 2 if precision == "bf16" else 4
         self.moe_flags = [spec.is_moe(i) for i in range(L)]
         self.model_flops_tok = spec.model_flops_per_token()
+        # the per-op device model prices compute where nothing was measured and the cluster has one
+        self.roofline = cluster.sms > 0 and not (self.cal.flops_points or self.cal.tp_points)
         self._comm_memo: dict = {}
+        self._block_memo: dict = {}
 
     # -- compute ---------------------------------------------------------------
     def flops_per_s(self, tokens: int, tp: int = 1) -> float:
         """Whole-model FLOP/s one rank achieves on micro-batches of `tokens` under `tp`."""
         return self.cal.achieved(tokens, self.cluster.flops(self.precision) * tp, tp)
 
-    def _chunk_compute(self, layers: list[int], last: bool, lay: Layout, tokens: int) -> tuple[float, float, float]:
+    def attention_core_flops(self, tokens: int) -> float:
+        """Forward FLOPs of one block's attention core for `tokens` (scores and weighted sum, the whole
+        square as tessel counts them): what selective recompute runs again."""
+        return 4 * self.spec.seq_len * self.spec.cfg.n_head * self.spec.head_dim * tokens
+
+    def _chunk_compute(self, layers: list[int], last: bool, lay: Layout, tokens: int,
+                       first: bool = False) -> tuple[float, float, float]:
         """(forward, backward, recompute) seconds of one chunk for one micro-batch on one tp rank."""
+        if self.roofline:
+            return self._chunk_roofline(layers, first, last, lay, tokens)
         fwd_flops = sum(self.layer_flops[i] for i in layers) * tokens
         head = self.spec.head_fwd_flops_per_token * tokens if last else 0.0
         # measured on the tp-sharded shapes where profiled (small matrices run less efficiently)
         speed = self.flops_per_s(tokens, lay.tp)
         f, h = fwd_flops / speed, head / speed
-        return f + h, 2 * (f + h), f if lay.recompute else 0.0
+        rc = {"none": 0.0, "full": f, "selective": len(layers) * self.attention_core_flops(tokens) / speed}
+        return f + h, 2 * (f + h), rc[lay.recompute]
+
+    def _chunk_roofline(self, layers: list[int], first: bool, last: bool, lay: Layout,
+                        tokens: int) -> tuple[float, float, float]:
+        f = b = core = 0.0
+        for i in layers:
+            bf, bb, bc = self._block(self._shape(lay, tokens, self.moe_flags[i]))
+            f, b, core = f + bf, b + bb, core + bc
+        rc = {"none": 0.0, "full": f, "selective": core}[lay.recompute]
+        if first or last:
+            vocab = math.ceil(self.spec.cfg.vocab_size / lay.tp)
+            ef, eb = edge_seconds(self._shape(lay, tokens, False), vocab, self.cluster, self._dtype(), first, last)
+            f, b = f + ef, b + eb
+        return f, b, rc
+
+    def _dtype(self) -> str:
+        return "bf16" if self.precision == "bf16" else "fp32"
+
+    def _block(self, shape: Shape) -> tuple[float, float, float]:
+        if shape not in self._block_memo:  # thousands of layouts share a few block shapes
+            self._block_memo[shape] = block_seconds(shape, self.cluster, self._dtype())
+        return self._block_memo[shape]
+
+    def _shape(self, lay: Layout, tokens: int, moe: bool) -> Shape:
+        spec, c = self.spec, self.spec.cfg
+        bf16_storage = self._param_bytes(lay) == 2
+        act = self.act_bytes
+        local_experts = c.n_experts // lay.ep if moe else 0
+        return Shape(tokens=tokens, seq=spec.seq_len, d_model=c.d_model, heads=c.n_head // lay.tp,
+                     kv_heads=max(1, c.kv_heads // lay.tp), head_dim=spec.head_dim,
+                     ffn=c.ffn_dim if moe else c.ffn_dim // lay.tp, mlp_matrices=spec.arch.mlp_matrices,
+                     sp_tokens=tokens // lay.tp if lay.sp else tokens, act=act,
+                     resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
+                     cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
+                     experts=local_experts,
+                     expert_rows=max(1, round(tokens * lay.ep * c.moe_top_k / c.n_experts)) if moe else 0,
+                     router=c.n_experts if moe else 0)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
         sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
-        return {name: link_for(self.cluster, sizes, ORDER, axes)
-                for name, axes in (("tp", ("tp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("dp", ("dp", "ep")),
-                                   ("dp_expert", ("dp",)))}
+        return {name: link_for(self.cluster, sizes, ORDER, axes) for name, axes in GROUP_AXES.items()}
+
+    def groups(self, lay: Layout) -> dict[str, Geometry]:
+        """How each of the layout's groups lies on the nodes (tp innermost)."""
+        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        return {name: group_geometry(sizes, ORDER, axes, self.cluster.devices_per_node)
+                for name, axes in GROUP_AXES.items()}
 
     def coll(self, op: str, nbytes: float, n: int, link: Link) -> float:
         """Seconds of one collective: the probe's fit for (op, n) on this machine's one node,
@@ -233,35 +326,58 @@ class CostModel:
     def price(self, calls: list[Call], n: int, link: Link) -> float:
         return sum(c.count * self.coll(c.op, c.nbytes, n, link) for c in calls)
 
+    def cost(self, op: str, nbytes: float, geo: Geometry) -> Cost:
+        """One collective over a group shaped `geo`, with the links it holds: the probe's fit on this
+        machine's one node, the network model (tessel.planner.network) on a preset."""
+        if geo.n <= 1:
+            return NONE
+        fit = self.cluster.collectives.get(f"{op}/{2 if op == 'p2p' else geo.n}")
+        if fit and geo.nodes == 1:
+            return Cost(fit[0] + fit[1] * nbytes, fit[1] * nbytes, 0.0)
+        return collective(op, nbytes, geo, self.cluster)
+
+    def price_group(self, calls: list[Call], geo: Geometry) -> Cost:
+        total = NONE
+        for c in calls:
+            total = total + self.cost(c.op, c.nbytes, geo).times(c.count)
+        return total
+
     def _chunk_comm(self, layers: list[int], lay: Layout, tokens: int, links, first: bool,
                     last: bool) -> tuple[float, float, dict]:
         """(forward, backward) seconds of tp and ep collectives of one chunk for one micro-batch.
 
         The calls are those tessel's layers issue (tessel.planner.traffic);
-        recomputation repeats each block's forward collectives in backward.
+        full recomputation repeats each block's forward collectives in backward.
         """
+        fwd, bwd, sent, _ = self._chunk_comm_links(layers, lay, tokens, first, last)
+        return fwd, bwd, sent
+
+    def _chunk_comm_links(self, layers: list[int], lay: Layout, tokens: int, first: bool,
+                          last: bool) -> tuple[float, float, dict, Cost]:
+        """_chunk_comm and the links its collectives hold."""
         n_moe = sum(self.moe_flags[i] for i in layers)
-        key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute, tokens,
-               links["tp"], links["ep"])
+        key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute == "full", tokens,
+               lay.dp, lay.pp)
         if key not in self._comm_memo:  # thousands of layouts share a few chunk shapes
-            self._comm_memo[key] = self._chunk_comm_priced(*key[:9], links)
+            self._comm_memo[key] = self._chunk_comm_priced(*key[:9], self.groups(lay))
         return self._comm_memo[key]
 
     def _chunk_comm_priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, ep: int, sp: bool,
-                           recompute: bool, tokens: int, links) -> tuple[float, float, dict]:
-        lay = Layout(tp=tp, ep=ep, sp=sp, recompute=recompute)
+                           recompute: bool, tokens: int, groups) -> tuple[float, float, dict, Cost]:
         tp_f, tp_b, ep_f, ep_b = [], [], [], []
-        if lay.tp > 1:
-            tp_f, tp_b = self._tp_calls(n_dense, n_moe, tokens, lay.sp, lay.recompute, first, last)
-        if n_moe and lay.ep > 1:
-            ep_f, ep_b = self._ep_calls(n_moe, tokens, lay.recompute)
-        k = self._tp_in_step_factor(lay.tp, tokens, links["tp"])
-        fwd = k * self.price(tp_f, lay.tp, links["tp"]) + self.price(ep_f, lay.ep, links["ep"])
-        bwd = k * self.price(tp_b, lay.tp, links["tp"]) + self.price(ep_b, lay.ep, links["ep"])
-        sent = {"tp": sent_bytes(tp_f + tp_b, lay.tp), "ep": sent_bytes(ep_f + ep_b, lay.ep)}
-        return fwd, bwd, sent
+        if tp > 1:
+            tp_f, tp_b = self._tp_calls(n_dense, n_moe, tokens, sp, recompute, first, last)
+        if n_moe and ep > 1:
+            ep_f, ep_b = self._ep_calls(n_moe, tokens, recompute)
+        k = self._tp_in_step_factor(tp, tokens, groups["tp"])
+        tf, tb = self.price_group(tp_f, groups["tp"]), self.price_group(tp_b, groups["tp"])
+        ef, eb = self.price_group(ep_f, groups["ep"]), self.price_group(ep_b, groups["ep"])
+        fwd = k * tf.seconds + ef.seconds
+        bwd = k * tb.seconds + eb.seconds
+        sent = {"tp": sent_bytes(tp_f + tp_b, tp), "ep": sent_bytes(ep_f + ep_b, ep)}
+        return fwd, bwd, sent, tf + tb + ef + eb
 
-    def _tp_in_step_factor(self, tp: int, tokens: int, link: Link) -> float:
+    def _tp_in_step_factor(self, tp: int, tokens: int, geo: Geometry) -> float:
         """Measured in-step cost of tp collectives over their idle alpha-beta price (1 unprofiled).
 
         The probe times collectives that every rank enters at once; between matmuls the ranks
@@ -274,7 +390,7 @@ class CostModel:
             return 1.0
         n_moe = sum(self.moe_flags)  # the profiled model: every block, both edges, no SP or recompute
         f, b = self._tp_calls(self.spec.cfg.n_layer - n_moe, n_moe, tokens, False, False, True, True)
-        priced = self.price(f + b, tp, link)
+        priced = self.price_group(f + b, geo).seconds
         measured = max(0.0, _interpolate(points, tokens, priced))
         return measured / priced if priced > 0 else 1.0
 
@@ -295,6 +411,16 @@ class CostModel:
         return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
 
     # -- memory ----------------------------------------------------------------------
+    def _param_bytes(self, lay: Layout) -> int:
+        """Bytes of a stored parameter: bf16 where ZeRO stores them so (the runtime allows it with ZeRO
+        and without a pipeline, tessel.config), fp32 otherwise."""
+        return 2 if lay.param_dtype == "bf16" and lay.zero >= 1 and lay.pp == 1 else 4
+
+    def _reduce_bytes(self, lay: Layout) -> int:
+        if self._param_bytes(lay) == 4 and self.reduce_dtype in (None, "fp32"):
+            return 4
+        return 2 if (self.reduce_dtype or lay.param_dtype) == "bf16" and lay.zero >= 1 and lay.pp == 1 else 4
+
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
         """(dense, expert) parameters held by one device before ZeRO."""
         dense = expert = 0.0
@@ -309,23 +435,33 @@ class CostModel:
             dense += self.spec.head_params
         return dense / lay.tp, expert / (lay.tp * lay.ep)
 
+    def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
+        """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):
+        dense parameters sharded over dp x ep, experts over dp."""
+        pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
+        whole = lay.pp > 1  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
+        d = zero_state_bytes(dense, lay.zero, lay.dp * lay.ep, pb, rb, whole)
+        e = zero_state_bytes(expert, lay.zero, lay.dp, pb, rb, whole)
+        return {k: d[k] + e[k] for k in d}
+
     def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
         dense, expert = self._stage_params(chunks, lay, all_chunks)
-        zp, zg, zo = zero_shards(lay.zero, lay.dp * lay.ep)
-        ep_, eg, eo = zero_shards(lay.zero, lay.dp)
-        if lay.pp > 1:  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
-            zg = eg = 1
-        mem = {"params": 4 * (dense / zp + expert / ep_),
-               "grads": 4 * (dense / zg + expert / eg),
-               "optimizer": 8 * (dense / zo + expert / eo)}
+        mem = self.state_memory(dense, expert, lay)
         per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
                      for k in chunks for i in all_chunks[k]] or [0.0]
         one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
+        fused = self.cluster.fused_attention
+        if not fused:  # the T x T probabilities of every head
+            scores = unfused_attention_bytes(self.spec, tokens, lay.tp, self.precision)
+            one_layer, biggest = one_layer + scores, biggest + scores
         in_flight = peak_chunks_in_flight(lay.schedule, lay.pp, lay.m, stage, lay.v)
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
-        if lay.recompute:
+        core = attention_core_bytes(self.spec, tokens, lay.tp, self.precision, fused)
+        if lay.recompute == "full":
             kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp, lay.sp)
             kept += biggest  # one block rebuilt at a time
+        elif lay.recompute == "selective":
+            kept = in_flight * layers_per_chunk * (one_layer - core) + core  # one core rebuilt at a time
         else:
             kept = in_flight * layers_per_chunk * one_layer
         # backward of a block materialises gradients about as large as what it saved
@@ -333,31 +469,45 @@ class CostModel:
         if len(all_chunks) - 1 in chunks:
             workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
         mem["activations"] = kept + workspace
+        mem["weight_copies"] = self._weight_copies(lay, chunks, all_chunks, in_flight)
         transient = 0.0
+        pb = self._param_bytes(lay)
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
-            transient = 4 * (dense + expert)
+            transient = pb * (dense + expert)
         elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
-            transient = 2 * self._largest_block_bytes(lay.tp)
-        elif lay.zero == 2:
-            transient = self.bucket_bytes
+            transient = 2 * pb / 4 * self._largest_block_bytes(lay.tp)
+        elif lay.zero == 2:  # one bucket in flight, never more than the gradients it holds
+            transient = min(self.bucket_bytes, self._reduce_bytes(lay) * (dense + expert))
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
         mem["baseline"] = self.cluster.baseline_memory
         mem["total"] = sum(mem.values())
         return mem
+
+    def _weight_copies(self, lay: Layout, chunks: list[int], all_chunks, in_flight: int) -> float:
+        """bf16 copies of fp32 weights that autocast makes on each forward and autograd keeps until that
+        micro-batch's backward: every in-flight chunk-forward holds its own (the cast cache lives for one
+        autocast region). A fully recomputed block makes its copies inside the checkpoint: one block's."""
+        if self.act_bytes != 2 or self._param_bytes(lay) == 2:
+            return 0.0
+        matrices = [sum(self.layer_params[i]) / lay.tp for k in chunks for i in all_chunks[k]] or [0.0]
+        if lay.recompute == "full":
+            return 2 * max(matrices)
+        return 2 * in_flight * sum(matrices) / len(chunks)
 
     def _largest_block_bytes(self, tp: int) -> float:
         """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
         return 4 * max(sum(p) for p in self.layer_params) / tp
 
     def _collective_workspace(self, lay: Layout, param_bytes: float) -> float:
-        """Host memory the backend's data-parallel collectives add (gloo works on copies; 0 on presets).
+        """Host memory the backend's data-parallel collectives add (gloo works on copies; measured on this
+        CPU and applied to it only: Cluster.workspace() is empty for a GPU preset).
 
         ZeRO-1/2 publish every parameter with all-gathers issued at once; ZeRO-2
         reduce-scatters a bucket at a time, ZeRO-3 gathers a block at a time;
         plain DP all-reduces a bucket at a time. param_bytes: this device's
         fp32 parameters before sharding (one bucket at most holds them all).
         """
-        w = self.cluster.collective_workspace
+        w = self.cluster.workspace()
         if not w or lay.dp * lay.ep == 1:
             return 0.0
         bucket = min(self.bucket_bytes, param_bytes)
@@ -373,60 +523,80 @@ class CostModel:
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
         tokens = lay.mb * spec.seq_len
-        links = self.links(lay)
+        geo = self.groups(lay)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         last_chunk = len(all_chunks) - 1
         p2p_bytes = self._p2p_bytes(lay)
-        p2p = self.coll("p2p", p2p_bytes, 2, links["pp"]) if lay.pp > 1 else 0.0
+        p2p = self.cost("p2p", p2p_bytes, geo["pp"]) if lay.pp > 1 else NONE
         chunk_times, stage_busy, mems = [], [], {}
         comm_sent = {"tp": 0.0, "ep": 0.0}
         t_tp_ep = t_rc = 0.0
+        busy = NONE  # the links one device's collectives hold over the step (the busiest stage's)
         for s in range(lay.pp):
             chunks = [s + j * lay.pp for j in range(lay.v)]
-            row = []
+            row, held = [], NONE
             for k in chunks:
-                f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens)
-                cf, cb, sent = self._chunk_comm(all_chunks[k], lay, tokens, links, k == 0, k == last_chunk)
+                f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens, first=k == 0)
+                cf, cb, sent, links = self._chunk_comm_links(all_chunks[k], lay, tokens, k == 0, k == last_chunk)
                 row.append((f + cf, b + rc + cb))
+                held = held + links.times(lay.chunks)
                 if s == 0:
                     t_tp_ep += (cf + cb) * lay.chunks
                     t_rc += rc * lay.chunks
                     for key in comm_sent:
                         comm_sent[key] += sent[key] * lay.chunks
+            if lay.pp > 1:
+                held = held + p2p.times(sum(c.count for c in pp_calls(p2p_bytes, chunks, len(all_chunks),
+                                                                        lay.chunks)))
+            busy = max(busy, held, key=lambda x: max(x.nvlink_s, x.nic_s))
             chunk_times.append(row)
             stage_busy.append(sum(f + b for f, b in row))
             if s in (0, lay.pp - 1) or lay.v > 1:
                 mems[s] = self._memory(s, chunks, lay, all_chunks, tokens)
         memory = max(mems.values(), key=lambda mm: mm["total"])
-        # pipeline: the first micro-batch crosses every chunk, the slowest chunk paces the rest
-        chunk_max = max(f + b + 2 * p2p for row in chunk_times for f, b in row)
-        chunk_sum = sum(f + b + 2 * p2p for row in chunk_times for f, b in row) / lay.v
-        t_pipe = (lay.m * lay.v - 1) * chunk_max + chunk_sum if lay.pp > 1 else lay.m * chunk_max
-        busy = max(stage_busy) * lay.m
-        bubble = 1 - busy / t_pipe if t_pipe > 0 else 0.0
-        dp_exposed, dp_total, dp_bytes = self._dp_time(lay, links, chunk_times, memory)
-        opt = self._optimizer_time(memory)
-        book = self._bookkeeping_time(lay, links)
-        t_step = lay.ga * t_pipe + dp_exposed + opt + self.cal.step_overhead_s + book
+        t_pipe = pipeline_time(stage_busy, lay.m, lay.v, p2p.seconds)
+        compute_busy = max(stage_busy) * lay.m
+        bubble = 1 - compute_busy / t_pipe if t_pipe > 0 else 0.0
+        dp_exposed, dp_total, dp_bytes, dp_links = self._dp_time(lay, geo, chunk_times, memory)
+        opt = self._optimizer_time(memory, lay)
+        book, book_links = self._bookkeeping_time(lay, geo)
+        busy = busy + dp_links + book_links
+        fixed = opt + self.cal.step_overhead_s  # no communication overlaps these
+        path = lay.ga * t_pipe + dp_exposed + fixed + book
+        # links are shared: everything a device sends or receives queues on its NVLink and its NIC
+        link_bound = max(busy.nvlink_s, busy.nic_s) + fixed
+        t_step = max(path, link_bound)
         busy_compute = max(stage_busy) * lay.m * lay.ga
         global_tokens = lay.global_batch * spec.seq_len
         model_flops = self.model_flops_tok * global_tokens / t_step / lay.world
+        hw_flops = (self.model_flops_tok + self._recompute_flops_per_token(lay)) * global_tokens / t_step / lay.world
         peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
         time = {"compute": busy_compute - t_tp_ep - t_rc,
                 "recompute": t_rc, "tp+ep comm": t_tp_ep,
-                "pp comm": 2 * p2p * lay.chunks * lay.v if lay.pp > 1 else 0.0,
-                "bubble": lay.ga * (t_pipe - busy), "dp comm (exposed)": dp_exposed, "optimizer": opt,
-                "overhead": self.cal.step_overhead_s + book}
+                "pp comm": 2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga if lay.pp > 1 else 0.0,
+                "bubble": lay.ga * (t_pipe - compute_busy) - (2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga
+                                                             if lay.pp > 1 else 0.0),
+                "dp comm (exposed)": dp_exposed, "optimizer": opt,
+                "overhead": self.cal.step_overhead_s + book, "link-bound wait": t_step - path}
         comm_sent["pp"] = 2 * p2p_bytes * lay.chunks * lay.v if lay.pp > 1 else 0.0
         comm_sent["dp"] = dp_bytes
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
-                        comm_sent, bubble, fits, chunk_times, p2p, dp_total, mems,
-                        {a: ("intra" if links[a] is self.cluster.intra else "inter") for a in ("tp", "pp", "dp", "ep")
-                         if getattr(lay, a) > 1})
+                        comm_sent, bubble, fits, chunk_times, p2p.seconds, dp_total, mems,
+                        {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep")
+                         if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path)
 
-    def _dp_time(self, lay: Layout, links, chunk_times, memory) -> tuple[float, float, float]:
-        """(exposed seconds, total seconds, bytes sent) of gradient/parameter traffic over dp (x ep).
+    def _recompute_flops_per_token(self, lay: Layout) -> float:
+        """FLOPs per token the recomputed forwards add: every block's forward (full), or every attention
+        core's (selective). Counted by hardware FLOP/s, not by MFU."""
+        if lay.recompute == "full":
+            return sum(self.layer_flops)
+        if lay.recompute == "selective":
+            return self.spec.cfg.n_layer * self.attention_core_flops(1)
+        return 0.0
+
+    def _dp_time(self, lay: Layout, geo, chunk_times, memory) -> tuple[float, float, float, Cost]:
+        """(exposed seconds, total seconds, bytes sent, links held) of gradient/parameter traffic over dp (x ep).
 
         The calls are tessel.planner.traffic.dp_step_calls. Bucketed
         gradient reductions overlap the backward that fills the buckets (Li et
@@ -434,42 +604,50 @@ class CostModel:
         last bucket; ZeRO-3's weight gathers are prefetched under the micro-
         batch's compute (Rajbhandari et al. 2020); the all-gather of the
         updated shards after the optimizer step (stages 1, 2) is exposed.
+        What hides behind compute still holds the links: the step's link bound
+        (estimate) sees all of it.
         """
         n = lay.dp * lay.ep
         if n == 1:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, NONE
+        g = geo["dp"]
         sharded = lay.zero >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
-        grads_full = memory["grads"] * (n if sharded else 1)  # unsharded fp32 gradient bytes
-        link, ov = links["dp"], self.cluster.overlap
+        # unsharded fp32-equivalent gradient bytes (the call lists count fp32 buffers)
+        grads_full = 4 * (memory["grads"] / self._reduce_bytes(lay)) * (n if sharded else 1)
+        ov = self.cluster.overlap
         per_mb, per_step = self._dp_calls(lay, grads_full, [0], chunk_layers(self.spec.cfg.n_layer, lay.pp, 1))
         nb = max(1, sum(c.count for c in (per_mb or per_step) if c.op in ("all_reduce", "reduce_scatter")))
         bwd_stage = max(sum(b for _, b in row) for row in chunk_times)
-        reduce_step = self.price([c for c in per_step if c.op in ("all_reduce", "reduce_scatter")], n, link)
-        gather_step = self.price([c for c in per_step if c.op == "all_gather"], n, link)
-        rs = self.price([c for c in per_mb if c.op == "reduce_scatter"], n, link)
-        ag = self.price([c for c in per_mb if c.op == "all_gather"], n, link)
+        reduce_step = self.price_group([c for c in per_step if c.op in ("all_reduce", "reduce_scatter")], g)
+        gather_step = self.price_group([c for c in per_step if c.op == "all_gather"], g)
+        rs = self.price_group([c for c in per_mb if c.op == "reduce_scatter"], g)
+        ag = self.price_group([c for c in per_mb if c.op == "all_gather"], g)
         # one bucket's reduction at a time hides behind the rest of backward
-        exposed_step = reduce_step - ov * min(reduce_step * (1 - 1 / nb), bwd_stage) + gather_step
-        exposed_mb = rs - ov * min(rs * (1 - 1 / nb), bwd_stage)
-        if ag:
+        exposed_step = reduce_step.seconds - ov * min(reduce_step.seconds * (1 - 1 / nb), bwd_stage)
+        exposed_step += gather_step.seconds
+        exposed_mb = rs.seconds - ov * min(rs.seconds * (1 - 1 / nb), bwd_stage)
+        if ag.seconds:
             compute = min(sum(f + b for f, b in row) for row in chunk_times)  # one micro-batch on one stage
-            exposed_mb += max(ag * (1 - ov), ag - ov * compute)
-        total = (rs + ag) * lay.chunks + reduce_step + gather_step
+            exposed_mb += max(ag.seconds * (1 - ov), ag.seconds - ov * compute)
+        total = (rs.seconds + ag.seconds) * lay.chunks + reduce_step.seconds + gather_step.seconds
         sent = sent_bytes(per_mb, n) * lay.chunks + sent_bytes(per_step, n)
-        return exposed_mb * lay.chunks + exposed_step, total, sent
+        links = (rs + ag).times(lay.chunks) + reduce_step + gather_step
+        return exposed_mb * lay.chunks + exposed_step, total, sent, links
 
     def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         c = self.spec.cfg
         tied = 4 * c.vocab_size * c.d_model / lay.tp if c.tie_embeddings and lay.pp > 1 else 0.0
         return bookkeeping_calls(lay.tp, lay.pp, lay.dp * lay.ep, lay.zero, stage, tied)
 
-    def _bookkeeping_time(self, lay: Layout, links) -> float:
+    def _bookkeeping_time(self, lay: Layout, geo) -> tuple[float, Cost]:
         """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
         world-wide ones, tessel.planner.traffic.trainer_calls): the gradient norm's partial sums,
         the pipeline's loss message, its two metric all-reduces and its tied-embedding gradient."""
-        sizes = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp * lay.ep, "tied": 2}
-        link = {"tp": links["tp"], "pp": links["pp"], "dp": links["dp"], "tied": links["pp"]}
-        return sum(self.price(calls, sizes[group], link[group]) for group, calls in self._bookkeeping(lay).items())
+        groups = {"tp": geo["tp"], "pp": geo["pp"], "dp": geo["dp"], "tied": replace(geo["pp"], n=2)}
+        total = NONE
+        for group, calls in self._bookkeeping(lay).items():
+            total = total + self.price_group(calls, groups[group])
+        return total.seconds, total
 
     def step_calls(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         """Every collective and message one rank of pipeline stage `stage` issues in one optimizer
@@ -481,15 +659,16 @@ class CostModel:
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         mine = [stage + j * lay.pp for j in range(lay.v)]
         out: dict[str, list[Call]] = collections.defaultdict(list)
+        full = lay.recompute == "full"
         for k in mine:
             layers = all_chunks[k]
             n_moe = sum(self.moe_flags[i] for i in layers)
             if lay.tp > 1:
-                f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, lay.recompute, k == 0,
+                f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, full, k == 0,
                                       k == len(all_chunks) - 1)
                 out["tp"] += times(f + b, lay.chunks)
             if n_moe and lay.ep > 1:
-                f, b = self._ep_calls(n_moe, tokens, lay.recompute)
+                f, b = self._ep_calls(n_moe, tokens, full)
                 out["ep"] += times(f + b, lay.chunks)
         if lay.pp > 1:
             out["pp"] += pp_calls(self._p2p_bytes(lay), mine, len(all_chunks), lay.chunks)
@@ -505,14 +684,28 @@ class CostModel:
     def _dp_calls(self, lay: Layout, grad_bytes: float, chunks: list[int],
                   all_chunks: list[list[int]]) -> tuple[list[Call], list[Call]]:
         """(per micro-batch, per step) dp x ep calls of a rank holding `chunks`, `grad_bytes` of whole
-        fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest."""
+        fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest. Under
+        bf16 storage the gathers move bf16 parameters and the reductions the reduce dtype's gradients."""
         units = [4 * sum(self.layer_params[i]) / lay.tp for i in all_chunks[chunks[0]]]
         root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
-        return dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root, whole_step=lay.pp > 1)
+        per_mb, per_step = dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root,
+                                         whole_step=lay.pp > 1)
+        pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
+        if pb == 4 and rb == 4:
+            return per_mb, per_step
+        scale = {"all_gather": pb / 4, "all_reduce": rb / 4, "reduce_scatter": rb / 4}
+        return ([Call(x.op, x.nbytes * scale[x.op], x.count) for x in per_mb],
+                [Call(x.op, x.nbytes * scale[x.op], x.count) for x in per_step])
 
-    def _optimizer_time(self, memory) -> float:
-        n_params = memory["optimizer"] / 8  # the shard this device updates
+    def _optimizer_time(self, memory, lay: Layout) -> float:
+        n_params = memory["optimizer"] / (8 if self._param_bytes(lay) == 4 else 12)  # the shard this device updates
         if self.cal.opt_s_per_param is not None:
             return n_params * self.cal.opt_s_per_param
-        return n_params * ADAM_BYTES_TOUCHED / self.cluster.mem_bandwidth
+        per_param = ADAM_BYTES_TOUCHED
+        if self.roofline:  # the clip reads and scales the gradient shard; bf16 storage publishes the masters
+            per_param += CLIP_BYTES + (PUBLISH_BYTES if self._param_bytes(lay) == 2 else 0)
+            return n_params * per_param / (self.cluster.mem_bandwidth * self.cluster.hbm_efficiency)
+        return n_params * per_param / self.cluster.mem_bandwidth
 
+
+GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "ep": ("ep",), "dp": ("dp", "ep"), "dp_expert": ("dp",)}

@@ -14,9 +14,31 @@ from dataclasses import asdict, dataclass, replace
 from tessel.config import Config, ConfigError, build_config
 
 KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "zero": int, "mb": int, "m": int, "ga": int,
-        "schedule": str, "v": int, "sp": bool, "recompute": bool}
+        "schedule": str, "v": int, "sp": bool, "recompute": str, "param_dtype": str}
 ALIASES = {"zero_stage": "zero", "micro_batch": "mb", "micro_batches": "m", "grad_accum": "ga",
-           "virtual_stages": "v", "sequence_parallel": "sp", "rc": "recompute"}
+           "virtual_stages": "v", "sequence_parallel": "sp", "rc": "recompute", "zero_param_dtype": "param_dtype"}
+# what each key means, for `tessel plan --help` and the errors below
+KEY_HELP = {
+    "dp": "data-parallel degree", "tp": "tensor-parallel degree (inside a node)", "pp": "pipeline stages",
+    "ep": "expert-parallel degree (MoE)", "zero": "ZeRO stage 0-3 over dp x ep",
+    "mb": "sequences per micro-batch", "m": "micro-batches per pipeline flush",
+    "ga": "accumulation steps per optimizer step", "schedule": "gpipe | 1f1b | interleaved",
+    "v": "virtual stages per pipeline rank (interleaved)", "sp": "sequence parallelism (true/false)",
+    "recompute": "none | full | selective (true = full, false = none)",
+    "param_dtype": "fp32 | bf16: ZeRO's parameter storage (bf16 needs zero >= 1 and pp = 1)",
+}
+CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved"), "recompute": ("none", "full", "selective"),
+           "param_dtype": ("fp32", "bf16")}
+RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
+             "yes": "full", "no": "none", "on": "full", "off": "none"}
+
+
+def recompute_mode(value) -> str:
+    """'none' | 'full' | 'selective' from what a recipe or --layout says (booleans keep their old meaning)."""
+    mode = RECOMPUTE.get(value.lower() if isinstance(value, str) else value, value)
+    if mode not in CHOICES["recompute"]:
+        raise ConfigError("--layout", f"recompute={value}: expected one of none, full, selective (or true/false)")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -32,7 +54,11 @@ class Layout:
     schedule: str = "1f1b"
     v: int = 1  # virtual stages (interleaved)
     sp: bool = False
-    recompute: bool = False
+    recompute: str = "none"  # none | full (every block) | selective (the attention core, Korthikanti et al. 2022)
+    param_dtype: str = "fp32"  # ZeRO's parameter storage (parallel.zero_param_dtype): fp32 or bf16
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", recompute_mode(self.recompute))  # True/False: full/none
 
     @property
     def world(self) -> int:
@@ -60,8 +86,10 @@ class Layout:
             parts.append(f"zero{self.zero}")
         if self.sp:
             parts.append("sp")
-        if self.recompute:
-            parts.append("recompute")
+        if self.recompute != "none":
+            parts.append("recompute" if self.recompute == "full" else "selective")
+        if self.param_dtype != "fp32":
+            parts.append(self.param_dtype)
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -70,7 +98,7 @@ class Layout:
     def parallel_fields(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "zero_stage": self.zero,
                 "micro_batches": self.m, "sequence_parallel": self.sp, "schedule": self.schedule,
-                "virtual_stages": self.v, "recompute": self.recompute}
+                "virtual_stages": self.v, "recompute": self.recompute, "zero_param_dtype": self.param_dtype}
 
 
 def parse_layout(text: str, global_batch: int | None = None) -> Layout:
@@ -84,7 +112,12 @@ def parse_layout(text: str, global_batch: int | None = None) -> Layout:
         if key not in KEYS:
             raise ConfigError("--layout", f"unknown key '{key}' (keys: {', '.join(KEYS)})")
         fields[key] = _convert(key, raw)
-    layout = Layout(**fields)
+    return complete(Layout(**fields), fields, global_batch)
+
+
+def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
+    """Derive the micro-batching fields `given` leaves out from the global batch."""
+    fields = given
     if layout.pp > 1 and "m" not in fields and global_batch:
         per_shard = global_batch // layout.batch_shards
         layout = replace(layout, m=max(1, per_shard // (layout.mb * layout.ga)))
@@ -97,7 +130,29 @@ def parse_layout(text: str, global_batch: int | None = None) -> Layout:
     return layout
 
 
+def parse_fix(text: str) -> dict:
+    """'tp=8,recompute=selective' -> {"tp": 8, "recompute": "selective"}: layout fields pinned while the
+    search chooses the rest (`tessel plan --fix`)."""
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            raise ConfigError("--fix", f"'{item}' is not key=value (keys: {', '.join(KEYS)})")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        key = ALIASES.get(key, key)
+        if key not in KEYS:
+            raise ConfigError("--fix", f"unknown key '{key}' (keys: {', '.join(KEYS)})")
+        try:
+            out[key] = _convert(key, raw)
+        except ConfigError as err:
+            raise ConfigError("--fix", str(err).split(": ", 1)[-1]) from None
+    return out
+
+
 def _convert(key: str, raw: str):
+    if key == "recompute":
+        return recompute_mode(raw)
+    if key in CHOICES and raw not in CHOICES[key]:
+        raise ConfigError("--layout", f"{key}={raw}: expected one of {', '.join(CHOICES[key])}")
     kind = KEYS[key]
     if kind is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
@@ -140,4 +195,4 @@ def config_layout(cfg: Config) -> Layout:
     mb = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)  # exact: check_layout divides
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero_stage, mb=mb, m=p.micro_batches,
                   ga=t.grad_accum, schedule=p.schedule, v=p.virtual_stages, sp=p.sequence_parallel,
-                  recompute=p.recompute)
+                  recompute=p.recompute, param_dtype=p.zero_param_dtype)

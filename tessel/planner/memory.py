@@ -36,6 +36,27 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, prec
     return tokens * per_token
 
 
+def attention_core_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, fused: bool = True) -> float:
+    """What one block's attention core keeps for backward and selective recompute drops (Korthikanti et
+    al. 2022): of layer_activation_bytes' terms, the rotated q and k, the attention output and its
+    log-sum-exp (q, k and v before rotary stay: they are the recomputed region's inputs); without a
+    fused kernel also the T x T probabilities of every head (the 2 a s^2 b / t term of the paper's
+    5 a s^2 b / t, which without dropout is all of it that is saved)."""
+    c = spec.cfg
+    a = 2 if precision == "bf16" else 4
+    q, kv = c.n_head * spec.head_dim, c.kv_heads * spec.head_dim
+    per_token = (2 * q + kv) * a + c.n_head * 4
+    if not fused:
+        per_token += a * c.n_head * spec.seq_len
+    return tokens * per_token / tp
+
+
+def unfused_attention_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str) -> float:
+    """The T x T softmax probabilities an unfused attention keeps per block (a bytes per head and key)."""
+    a = 2 if precision == "bf16" else 4
+    return tokens * a * spec.cfg.n_head * spec.seq_len / tp
+
+
 def recompute_layer_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool) -> float:
     """Full-layer recomputation keeps only each block's fp32 input (split by tp under SP)."""
     return tokens * spec.cfg.d_model * 4 / (tp if sp else 1)
@@ -50,3 +71,32 @@ def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str)
 def zero_shards(stage: int, group: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) divisors under ZeRO stage 0-3 (Rajbhandari et al. 2020)."""
     return (group if stage >= 3 else 1, group if stage >= 2 else 1, group if stage >= 1 else 1)
+
+
+def zero_state_bytes(params: float, stage: int, group: int, param_bytes: int = 4, reduce_bytes: int = 4,
+                     whole_grads: bool = False) -> dict[str, float]:
+    """Bytes of `params` parameters' training state on one rank under ZeRO `stage` over `group` ranks.
+
+    Mixed precision as the ZeRO paper counts it (Rajbhandari et al. 2020, sec. 3.1): parameters and
+    gradients in the compute dtype (2 bytes each in bf16) and K = 12 bytes of optimizer state (fp32
+    master weights, Adam's momentum and variance); stage 1 divides the optimizer state over the
+    group, stage 2 the gradients too, stage 3 the parameters too: 2 + 2 + 12/N, 2 + 14/N, 16/N.
+    With fp32 storage (parallel.zero_param_dtype = "fp32", and always without ZeRO) the parameters
+    are their own masters: 4 + 4 + 8/N (Adam's two moments).
+
+    "fp32_grads" is what tessel keeps beyond the paper's gradient term: its optimizer reads an fp32
+    gradient of the owned shard (tessel.parallel.zero.gradients), a view of the reduced buffer when
+    that is fp32 and a copy otherwise. whole_grads: the gradients stay whole however the stage
+    divides them (a pipeline accumulates them over the step, then reduce-scatters).
+    """
+    zp, zg, zo = zero_shards(stage, group)
+    if whole_grads:
+        zg = 1
+    masters = 4 if param_bytes != 4 else 0
+    out = {"params": param_bytes * params / zp, "grads": reduce_bytes * params / zg,
+           "optimizer": (8 + masters) * params / zo, "fp32_grads": 0.0}
+    if stage >= 2 and not whole_grads:  # the reduced shard is kept in fp32 whatever was reduced
+        out["fp32_grads"] = (4 - reduce_bytes) * params / zo
+    elif stage >= 1 and reduce_bytes != 4:  # stage 1: an fp32 copy of the owned part of the reduced buffer
+        out["fp32_grads"] = 4 * params / zo
+    return out

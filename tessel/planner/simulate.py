@@ -185,7 +185,9 @@ class PipelineSim:
                 if id(t) in rates:
                     t.remaining -= rates[id(t)] * dt
             self.now = t_next
-            done = [t for t in self.transfers if id(t) in rates and t.remaining <= 1e-9 * t.total]
+            # done when (almost) nothing is left, or when what is left would not move the clock
+            done = [t for t in self.transfers if id(t) in rates and (
+                t.remaining <= 1e-9 * t.total or self.now + t.remaining / rates[id(t)] <= self.now)]
             for t in done:
                 self.transfers.remove(t)
                 self.events.append(Event(t.src, "comm", t.name, t.start, self.now))

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tessel.mesh import Mesh
+from tessel.models.parts import ModelParts
 from tessel.parallel.data.data_parallel import DataParallel, Reducer
-from tessel.parallel.pipeline.partition import ModelParts
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.zero.zero_parallel import ZeroDataParallel
 

@@ -8,7 +8,10 @@ own forward runs and skips what is absent (tessel.models.gpt.GPT.forward), so
 no stage re-implements it. Removed blocks leave the others under their index
 in the full model, so a stage's parameters are named exactly as in the whole
 model (`layers.3.attn.wq.weight`): a checkpoint written under one layout loads
-under another.
+under another. Where a model's forward does not skip what is absent (a Hugging
+Face causal LM), its ModelParts (tessel.models.parts) name what stands in for a
+removed module and the keyword a later stage takes its hidden states by; no
+forward is copied and nothing is traced.
 
 How many blocks each stage gets: a user layout (`parallel.pp_layout`), or a
 balance of per-block costs (parameter count or measured time) in which the
@@ -27,23 +30,7 @@ import torch
 import torch.nn as nn
 
 from tessel.models.gpt import GPT, cross_entropy
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """Where a model keeps what a pipeline cuts, by module name: data, as the TP plan is.
-
-    `before` runs ahead of the blocks (on the first stage), `after` behind them
-    (on the last); `blocks` is the list of blocks; `tied` names the input
-    embedding's and the output head's weight, one tensor when they are tied.
-    """
-    before: tuple[str, ...] = ("tok_emb",)
-    blocks: str = "layers"
-    after: tuple[str, ...] = ("norm", "lm_head")
-    tied: tuple[str, str] = ("tok_emb.weight", "lm_head.weight")
-
-
-GPT_PARTS = ModelParts()
+from tessel.models.parts import GPT_PARTS, ModelParts
 
 
 def removed_modules(parts: ModelParts, n_blocks: int, stage: tuple[int, int], first: bool, last: bool) -> list[str]:
@@ -53,15 +40,16 @@ def removed_modules(parts: ModelParts, n_blocks: int, stage: tuple[int, int], fi
     return names + ([] if last else list(parts.after))
 
 
-def without_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
+def without_modules(model: nn.Module, names: Sequence[str], parts: ModelParts = GPT_PARTS) -> nn.Module:
     """The model with the modules `names` removed; everything it keeps is the model's own object.
 
     Only the modules above a removed one (the root, the block list) are copied,
     so the model itself stays whole; deepcopy's memo maps every other module,
     parameter and buffer to itself. A removed entry of a container (ModuleList,
     ModuleDict, Sequential) is deleted: its siblings keep their names and the
-    container iterates over what is left. Any other removed module becomes
-    None, which the model's forward skips.
+    container iterates over what is left. Any other removed module becomes its
+    stand-in in `parts` (a pass-through, a zero), or None, which the model's
+    forward skips.
     """
     above = {""} | {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
     shared = {id(m): m for name, m in model.named_modules(remove_duplicate=False) if name not in above}
@@ -73,8 +61,30 @@ def without_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
         if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             delattr(parent, leaf)
         else:
-            setattr(parent, leaf, None)
+            setattr(parent, leaf, parts.stand_in(name))
     return stage
+
+
+class HiddenStatesAs:
+    """A stage's forward pre-hook: the hidden states it is called with go to the model by keyword
+    (a Hugging Face model takes them as `inputs_embeds`, in place of its token embedding)."""
+
+    def __init__(self, keyword: str):
+        self.keyword = keyword
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, *rest = args
+        return tuple(rest), {**kwargs, self.keyword: hidden}
+
+
+def check_placed(model: nn.Module, parts: ModelParts) -> None:
+    """ValueError naming the first module whose parameters no part of `parts` holds."""
+    unplaced = parts.unplaced(model)
+    if unplaced:
+        more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
+        raise ValueError(f"pipeline parallelism cannot place {unplaced[0]}{more}: it is in none of the parts a "
+                         f"stage is cut by (before the blocks {list(parts.before)}, the blocks '{parts.blocks}', "
+                         f"after them {list(parts.after)})")
 
 
 def balanced_layout(costs: Sequence[float], stages: int, head: float = 0.0, tail: float = 0.0) -> list[int]:
@@ -125,11 +135,14 @@ def uniform_layout(n_layer: int, stages: int) -> list[int]:
     return layout
 
 
-def param_costs(model: GPT) -> tuple[list[float], float, float]:
-    blocks = [float(sum(p.numel() for p in layer.parameters())) for layer in model.layers]
-    head = float(model.tok_emb.weight.numel())
-    tail = float(sum(p.numel() for p in model.norm.parameters()) + model.lm_head.weight.numel())
-    return blocks, head, tail
+def param_costs(model: nn.Module, parts: ModelParts = GPT_PARTS) -> tuple[list[float], float, float]:
+    """Parameters of each block, of the modules before the blocks and after them (a tied head counts
+    on the last stage too: it does its matmul there)."""
+    def numel(*names: str) -> float:
+        return float(sum(p.numel() for n in names for p in model.get_submodule(n).parameters()))
+
+    blocks = [numel(f"{parts.blocks}.{name}") for name, _ in model.get_submodule(parts.blocks).named_children()]
+    return blocks, numel(*parts.before), numel(*parts.after)
 
 
 @torch.enable_grad()
@@ -170,7 +183,13 @@ def stage_bounds(layout: Sequence[int]) -> list[tuple[int, int]]:
 def split_model(model: nn.Module, layout: Sequence[int], rank: int, p: int,
                 parts: ModelParts = GPT_PARTS) -> list[nn.Module]:
     """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ... (Narayanan et al. 2021)."""
+    check_placed(model, parts)
     bounds = stage_bounds(layout)
     last = len(layout) - 1
-    return [without_modules(model, removed_modules(parts, sum(layout), bounds[s], s == 0, s == last))
-            for s in range(rank, len(layout), p)]
+    chunks = []
+    for s in range(rank, len(layout), p):
+        chunk = without_modules(model, removed_modules(parts, sum(layout), bounds[s], s == 0, s == last), parts)
+        if s > 0 and parts.hidden_input is not None:
+            chunk.register_forward_pre_hook(HiddenStatesAs(parts.hidden_input), with_kwargs=True)
+        chunks.append(chunk)
+    return chunks

@@ -2,7 +2,8 @@
 
 tessel.parallelize calls `pipeline_chunks` (the PP split, after TP and EP) and
 then `pipeline_runner` (which wraps the chunks in dp or ZeRO and hands back a
-tessel.parallel.runner.Runner).
+tessel.parallel.runner.Runner). Both take the model's ModelParts: the reference
+GPT's, or a Hugging Face family's (tessel.models.hf.families).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import torch.nn as nn
 
 from tessel.config import Config
 from tessel.mesh import Mesh
-from tessel.models.gpt import GPT
+from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.pipeline.grad_sync import GradientSync, TiedEmbedding
-from tessel.parallel.pipeline.partition import (GPT_PARTS, balanced_layout, param_costs, split_model, time_costs,
-                                                uniform_layout)
+from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
 from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.pipeline.spec import PipelineSpec
@@ -27,8 +27,9 @@ from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.sharding import mark_replica
 
 
-def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
-    """Blocks per virtual stage: the user's layout, equal counts, or balanced costs."""
+def choose_layout(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts = GPT_PARTS) -> list[int]:
+    """Blocks per virtual stage: the user's layout, equal counts, or balanced costs (measured time: the
+    reference GPT only, tessel.config refuses it for Hugging Face models)."""
     p = cfg.parallel
     stages = p.pp * p.virtual_stages
     if p.pp_layout is not None:
@@ -36,7 +37,7 @@ def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
     if p.pp_balance == "layers":
         return uniform_layout(cfg.model.n_layer, stages)
     if p.pp_balance == "params":
-        blocks, head, tail = param_costs(model)
+        blocks, head, tail = param_costs(model, parts)
     else:
         micro = cfg.train.global_batch // (p.batch_shards * cfg.train.grad_accum * p.micro_batches)
         blocks, head, tail = time_costs(model, micro, cfg.train.seq_len, mesh.device)
@@ -48,15 +49,17 @@ def choose_layout(model: GPT, mesh: Mesh, cfg: Config) -> list[int]:
     return balanced_layout(blocks, stages, head, tail)
 
 
-def pipeline_chunks(model: GPT, mesh: Mesh, cfg: Config) -> nn.ModuleList:
+def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts = GPT_PARTS) -> nn.ModuleList:
     """This rank's model chunks (one per virtual stage it runs)."""
-    layout = choose_layout(model, mesh, cfg)
-    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp")))
+    layout = choose_layout(model, mesh, cfg, parts)
+    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp"), parts))
 
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
-                    extra_metrics=None, param_groups: list[dict] | None = None) -> PipelineRunner:
-    """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups)."""
+                    extra_metrics=None, param_groups: list[dict] | None = None,
+                    parts: ModelParts = GPT_PARTS) -> PipelineRunner:
+    """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups);
+    parts: where the tied embedding and head live."""
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     zero = optimizer = None
@@ -64,14 +67,14 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
         for c, chunk in enumerate(chunks):
             if placement.is_last(c):  # the first stage's copy is the one the norm counts
-                mark_replica(chunk.get_parameter(GPT_PARTS.tied[1]))
+                mark_replica(chunk.get_parameter(parts.tied[1]))
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (tessel.parallel.zero.pipeline)
         zero = pipeline_zero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
                                         axes=("dp", "ep"), bucket_mb=p.bucket_mb)
-    tied = TiedEmbedding(mesh, chunks, placement, GPT_PARTS) if cfg.model.tie_embeddings else None
+    tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, vocab_size=cfg.model.vocab_size,
