@@ -203,10 +203,29 @@ class Estimate:
     hardware_flops_per_device: float = 0.0  # ... with the recomputed forwards counted (what the GPU runs)
     links: dict[str, float] = field(default_factory=dict)  # seconds each link of a device is busy per step
     path_s: float = 0.0  # the critical path alone (compute, exposed communication, bubble, optimizer)
+    flush_s: float = 0.0  # one pipeline flush (m micro-batches through every stage)
+    link_bound_s: float = 0.0  # the busiest link's seconds plus what no communication overlaps
+    priced_by: str = "formula"  # how the flush was priced: "formula" (pipeline_time) or "simulator"
 
     @property
     def memory_total(self) -> float:
         return self.memory["total"]
+
+    def repriced(self, flush_s: float, by: str = "simulator") -> "Estimate":
+        """This estimate with one pipeline flush taking `flush_s` (the event simulator's replay of the
+        runtime's schedule, tessel.planner.search.simulate_top): the critical path moves by grad_accum
+        times the difference, the link bound stays, and every rate follows the new step."""
+        delta = self.layout.ga * (flush_s - self.flush_s)
+        path = self.path_s + delta
+        step = max(path, self.link_bound_s)
+        scale = self.step_s / step
+        busy = (1 - self.bubble) * self.flush_s  # the busiest stage's compute in one flush
+        time = {**self.time, "bubble": self.time["bubble"] + delta, "link-bound wait": step - path}
+        return replace(self, step_s=step, tokens_per_s=self.tokens_per_s * scale,
+                       model_flops_per_device=self.model_flops_per_device * scale, mfu=self.mfu * scale,
+                       hardware_flops_per_device=self.hardware_flops_per_device * scale, time=time,
+                       bubble=1 - busy / flush_s if flush_s > 0 else 0.0, path_s=path, flush_s=flush_s,
+                       priced_by=by)
 
     def days_to_train(self, tokens: float) -> float:
         return tokens / self.tokens_per_s / 86400
@@ -218,7 +237,7 @@ class Estimate:
                 "model_flops_per_device": self.model_flops_per_device, "mfu": self.mfu,
                 "hardware_flops_per_device": self.hardware_flops_per_device,
                 "memory_mib": mib, "time_s": self.time, "comm_bytes": self.comm_bytes, "link_busy_s": self.links,
-                "bubble": self.bubble, "fits": self.fits, "placement": self.placement}
+                "bubble": self.bubble, "fits": self.fits, "placement": self.placement, "priced_by": self.priced_by}
 
 
 class CostModel:
@@ -584,7 +603,8 @@ class CostModel:
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
                         comm_sent, bubble, fits, chunk_times, p2p.seconds, dp_total, mems,
                         {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep")
-                         if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path)
+                         if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path,
+                        t_pipe, link_bound)
 
     def _recompute_flops_per_token(self, lay: Layout) -> float:
         """FLOPs per token the recomputed forwards add: every block's forward (full), or every attention

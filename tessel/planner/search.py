@@ -7,10 +7,19 @@ from dataclasses import dataclass, replace
 from rich.console import Console
 from rich.table import Table
 
+from tessel.config import ConfigError
+from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
+from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+RECOMPUTE = ("none", "selective", "full")
+# the closed form of a flush is exact for even stages; uneven ones (a remainder of layers, the LM
+# head) can be off by 10-20% (tests/planner/test_pipeline_pricing.py), so the pipelined layouts
+# within SIMULATE_MARGIN of the best are re-priced by the event simulator, at most SIMULATE_TOP flushes
+SIMULATE_TOP = 12
+SIMULATE_MARGIN = 0.15
 
 
 def divisors(n: int) -> list[int]:
@@ -23,8 +32,18 @@ def tp_degrees(cfg, world: int) -> list[int]:
             if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
-def candidate_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
-    """All layouts tessel.config would accept for this model, world size and global batch."""
+def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None) -> list[Layout]:
+    """All layouts tessel.config would accept for this model, world size and global batch; with
+    `fixed` (tessel.planner.layout.parse_fix), only those with these fields."""
+    every = _all_layouts(cm, world, global_batch)
+    if not fixed:
+        return every
+    if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
+        every = [replace(lay, param_dtype="bf16") for lay in every if lay.zero >= 1 and lay.pp == 1]
+    return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
+
+
+def _all_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
     tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
@@ -53,7 +72,7 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]
     zeros = (0, 1, 2, 3) if base.batch_shards > 1 else (0,)
     sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
     return [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
-            for rc in (False, True)]
+            for rc in RECOMPUTE]
 
 
 @dataclass
@@ -67,11 +86,50 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def search(cm: CostModel, world: int, global_batch: int) -> SearchResult:
-    estimates = [cm.estimate(lay) for lay in candidate_layouts(cm, world, global_batch)]
-    fits = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_s, e.memory_total))
+def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
+           simulate_top: int = SIMULATE_TOP) -> SearchResult:
+    """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
+    re-priced by the event simulator (one pricing of schedules: the runtime's own action lists)."""
+    layouts = candidate_layouts(cm, world, global_batch, fixed)
+    if not layouts:
+        pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
+        raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}")
+    estimates = [cm.estimate(lay) for lay in layouts]
+    fits = sorted((e for e in estimates if e.fits), key=_rank)
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total)
-    return SearchResult(fits, len(estimates), rejected)
+    return SearchResult(simulated(fits, simulate_top), len(estimates), rejected)
+
+
+def _rank(e: Estimate) -> tuple[float, float]:
+    return e.step_s, e.memory_total
+
+
+def simulated(ranked: list[Estimate], top: int = SIMULATE_TOP, margin: float = SIMULATE_MARGIN) -> list[Estimate]:
+    """`ranked` with the pipeline flushes of its leading pipelined layouts (within `margin` of the
+    fastest, `top` distinct flushes at most) priced by the event simulator, re-sorted."""
+    if not ranked or top <= 0:
+        return ranked
+    bound = ranked[0].step_s * (1 + margin)
+    memo: dict = {}
+    out = []
+    for e in ranked:
+        lay = e.layout
+        if lay.pp > 1 and e.step_s <= bound:
+            key = (tuple(map(tuple, e.chunk_times)), lay.schedule, lay.m, lay.v, e.p2p_s)
+            if key not in memo and len(memo) < top:
+                memo[key] = simulated_flush(e)
+            if key in memo:
+                e = e.repriced(memo[key])
+        out.append(e)
+    return sorted(out, key=_rank)
+
+
+def simulated_flush(e: Estimate) -> float:
+    """One flush of e's pipeline replayed by the simulator from the runtime's action lists, each
+    message a delay of the cost model's p2p time (no bandwidth sharing: the formula's assumption)."""
+    lay = e.layout
+    instant = Link(1e30, e.p2p_s)  # a finite rate: a message lasts its latency
+    return simulate_pipeline(e.chunk_times, lay.schedule, lay.m, lay.v, 1.0 if e.p2p_s else 0.0, instant).step_s
 
 
 # ---- explanation -----------------------------------------------------------------

@@ -1,0 +1,88 @@
+"""One pricing of schedules (issue 18): the closed form of a pipeline flush against the event
+simulator replaying the runtime's own action lists, and the search's re-pricing where they part.
+
+The closed form (tessel.planner.cost.pipeline_time) charges the busiest stage m
+times and the other stages' work once, spread over v chunks: exact for even
+stages, within 3% with the LM head's heavier last chunk (checked here for every
+schedule, up to the issue's pp35 v3 and pp64 v2). A remainder of layers
+(chunks of unequal depth) moves the fill and drain by whole chunks, which no
+per-stage total sees; those are priced by the simulator in the search.
+"""
+
+import pytest
+
+from tessel.planner.cluster import get_cluster
+from tessel.planner.cost import CostModel, pipeline_time
+from tessel.planner.layout import Layout
+from tessel.planner.model_spec import preset
+from tessel.planner.search import search, simulated, simulated_flush
+from tessel.planner.simulate import simulate_pipeline, simulate_plan
+
+# (schedule, pp, m, v): chunk times from the a100 roofline of 175B's blocks, the head on the last chunk
+FLUSHES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1), ("interleaved", 4, 8, 2),
+           ("interleaved", 4, 16, 4), ("interleaved", 35, 70, 3), ("interleaved", 64, 128, 2)]
+
+
+def _chunk_times(pp, v, layers_per_chunk=2, head=0.4):
+    block_f, block_b = 1.0, 2.0  # backward twice the forward; the head adds `head` blocks' worth
+    times = [[(layers_per_chunk * block_f, layers_per_chunk * block_b) for _ in range(v)] for _ in range(pp)]
+    f, b = times[-1][-1]
+    times[-1][-1] = (f + head * block_f, b + head * block_b)
+    f, b = times[0][0]
+    times[0][0] = (f + 0.05, b + 0.1)  # the embedding on the first
+    return times
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", FLUSHES)
+def test_formula_agrees_with_the_simulator_within_3_percent(schedule, pp, m, v):
+    for head in (0.0, 0.4, 1.0):
+        times = _chunk_times(pp, v, head=head)
+        sim = simulate_pipeline(times, schedule, m, v).step_s
+        formula = pipeline_time([sum(f + b for f, b in row) for row in times], m, v, 0.0)
+        assert formula == pytest.approx(sim, rel=0.03), (head, formula, sim)
+
+
+def test_interleaving_charges_the_head_chunk_once_per_micro_batch():
+    # the issue's mispricing: (m v - 1) chunk_max + chunk_sum charged the head's chunk v times per
+    # micro-batch; at pp35 v3 with a heavy head that alone cost ~25% against the simulator
+    pp, m, v = 35, 70, 3
+    times = _chunk_times(pp, v, head=2.0)
+    sim = simulate_pipeline(times, "interleaved", m, v).step_s
+    chunk_max = max(f + b for row in times for f, b in row)
+    old = (m * v - 1) * chunk_max + sum(f + b for row in times for f, b in row) / pp
+    assert old > 1.2 * sim
+    assert pipeline_time([sum(f + b for f, b in row) for row in times], m, v, 0.0) == pytest.approx(sim, rel=0.03)
+
+
+# whole steps of 175B on 1024 A100s (and 960, 40 stages): the analytic step as the search reports it
+# against simulate_plan, which also replays the data-parallel traffic on shared links
+PLANS = [Layout(dp=8, tp=8, pp=16, mb=1, m=192, zero=2, sp=True),
+         Layout(dp=8, tp=8, pp=16, mb=1, m=192, schedule="gpipe", sp=True, recompute="full"),
+         Layout(dp=16, tp=8, pp=8, mb=1, m=96, schedule="interleaved", v=2, sp=True, recompute="selective", zero=1),
+         # 96 layers over 16 x 4 chunks: half the chunks hold 2 blocks, half 1 (uneven)
+         Layout(dp=16, tp=4, pp=16, mb=2, m=48, schedule="interleaved", v=4, sp=True, recompute="full"),
+         Layout(dp=32, tp=8, pp=4, mb=1, m=48, schedule="interleaved", v=4, sp=True, recompute="full", zero=1)]
+
+
+def test_search_prices_every_schedule_as_the_simulator_does():
+    spec = preset("gpt3-175b")
+    cm = CostModel(spec, get_cluster("a100", 1024), "bf16")
+    estimates = [cm.estimate(lay) for lay in PLANS]
+    repriced = simulated(sorted(estimates, key=lambda e: e.step_s), top=len(PLANS), margin=10.0)
+    assert {e.priced_by for e in repriced} == {"simulator"}
+    for e in repriced:
+        assert e.flush_s == pytest.approx(simulated_flush(e))
+        sim = simulate_plan(cm, e.layout, e)
+        assert e.step_s == pytest.approx(sim.step_s, rel=0.03), e.layout.describe()
+    uneven = next(e for e in estimates if e.layout.v == 4 and e.layout.pp == 16)
+    # the closed form is off here by more than the 3% (why the search re-prices)
+    assert abs(uneven.flush_s / simulated_flush(uneven) - 1) > 0.03
+
+
+def test_search_reports_simulated_flushes_for_its_leaders():
+    spec = preset("gpt3-13b")
+    cm = CostModel(spec, get_cluster("a100", 64), "bf16")
+    result = search(cm, 64, spec.global_batch, fixed={"pp": 4, "tp": 8})
+    best = result.best
+    assert best.priced_by == "simulator"
+    assert [e.step_s for e in result.ranked] == sorted(e.step_s for e in result.ranked)
