@@ -11,6 +11,7 @@ import typer
 
 from tessel import launch
 from tessel.config import Config, ConfigError, load_config
+from tessel.planner.layout import KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
 
@@ -81,7 +82,8 @@ _PLAN_OPTS = dict(
     model=typer.Option(None, "--model", help="model preset, e.g. gpt3-175b (default: the recipe's model)"),
     global_batch=typer.Option(None, "--global-batch", help="sequences per step (default recipe/preset)"),
     precision=typer.Option(None, "--precision", help="fp32 | bf16"),
-    layout=typer.Option(None, "--layout", help="evaluate one layout: dp=2,tp=2,pp=2,mb=1,zero=1,v=2,..."),
+    layout=typer.Option(None, "--layout", help="evaluate one layout: dp=2,tp=2,pp=2,mb=1,zero=1,v=2,... Keys: "
+                        + "; ".join(f"{k}: {v}" for k, v in KEY_HELP.items())),
     as_json=typer.Option(False, "--json", help="print machine-readable results"),
     refresh=typer.Option(False, "--refresh", help="re-measure this machine instead of using the cache"),
 )
@@ -90,21 +92,28 @@ _PLAN_OPTS = dict(
 @app.command()
 def plan(
     recipe: Optional[str] = typer.Argument(None, help="TOML recipe (its model and batch are planned)"),
-    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field (--set train.seq_len=4096) or a "
+                                   "cluster constant (--set cluster.inter.bandwidth=50e9, cluster.sharp=true, "
+                                   "cluster.gemm_efficiency=0.7: any field of tessel/planner/cluster.py)"),
     cluster: str = _PLAN_OPTS["cluster"], world: Optional[int] = _PLAN_OPTS["world"],
     model: Optional[str] = _PLAN_OPTS["model"], global_batch: Optional[int] = _PLAN_OPTS["global_batch"],
     precision: Optional[str] = _PLAN_OPTS["precision"], layout: Optional[str] = _PLAN_OPTS["layout"],
     as_json: bool = _PLAN_OPTS["as_json"], refresh: bool = _PLAN_OPTS["refresh"],
     out: Optional[str] = typer.Option(None, "--out", help="write the best layout as a recipe"),
     top: int = typer.Option(8, "--top", help="rows in the table"),
+    fix: Optional[str] = typer.Option(None, "--fix", help="pin part of the layout, search the rest: "
+                                      "tp=8,recompute=selective (the --layout keys)"),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="tokens to train on (300e9): print the "
+                                           "winner's time to train in days"),
+    explain: bool = typer.Option(False, "--explain", help="list every term of the winner's step"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
     from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
-        commands.check_plan_args(top, out)
+        fixed = commands.check_plan_args(top, out, tokens, fix, layout)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
-                                refresh=refresh)
-        commands.plan(prob, as_json, out, top)
+                                refresh=refresh, fixed=fixed)
+        commands.plan(prob, commands.PlanOptions(top, out, as_json, tokens, explain))
     except ConfigError as err:
         fail(err)
 

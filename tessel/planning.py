@@ -7,15 +7,16 @@ machine and profiles the model, and the planner is handed the Cluster and Calibr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
-from tessel.planner.cluster import Cluster, get_cluster
+from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
-from tessel.planner.layout import Layout, layout_config, parse_layout
+from tessel.planner.layout import Layout, layout_config, parse_fix, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search
 from tessel.planner.simulate import simulate_plan, write_png, write_trace
@@ -30,13 +31,55 @@ class Problem:
     global_batch: int
     cost: CostModel
     layout: Layout | None = None  # --layout, checked against the recipe's rules; None: search
+    fixed: dict = field(default_factory=dict)  # --fix: layout fields the search keeps
 
 
-def check_plan_args(top: int, out: str | None) -> None:
-    """`tessel plan`'s own flags (resolve checks the ones it shares with simulate)."""
+@dataclass
+class PlanOptions:
+    """`tessel plan`'s own outputs: --tokens, --explain, --top, --out, --json."""
+    top: int = 8
+    out: str | None = None
+    as_json: bool = False
+    tokens: float | None = None  # tokens to train on: prints the days it takes
+    explain: bool = False  # every term of the winner's step
+
+
+def check_plan_args(top: int, out: str | None, tokens: float | None = None, fix: str | None = None,
+                    layout: str | None = None) -> dict:
+    """`tessel plan`'s own flags (resolve checks the ones it shares with simulate); returns --fix parsed."""
     at_least("--top", top, 1)
     if out is not None:
         output_file("--out", out)
+    if tokens is not None and not (math.isfinite(tokens) and tokens >= 1):
+        raise ConfigError("--tokens", f"must be a positive number of tokens (got {tokens:g})")
+    if fix is None:
+        return {}
+    if layout is not None:
+        raise ConfigError("--fix", "pins part of a searched layout; --layout gives the whole one")
+    fixed = parse_fix(fix)
+    if not fixed:
+        raise ConfigError("--fix", "give key=value pairs, e.g. tp=8,recompute=selective")
+    return fixed
+
+
+def split_cluster_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """--set items: recipe fields, and cluster.<field>=value pairs (tessel.planner.cluster.override)."""
+    recipe, cluster = [], []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if key.strip().startswith("cluster."):
+            if not eq:
+                raise ConfigError(key.strip(), "expected cluster.<field>=value")
+            cluster.append((key.strip()[len("cluster."):], value.strip().strip('"')))
+        else:
+            recipe.append(item)
+    return recipe, cluster
+
+
+def with_overrides(cluster: Cluster, pairs: list[tuple[str, str]]) -> Cluster:
+    for key, value in pairs:
+        cluster = override(cluster, key, value)
+    return cluster
 
 
 def check_simulate_args(trace: str, png: str) -> None:
@@ -59,12 +102,14 @@ def check_problem_args(cluster: str, world: int | None, model: str | None, globa
 
 def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int | None, model: str | None,
             global_batch: int | None, precision: str | None, layout: str | None = None, calibrate: bool = True,
-            refresh: bool = False) -> Problem:
+            refresh: bool = False, fixed: dict | None = None) -> Problem:
     """Recipe + flags -> the model, cluster and batch to plan for. ConfigError names any bad field.
 
     Everything the user gave is checked before the cluster "this" is measured (processes) or
     the model profiled on it (seconds)."""
     check_problem_args(cluster, world, model, global_batch, precision)
+    overrides, cluster_set = split_cluster_overrides(overrides)
+    with_overrides(get_cluster("a100"), cluster_set)  # every key and value checked before any measuring
     base, spec = _recipe_and_model(recipe, overrides, model, precision)
     gb = global_batch if global_batch is not None else spec.global_batch
     if world is None and recipe and not model:
@@ -72,14 +117,14 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     if world is None:  # one node of a preset; this machine as a single rank
         world = 1 if cluster.lower() == "this" else get_cluster(cluster).world
     lay = checked_layout(base, world, gb, layout) if layout else None
-    cl = cluster_named(cluster, world, refresh=refresh)
+    cl = with_overrides(cluster_named(cluster, world, refresh=refresh), cluster_set)
     cal = None
     if cl.name == "this" and calibrate:
         from tessel.calibrate.profile import profile_model  # deferred: loads torch and the trainer
         sizes = [b for b in MICRO_BATCHES if b <= gb]
         cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
     cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
-    return Problem(base, spec, cl, world, gb, cm, lay)
+    return Problem(base, spec, cl, world, gb, cm, lay, fixed or {})
 
 
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
@@ -126,19 +171,30 @@ def checked_layout(base: Config, world: int, global_batch: int, text: str) -> La
     return lay
 
 
-def plan(prob: Problem, as_json: bool, out: str | None, top: int, console: Console | None = None) -> dict:
+def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> dict:
     console = console or Console(width=max(Console().width, 150))
+    as_json, out, top = opts.as_json, opts.out, opts.top
     if prob.layout is not None:
         est = prob.cost.estimate(prob.layout)
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        result = search(prob.cost, prob.world, prob.global_batch)
+        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed)
         ranked, lines = result.ranked[:top], explain(result, top)
         if not ranked:
-            raise ConfigError("--world", " ".join(lines))
+            raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
+    winner = ranked[0]
+    outputs = _throughput(winner, opts.tokens)
+    lines = lines + outputs
+    terms = step_terms(winner) if opts.explain else []
     report = {"model": prob.spec.name, "params": prob.spec.total_params, "cluster": prob.cluster.name,
               "world": prob.world, "global_batch": prob.global_batch, "seq_len": prob.spec.seq_len,
-              "plans": [e.to_json() for e in ranked], "explanation": lines}
+              "fixed": prob.fixed, "plans": [e.to_json() for e in ranked], "explanation": lines,
+              "model_tflops_per_device": winner.model_flops_per_device / 1e12,
+              "model_tflops_per_device_with_recompute": winner.hardware_flops_per_device / 1e12}
+    if opts.tokens is not None:
+        report["tokens"], report["days_to_train"] = opts.tokens, winner.days_to_train(opts.tokens)
+    if opts.explain:
+        report["step_terms"] = terms
     if out:
         cfg = layout_config(prob.base, ranked[0].layout)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -151,17 +207,53 @@ def plan(prob: Problem, as_json: bool, out: str | None, top: int, console: Conso
                 f"{prob.cluster.name}, global batch {prob.global_batch} x {prob.spec.seq_len} tokens")
         console.print(head)
         if prob.cluster.source == "preset":
-            console.print("[dim]preset cluster: compute priced at the spec-sheet peak (nothing measured), so "
-                          "step times are lower bounds; the ranking is what to read[/dim]")
+            console.print("[dim]preset cluster: a device model whose every constant is cited in "
+                          "tessel/planner/cluster.py (no training run fitted); override any with "
+                          "--set cluster.<field>=value[/dim]")
         if prob.layout is not None:
             console.print(plan_table(ranked, "predicted cost of the given layout"))
             for line in lines:
                 console.print(line)
         else:
             print_plan(result, top, console)
+            for line in outputs:
+                console.print(line)
+        if terms:
+            console.print(f"the step of {winner.layout.describe()}, term by term:")
+            for line in terms:
+                console.print("  " + line)
         if out:
             console.print(f"wrote {out}: run it with `tessel train {out}`")
     return report
+
+
+def _throughput(est: Estimate, tokens: float | None) -> list[str]:
+    """Model TFLOP/s per device without and with the recomputed forwards, and the days to train."""
+    with_recompute = est.mfu * est.hardware_flops_per_device / est.model_flops_per_device
+    lines = [f"model TFLOP/s per device: {est.model_flops_per_device / 1e12:.1f} without recompute FLOPs "
+             f"(MFU {100 * est.mfu:.1f}%), {est.hardware_flops_per_device / 1e12:.1f} with them counted "
+             f"({100 * with_recompute:.1f}% of the peak)"]
+    if tokens is not None:
+        lines.append(f"time to train on {tokens:,.0f} tokens: {est.days_to_train(tokens):.1f} days "
+                     f"({est.tokens_per_s:,.0f} tokens/s)")
+    return lines
+
+
+def step_terms(est: Estimate) -> list[str]:
+    """Every term of an estimate's step: the critical path by cause (they sum to the step), what each
+    link carries, the pipeline's pricing and the memory per device."""
+    total = est.step_s
+    out = [f"{name}: {v:.4g} s ({100 * v / total:.1f}%)" for name, v in est.time.items()]
+    out.append(f"= step {total:.4g} s (critical path {est.path_s:.4g} s, busiest link bound "
+               f"{est.link_bound_s:.4g} s)")
+    out += [f"{link} busy {v:.4g} s per step ({100 * v / total:.1f}% of the step)" for link, v in est.links.items()]
+    if est.layout.pp > 1:
+        out.append(f"pipeline flush {est.flush_s:.4g} s x {est.layout.ga} (priced by the {est.priced_by}), "
+                   f"bubble {100 * est.bubble:.1f}%, p2p message {1e3 * est.p2p_s:.3g} ms")
+    out += [f"{axis} sends {v / 1e9:.3g} GB per device per step" for axis, v in est.comm_bytes.items() if v > 0]
+    out.append("memory per device: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in est.memory.items()
+                                                if v > 0 and k != "total") + f" = {est.memory_total / 2**30:.2f} GiB")
+    return out
 
 
 def _breakdown(est: Estimate, cluster: Cluster) -> list[str]:

@@ -46,6 +46,21 @@ BAD = [
     (["plan", "--out", "{tmp}/a_file/plan.toml"], "--out"),  # its parent is a file
     (["plan", "--cluster", "this", "--world", "1", "--layout", "dp=2"], "--layout"),  # before measuring
     (["plan", "--bogus"], "--bogus"),
+    (["plan", "--tokens", "0"], "--tokens"),
+    (["plan", "--tokens", "-3e9"], "--tokens"),
+    (["plan", "--tokens", "many"], "--tokens"),
+    (["plan", "--fix", "foo=1"], "--fix"),
+    (["plan", "--fix", "tp"], "--fix"),
+    (["plan", "--fix", "recompute=half"], "--fix"),
+    (["plan", "--fix", ","], "--fix"),
+    (["plan", "--model", "gpt3-1.3b", "--world", "16", "--fix", "tp=3"], "--fix"),  # no such layout
+    (["plan", "--fix", "tp=2", "--layout", "dp=8"], "--fix"),
+    (["plan", "--set", "cluster.bogus=1"], "cluster.bogus"),
+    (["plan", "--set", "cluster.sharp=maybe"], "cluster.sharp"),
+    (["plan", "--set", "cluster.inter.bandwidth=-1"], "cluster.inter.bandwidth"),
+    (["plan", "--set", "cluster.gemm_efficiency=1.5"], "cluster.gemm_efficiency"),
+    (["plan", "--set", "cluster.sharp"], "cluster.sharp"),
+    (["plan", "--cluster", "this", "--world", "1", "--set", "cluster.sms=x"], "cluster.sms"),  # before measuring
     # simulate
     (["simulate", "--world", "-1"], "--world"),
     (["simulate", "--trace", UNWRITABLE + "/trace.json"], "--trace"),

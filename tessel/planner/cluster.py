@@ -262,6 +262,9 @@ def _number(key: str, raw: str) -> float:
                                                                           "gemm_k_overhead", "gemm_tile_feed",
                                                                           "baseline_memory")):
         raise ConfigError(f"cluster.{key}", f"'{raw}' is out of range (a positive number)")
+    if value > 1 and (key.endswith("efficiency") or key.startswith("attention_efficiency") or
+                      key in ("overlap", "usable_memory")):
+        raise ConfigError(f"cluster.{key}", f"'{raw}' is out of range (a fraction, at most 1)")
     return value
 
 
