@@ -30,8 +30,14 @@ def build_hf(hf_config: str) -> nn.Module:
     doc = read_config(hf_config)
     config = AutoConfig.for_model(doc.pop("model_type"), **doc)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model.register_forward_hook(_logits_only)
+    answer_with_logits(model)
     return model
+
+
+def answer_with_logits(model: nn.Module) -> None:
+    """Make a transformers causal LM's forward return its logits tensor (B, T, V), as tessel's runners, losses
+    and pipeline stages take it (a second hook finds a tensor and passes it on)."""
+    model.register_forward_hook(_logits_only)
 
 
 def _logits_only(module: nn.Module, args, output):

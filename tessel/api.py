@@ -1,0 +1,235 @@
+"""Library use: tessel's layouts on a user's own transformers model, driven by the user's own loop.
+
+    dist.init_process_group("gloo")                       # under torchrun
+    mesh = tessel.make_mesh({"dp": 2, "tp": 2})           # one mesh, named axes
+    job = tessel.parallelize(model, mesh, "zero=1,sp=1")  # the model as the user built it
+    opt = job.optimizer(lr=3e-4, weight_decay=0.1)
+    for input_ids, targets in batches:                    # every rank the same global batch
+        loss = job.step(job.shard(input_ids), job.shard(targets))
+        job.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    state = job.full_state_dict()                         # whole tensors under the model's own names
+
+`parallelize` writes down what `tessel train` would have been given: a Config
+from the model's own config (tessel.hf_shape reads it, as for model.hf_config)
+and the layout (tessel.planner.layout's `dp=2,tp=2,zero=1`), checked by the
+recipe's rules (tessel.config.check_layout) before anything is cut. Then
+tessel.parallelize's apply steps (TP/SP -> EP -> PP -> recompute -> DP/ZeRO)
+cut the model in place and return a Runner; a ParallelJob drives it as the
+trainer does, minus the loop: the data, the optimizer's steps, the learning-rate
+schedule and logging stay the user's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from tessel.axes import AXES
+from tessel.config import Config, ConfigError, build_config
+from tessel.hf_shape import model_shape
+from tessel.mesh import Mesh
+from tessel.models.hf.build import answer_with_logits
+from tessel.parallel.norms import clip_grad_norm_
+from tessel.parallel.runner import Runner
+from tessel.parallelize import parallelize as apply_layout
+from tessel.planner.layout import Layout, parse_fix, parse_layout
+from tessel.train.checkpoint.logical import LogicalView, as_logical
+from tessel.train.data import cache_dir
+from tessel.train.mesh_cohort import mean_over
+from tessel.train.optim import optimizer_params, param_groups
+
+LayoutSpec = str | dict | Layout | None
+
+
+def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, precision: str = "fp32") -> "ParallelJob":
+    """Cut a transformers causal LM over `mesh` by `layout`; the job a training loop drives.
+
+    layout: 'zero=1,sp=true' (the keys of `tessel plan --layout`), a dict of them, or a Layout; an axis it
+    leaves out takes the mesh's size, one it names must equal it. `model` is used as it is (no copy, no
+    rebuild): its layers are replaced by their shards, and its forward answers with the logits tensor
+    (B, T, V) instead of a ModelOutput, as everywhere in tessel. Bad input raises ConfigError naming it,
+    before any collective.
+    """
+    check_model(model)
+    cfg = job_config(model, resolve_layout(layout, mesh), mesh, precision)
+    answer_with_logits(model)
+    runner = apply_layout(model.to(mesh.device), mesh, cfg)
+    return ParallelJob(model, mesh, cfg, runner)
+
+
+def check_model(model: nn.Module) -> None:
+    # deferred: transformers takes seconds to import; only a caller handing in a model pays for it
+    from transformers import PreTrainedModel
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError("model", f"expected a transformers PreTrainedModel (AutoModelForCausalLM.from_config or "
+                                   f"from_pretrained), got {type(model).__name__}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("model", "its parameters are on the meta device: build it with weights (or load them) "
+                                   "on every rank before parallelize")
+
+
+def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
+    """The layout with every axis the mesh's: an axis the text or dict leaves out takes the mesh's size."""
+    if not isinstance(layout, (str, dict, Layout, type(None))):
+        raise ConfigError("layout", f"expected a string such as 'dp=2,zero=1', a dict or a Layout, "
+                                    f"got {type(layout).__name__}")
+    if isinstance(layout, Layout):
+        given, named = layout, set(AXES)
+    else:
+        text = layout if isinstance(layout, str) else ",".join(f"{k}={v}" for k, v in (layout or {}).items())
+        try:
+            given, named = parse_layout(text), set(parse_fix(text))
+        except ConfigError as err:
+            raise ConfigError("layout", err.message) from None
+        if "mb" in named:
+            raise ConfigError("layout", "mb: step() is given this rank's rows, split into ga*m micro-batches; "
+                                        "leave mb out")
+        if "m" not in named and mesh.size("pp") > 1:
+            given = replace(given, m=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
+    mesh_sizes = {a: mesh.size(a) for a in AXES}
+    for axis in AXES:
+        if axis in named and getattr(given, axis) != mesh_sizes[axis]:
+            raise ConfigError("layout", f"{axis}={getattr(given, axis)} but the mesh has {axis}={mesh_sizes[axis]} "
+                                        f"({', '.join(f'{a}={n}' for a, n in mesh_sizes.items())})")
+    return replace(given, **mesh_sizes)
+
+
+def job_config(model: nn.Module, layout: Layout, mesh: Mesh, precision: str) -> Config:
+    """The recipe `tessel train` would run: the model's config as model.hf_config, the layout's parallel
+    fields; the train fields are placeholders that pass the batch rules (the batch comes with each step)."""
+    hf_config = hf_config_file(model)
+    max_seq_len = model_shape(hf_config)["max_seq_len"]
+    raw = {"model": {"hf_config": str(hf_config)},
+           "parallel": {**layout.parallel_fields(), "rank_order": list(mesh.order)},
+           "train": {"global_batch": layout.batch_shards * layout.chunks, "grad_accum": layout.ga,
+                     "seq_len": max_seq_len - max_seq_len % layout.tp, "precision": precision,
+                     "eval_every": 0, "sample_tokens": 0},
+           "data": {"source": "synthetic"}}
+    return build_config(raw)
+
+
+def hf_config_file(model: nn.Module) -> Path:
+    """The model's config as a config.json (what tessel.config reads a Hugging Face shape from), under the
+    cache named by its contents: every rank writes the same bytes, and a rename makes each write whole."""
+    text = model.config.to_json_string(use_diff=False)
+    file = cache_dir() / "hf-configs" / hashlib.sha256(text.encode()).hexdigest()[:16] / "config.json"
+    if not file.is_file():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        scratch = file.with_name(f"config.json.tmp{os.getpid()}")
+        scratch.write_text(text, encoding="utf-8")
+        os.replace(scratch, file)
+    return file
+
+
+@dataclass
+class ParallelJob:
+    """A model cut over a mesh, for a training loop that is the user's.
+
+    Every rank calls each method (they are collective). `step` takes this rank's rows: those of its data
+    shard (`shard` cuts them from a global batch; a tp or pp peer takes the same rows).
+    """
+    model: nn.Module  # the user's model, cut in place (under pp, the runner holds this rank's stages)
+    mesh: Mesh
+    config: Config  # the recipe this layout is (`tessel train` would run it)
+    runner: Runner
+    _optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data shard, 0 .. data_shards - 1 (a DistributedSampler's `rank`)."""
+        return self.mesh.local_rank_in("dp", "ep")
+
+    @property
+    def data_shards(self) -> int:
+        """How many ranks see different rows (dp x ep; a DistributedSampler's `num_replicas`)."""
+        return self.mesh.size("dp", "ep")
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch (B, ...): the data_rank-th of data_shards equal runs."""
+        if batch.size(0) % self.data_shards:
+            raise ValueError(f"a global batch of {batch.size(0)} rows does not split over {self.data_shards} "
+                             "data shards (dp x ep)")
+        rows = batch.size(0) // self.data_shards
+        return batch[self.data_rank * rows:(self.data_rank + 1) * rows]
+
+    def step(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's rows (B, T): targets[b, t] is the token after input_ids[b, t].
+        Gradients of the global batch's mean loss land in the parameters the optimizer steps (reduced over
+        the data shards, through the pipeline's schedule); returns that mean loss, the same on every rank."""
+        self._check_batch(input_ids, targets)
+        return mean_over(self.runner.forward_backward(input_ids, targets).float(), self.mesh, "dp", "ep")
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The global batch's mean loss without gradients (this rank's rows given, as to step)."""
+        return mean_over(self.runner.evaluate(input_ids, targets).float(), self.mesh, "dp", "ep")
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (tp shards, its pipeline stages' own), each once. Under ZeRO the optimizer
+        steps flat shards of them instead: use `optimizer()`."""
+        return self.runner.parameters()
+
+    def optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 0.01) -> torch.optim.Optimizer:
+        """AdamW (torch's defaults) over what this rank steps; weight decay on matrices only (norms' gains and
+        biases get none: tessel.train.optim). Under ZeRO, the sharded AdamW the layout built, set to these
+        options; otherwise a torch.optim.AdamW (any torch optimizer over parameters() works as well)."""
+        own = self.runner.optimizer
+        if own is None:
+            self._optimizer = torch.optim.AdamW(param_groups(self.parameters(), weight_decay), lr=lr, betas=betas,
+                                                eps=eps)
+            return self._optimizer
+        decayed, plain = own.param_groups  # tessel.train.optim.param_groups' order: matrices, then the rest
+        for group, decay in ((decayed, weight_decay), (plain, 0.0)):
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=decay)
+        self._optimizer = own
+        return own
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their norm over the whole model (every shard once) is at most max_norm;
+        returns the norm before clipping, the same on every rank."""
+        stepped = self.runner.optimizer if self.runner.optimizer is not None else self._optimizer
+        params = optimizer_params(stepped) if stepped is not None else self.parameters()
+        return clip_grad_norm_(params, max_norm, self.mesh)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer as its whole tensor (on the CPU), under the names of the model
+        as transformers built it, on every rank: what `model.load_state_dict` of an uncut copy takes."""
+        view = LogicalView(self.mesh)
+        named = dict(self.runner.named_checkpoint_tensors())
+        live = {f"model/{k}": v for k, v in named.items()}
+        if self.runner.optimizer is not None:  # ZeRO hands over what it owns (stage 3 frees the module's own)
+            live.update({k: t for k, t in self.runner.optimizer.checkpoint_tensors().items()
+                         if k.startswith("model/")})
+        local = {k[len("model/"):]: _whole(as_logical(view, named, k, t)) for k, t in sorted(live.items())}
+        if self.mesh.size("pp") == 1:
+            return local
+        stages: list[dict] = [{} for _ in range(self.mesh.size("pp"))]
+        dist.all_gather_object(stages, local, group=self.mesh.group("pp"))  # each stage holds its own names
+        return {k: v for stage in stages for k, v in stage.items()}
+
+    def _check_batch(self, input_ids: torch.Tensor, targets: torch.Tensor) -> None:
+        if input_ids.dim() != 2 or input_ids.shape != targets.shape:
+            raise ValueError(f"step takes input_ids and targets of one shape (B, T); got {tuple(input_ids.shape)} "
+                             f"and {tuple(targets.shape)}")
+        chunks = self.config.train.grad_accum * self.config.parallel.micro_batches
+        if input_ids.size(0) % chunks:
+            raise ValueError(f"this rank's {input_ids.size(0)} rows do not split into ga*m = {chunks} micro-batches")
+        p = self.config.parallel
+        if p.sequence_parallel and input_ids.size(1) % p.tp:
+            raise ValueError(f"sequence parallelism splits the {input_ids.size(1)} positions over tp={p.tp}: "
+                             "they must divide")
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
