@@ -106,14 +106,16 @@ def plan(
     tokens: Optional[float] = typer.Option(None, "--tokens", help="tokens to train on (300e9): print the "
                                            "winner's time to train in days"),
     explain: bool = typer.Option(False, "--explain", help="list every term of the winner's step"),
+    network: bool = typer.Option(False, "--network", help="search and simulate again with and without rails "
+                                 "and SHARP: what each gains, and the layout each chooses"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
     from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
-        fixed = commands.check_plan_args(top, out, tokens, fix, layout)
+        fixed = commands.check_plan_args(top, out, tokens, fix, layout, network, cluster)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
                                 refresh=refresh, fixed=fixed)
-        commands.plan(prob, commands.PlanOptions(top, out, as_json, tokens, explain))
+        commands.plan(prob, commands.PlanOptions(top, out, as_json, tokens, explain, network))
     except ConfigError as err:
         fail(err)
 

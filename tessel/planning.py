@@ -16,6 +16,7 @@ from rich.console import Console
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
+from tessel.planner.fabric import gain_lines, network_gains
 from tessel.planner.layout import Layout, layout_config, parse_fix, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search
@@ -42,12 +43,16 @@ class PlanOptions:
     as_json: bool = False
     tokens: float | None = None  # tokens to train on: prints the days it takes
     explain: bool = False  # every term of the winner's step
+    network: bool = False  # the search and simulation again with and without rails and SHARP
 
 
 def check_plan_args(top: int, out: str | None, tokens: float | None = None, fix: str | None = None,
-                    layout: str | None = None) -> dict:
+                    layout: str | None = None, network: bool = False, cluster: str = "a100") -> dict:
     """`tessel plan`'s own flags (resolve checks the ones it shares with simulate); returns --fix parsed."""
     at_least("--top", top, 1)
+    if network and (layout is not None or cluster.lower() == "this"):
+        raise ConfigError("--network", "compares the searches of a preset cluster's network variants; "
+                          "not with --layout or --cluster this")
     if out is not None:
         output_file("--out", out)
     if tokens is not None and not (math.isfinite(tokens) and tokens >= 1):
@@ -195,6 +200,14 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         report["tokens"], report["days_to_train"] = opts.tokens, winner.days_to_train(opts.tokens)
     if opts.explain:
         report["step_terms"] = terms
+    fabric = []
+    if opts.network:
+        rows = network_gains(prob.spec, prob.cluster, prob.world, prob.global_batch, prob.cost.precision,
+                             fixed=prob.fixed)
+        fabric = gain_lines(rows)
+        report["network"] = [{"variant": r.variant, "layout": r.layout.describe(), "analytic_s": r.analytic_s,
+                              "simulated_s": r.simulated_s, "baseline_layout_simulated_s": r.baseline_layout_s}
+                             for r in rows]
     if out:
         cfg = layout_config(prob.base, ranked[0].layout)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +231,10 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
             print_plan(result, top, console)
             for line in outputs:
                 console.print(line)
+        if fabric:
+            console.print("the network's features (each variant searched, its winner simulated):")
+            for line in fabric:
+                console.print("  " + line)
         if terms:
             console.print(f"the step of {winner.layout.describe()}, term by term:")
             for line in terms:

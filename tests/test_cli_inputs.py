@@ -61,6 +61,8 @@ BAD = [
     (["plan", "--set", "cluster.gemm_efficiency=1.5"], "cluster.gemm_efficiency"),
     (["plan", "--set", "cluster.sharp"], "cluster.sharp"),
     (["plan", "--cluster", "this", "--world", "1", "--set", "cluster.sms=x"], "cluster.sms"),  # before measuring
+    (["plan", "--network", "--layout", "dp=8"], "--network"),
+    (["plan", "--network", "--cluster", "this"], "--network"),
     # simulate
     (["simulate", "--world", "-1"], "--world"),
     (["simulate", "--trace", UNWRITABLE + "/trace.json"], "--trace"),

@@ -206,6 +206,12 @@ class Estimate:
     flush_s: float = 0.0  # one pipeline flush (m micro-batches through every stage)
     link_bound_s: float = 0.0  # the busiest link's seconds plus what no communication overlaps
     priced_by: str = "formula"  # how the flush was priced: "formula" (pipeline_time) or "simulator"
+    # seconds of dp x ep traffic the network model prices: per micro-batch (ZeRO-2/3 without a
+    # pipeline) and per step (buckets, or the pipeline's one reduce-scatter and gather); the
+    # simulator replays these on the same links
+    dp_mb_s: float = 0.0  # reduce-scatters
+    dp_step_s: float = 0.0
+    dp_gather_mb_s: float = 0.0  # ZeRO-3's gathers, per micro-batch
 
     @property
     def memory_total(self) -> float:
@@ -576,7 +582,7 @@ class CostModel:
         t_pipe = pipeline_time(stage_busy, lay.m, lay.v, p2p.seconds)
         compute_busy = max(stage_busy) * lay.m
         bubble = 1 - compute_busy / t_pipe if t_pipe > 0 else 0.0
-        dp_exposed, dp_total, dp_bytes, dp_links = self._dp_time(lay, geo, chunk_times, memory)
+        dp_exposed, dp_total, dp_bytes, dp_links, dp_split = self._dp_time(lay, geo, chunk_times, memory)
         opt = self._optimizer_time(memory, lay)
         book, book_links = self._bookkeeping_time(lay, geo)
         busy = busy + dp_links + book_links
@@ -604,7 +610,7 @@ class CostModel:
                         comm_sent, bubble, fits, chunk_times, p2p.seconds, dp_total, mems,
                         {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep")
                          if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path,
-                        t_pipe, link_bound)
+                        t_pipe, link_bound, "formula", *dp_split)
 
     def _recompute_flops_per_token(self, lay: Layout) -> float:
         """FLOPs per token the recomputed forwards add: every block's forward (full), or every attention
@@ -615,8 +621,10 @@ class CostModel:
             return self.spec.cfg.n_layer * self.attention_core_flops(1)
         return 0.0
 
-    def _dp_time(self, lay: Layout, geo, chunk_times, memory) -> tuple[float, float, float, Cost]:
-        """(exposed seconds, total seconds, bytes sent, links held) of gradient/parameter traffic over dp (x ep).
+    def _dp_time(self, lay: Layout, geo, chunk_times, memory) -> tuple[float, float, float, Cost, tuple]:
+        """(exposed seconds, total seconds, bytes sent, links held, (reduce-scatter seconds per micro-batch,
+        seconds per step, gather seconds per micro-batch)) of
+        gradient/parameter traffic over dp (x ep).
 
         The calls are tessel.planner.traffic.dp_step_calls. Bucketed
         gradient reductions overlap the backward that fills the buckets (Li et
@@ -629,7 +637,7 @@ class CostModel:
         """
         n = lay.dp * lay.ep
         if n == 1:
-            return 0.0, 0.0, 0.0, NONE
+            return 0.0, 0.0, 0.0, NONE, (0.0, 0.0, 0.0)
         g = geo["dp"]
         sharded = lay.zero >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
         # unsharded fp32-equivalent gradient bytes (the call lists count fp32 buffers)
@@ -652,7 +660,8 @@ class CostModel:
         total = (rs.seconds + ag.seconds) * lay.chunks + reduce_step.seconds + gather_step.seconds
         sent = sent_bytes(per_mb, n) * lay.chunks + sent_bytes(per_step, n)
         links = (rs + ag).times(lay.chunks) + reduce_step + gather_step
-        return exposed_mb * lay.chunks + exposed_step, total, sent, links
+        split = (rs.seconds, reduce_step.seconds + gather_step.seconds, ag.seconds)
+        return exposed_mb * lay.chunks + exposed_step, total, sent, links, split
 
     def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         c = self.spec.cfg

@@ -100,6 +100,7 @@ class PipelineSim:
         self.link_bw: dict[tuple, float] = {}
         self.pp_class = pp_class
         self.b_hook = None  # called as b_hook(stage, start, end, is_last_backward) when a backward starts
+        self.f_hook = None  # called as f_hook(stage, start) when a forward starts
         self.compute_end = [0.0] * self.p
 
     # ---- dependencies ----------------------------------------------------
@@ -129,6 +130,8 @@ class PipelineSim:
                 self.events.append(Event(s, "compute", label, self.now, end))
                 if self.b_hook is not None and kind == "B":
                     self.b_hook(s, self.now, end, self._is_last_b(s, self.next_op[s]))
+                if self.f_hook is not None and kind == "F":
+                    self.f_hook(s, self.now)
 
     def _is_last_b(self, s: int, i: int) -> bool:
         return i == self.last_b[s]
@@ -270,7 +273,9 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     ZeRO 2/3: each backward's reduce-scatter (and ZeRO-3's gathers) after it;
     under a pipeline one reduce-scatter and one all-gather after the stage's
     last backward (gradients accumulate whole over the micro-batches).
-    Sizes are the cost model's, as bytes at the link's bandwidth.
+    Durations are the cost model's (the network model: hierarchical rails,
+    SHARP, NCCL's ring or tree), as bytes at the link's bandwidth, so what
+    the simulator adds is the queueing of these transfers on shared links.
     """
     n = lay.dp * lay.ep
     if n == 1:
@@ -278,17 +283,14 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     whole_step = lay.zero >= 2 and lay.pp > 1
     grads = est.memory["grads"] * (n if lay.zero >= 2 and not whole_step else 1)
     overlap = cm.cluster.overlap >= 0.5
+    nb, lat = 1, 0.0  # the cost model's seconds include each collective's latency
     if whole_step:
-        lat = 2 * (n - 1) * link.latency
-        per_bucket = 2 * (n - 1) / n * grads
+        per_bucket = est.dp_step_s * link.bandwidth
     elif lay.zero <= 1:
         nb = max(1, math.ceil(grads / cm.bucket_bytes))
-        lat = all_reduce_time(0.0, n, link)
-        per_bucket = max(0.0, est.dp_comm_s / nb - lat) * link.bandwidth
+        per_bucket = est.dp_step_s / nb * link.bandwidth
     else:
-        factor = 3 if lay.zero == 3 else 1
-        lat = factor * (n - 1) * link.latency
-        per_bucket = factor * (n - 1) / n * grads
+        per_bucket = est.dp_mb_s * link.bandwidth
     streams = [_Stream(sim, s, link, cls) for s in range(sim.p)]
 
     def hook(s: int, start: float, end: float, last: bool) -> None:
@@ -302,6 +304,10 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
                 release = start + (k + 1) / nb * (end - start) if overlap else end
                 streams[s].submit(release, per_bucket, lat, f"dp bucket {k}")
     sim.b_hook = hook
+    if est.dp_gather_mb_s > 0 and not whole_step:  # ZeRO-3 gathers each micro-batch's weights, prefetched
+        def gather(s: int, start: float) -> None:
+            streams[s].submit(start, est.dp_gather_mb_s * link.bandwidth, 0.0, "zero-3 gathers")
+        sim.f_hook = gather
 
 
 def write_trace(result: SimResult, path: str | Path) -> Path:
