@@ -42,6 +42,7 @@ from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
 from tessel.parallelize import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
+from tessel.sharding import packed_dims
 from tessel.train.checkpoint.logical import LogicalView, as_logical
 from tessel.train.data import cache_dir
 from tessel.train.mesh_cohort import mean_over
@@ -210,12 +211,21 @@ class ParallelJob:
         if self.runner.optimizer is not None:  # ZeRO hands over what it owns (stage 3 frees the module's own)
             live.update({k: t for k, t in self.runner.optimizer.checkpoint_tensors().items()
                          if k.startswith("model/")})
-        local = {k[len("model/"):]: _whole(as_logical(view, named, k, t)) for k, t in sorted(live.items())}
+        local = {k[len("model/"):]: self._whole(view, named, k, t) for k, t in sorted(live.items())}
         if self.mesh.size("pp") == 1:
             return local
         stages: list[dict] = [{} for _ in range(self.mesh.size("pp"))]
         dist.all_gather_object(stages, local, group=self.mesh.group("pp"))  # each stage holds its own names
         return {k: v for stage in stages for k, v in stage.items()}
+
+    def _whole(self, view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of `key` from this rank's piece `t` (collective over the axes that split it)."""
+        like = named.get(key[len("model/"):])
+        packed = packed_dims(like).get("tp") if like is not None and like.shape == t.shape else None
+        if packed is not None:  # a fused q|k|v: each rank holds its heads' piece of every block
+            return _unpack(t.detach(), *packed, self.mesh)
+        whole = as_logical(view, named, key, t)
+        return (whole.full_tensor() if isinstance(whole, DTensor) else whole).detach().cpu().clone()
 
     def _check_batch(self, input_ids: torch.Tensor, targets: torch.Tensor) -> None:
         if input_ids.dim() != 2 or input_ids.shape != targets.shape:
@@ -230,6 +240,11 @@ class ParallelJob:
                              "they must divide")
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+def _unpack(piece: torch.Tensor, dim: int, parts: int, mesh: Mesh) -> torch.Tensor:
+    """A packed tp shard (tessel.sharding.mark_packed: rank r holds the r-th chunk of each of `parts` blocks
+    along dim) -> the whole tensor: each block's chunks in rank order, the blocks side by side."""
+    pieces = [torch.empty_like(piece) for _ in range(mesh.size("tp"))]
+    dist.all_gather(pieces, piece.contiguous(), group=mesh.group("tp"))  # in tp rank order: global ranks rise with it
+    blocks = [torch.cat([p.chunk(parts, dim)[b] for p in pieces], dim) for b in range(parts)]
+    return torch.cat(blocks, dim).cpu()
 
