@@ -61,7 +61,10 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     before any collective.
     """
     check_model(model)
+    if not isinstance(mesh, Mesh):
+        raise ConfigError("mesh", f"expected a tessel.Mesh (tessel.make_mesh({{'dp': 2, ...}})), got {type(mesh).__name__}")
     cfg = job_config(model, resolve_layout(layout, mesh), mesh, precision)
+    check_world(mesh)
     answer_with_logits(model)
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
     return ParallelJob(model, mesh, cfg, runner)
@@ -76,6 +79,14 @@ def check_model(model: nn.Module) -> None:
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("model", "its parameters are on the meta device: build it with weights (or load them) "
                                    "on every rank before parallelize")
+
+
+def check_world(mesh: Mesh) -> None:
+    """A mesh of several ranks needs the process group it was made on (make_mesh builds its groups)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.world_size != world:
+        raise ConfigError("mesh", f"holds {mesh.world_size} ranks but the process group has {world} "
+                                  "(call torch.distributed.init_process_group first, under torchrun)")
 
 
 def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
@@ -96,10 +107,10 @@ def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
                                         "leave mb out")
         if "m" not in named and mesh.size("pp") > 1:
             given = replace(given, m=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
-    mesh_sizes = {a: mesh.size(a) for a in AXES}
+    mesh_sizes, asked = {a: mesh.size(a) for a in AXES}, given.to_dict()
     for axis in AXES:
-        if axis in named and getattr(given, axis) != mesh_sizes[axis]:
-            raise ConfigError("layout", f"{axis}={getattr(given, axis)} but the mesh has {axis}={mesh_sizes[axis]} "
+        if axis in named and asked[axis] != mesh_sizes[axis]:
+            raise ConfigError("layout", f"{axis}={asked[axis]} but the mesh has {axis}={mesh_sizes[axis]} "
                                         f"({', '.join(f'{a}={n}' for a, n in mesh_sizes.items())})")
     return replace(given, **mesh_sizes)
 

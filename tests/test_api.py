@@ -88,7 +88,7 @@ def test_own_loop_matches_transformers_alone():
 
 def test_bad_layouts_name_what_is_wrong():
     """Before any collective: a layout the mesh does not hold, an unknown key, heads that do not split, a
-    model that is not transformers'."""
+    mesh without its process group, a model that is not transformers'."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(tiny_llama())
     alone_mesh = Mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 1})
@@ -99,6 +99,8 @@ def test_bad_layouts_name_what_is_wrong():
         (alone_mesh, 42, "layout: expected a string"),
         (Mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 3}), "", "parallel.tp: model.n_head (4) is not divisible by tp (3)"),
         (Mesh({"pp": 3, "dp": 1, "ep": 1, "tp": 1}), "", "parallel.pp: model.n_layer (2) is fewer than the pipeline"),
+        (Mesh({"pp": 1, "dp": 2, "ep": 1, "tp": 1}), "", "mesh: holds 2 ranks but the process group has 1"),
+        ({"dp": 1}, "", "mesh: expected a tessel.Mesh"),
     ]
     for mesh, layout, message in cases:
         with pytest.raises(tessel.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
