@@ -174,7 +174,11 @@ def pipeline_time(stage_busy: list[float], m: int, v: int, p2p: float) -> float:
     1F1B's (m + p - 1) t and the interleaved (m + (p-1)/v) t; an uneven stage
     (the head's) is charged for its own micro-batches, not v times per
     micro-batch. tests/planner/test_pipeline_pricing.py checks it against the
-    event simulator replaying the runtime's own schedules.
+    event simulator replaying the runtime's own schedules (within 3% at even
+    stages with the head). Chunks of unequal depth (a remainder of layers)
+    move the fill and drain by whole chunks, which per-stage totals cannot
+    see: the search re-prices its leaders' flushes with the simulator
+    (tessel.planner.search.simulated).
     """
     p = len(stage_busy)
     if p == 1:
