@@ -73,6 +73,9 @@ class ModelConfig(Strict):
     z_loss_coef: float = Field(0.0, ge=0)
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
+    aux_loss_scope: Literal["global", "local"] = Field(
+        "global", description="load-balancing statistics over the ranks that split the batch (each forward "
+                              "call: a micro-batch), as one process computes them (global), or per rank (local)")
     # a Hugging Face architecture instead of the reference GPT
     hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
                                                     "architecture; the shape fields above are read from it")

@@ -23,6 +23,7 @@ from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.expert.balance import balance_over_batch
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
@@ -73,6 +74,8 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.model.n_experts == 0:
         return plan
     layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
+    if cfg.model.aux_loss_scope == "global":
+        balance_over_batch(plan.model, mesh)
     if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
         layers = []  # the stats of this rank's blocks are chosen once the model is split
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -87,12 +88,29 @@ def assign_slots(experts: torch.Tensor, n_experts: int, cap: int) -> tuple[torch
     return keep.view(k, N).t(), position.view(k, N).t()
 
 
-def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, coef: float) -> torch.Tensor:
+class BalanceStatistics(Protocol):
+    """Turns the router's own tokens into the load-balancing statistics (f, P), each (E,).
+
+    counts (E,): tokens whose first choice is each expert; probs (N, E): router probabilities.
+    The scope of the batch they describe is the implementation's: this device's tokens
+    (local_balance), or the tokens of every rank that splits the batch
+    (tessel.parallel.expert.balance.GlobalBalance, Qiu et al. 2025)."""
+
+    def __call__(self, counts: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def local_balance(counts: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """f_i: fraction of this call's tokens whose first choice is i; P_i: their mean probability of i."""
+    return counts.to(probs.dtype) / probs.size(0), probs.mean(0)
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, coef: float,
+                        balance: BalanceStatistics = local_balance) -> torch.Tensor:
     """Switch's aux loss alpha*E*sum_i f_i*P_i; f_i: fraction of tokens whose first choice is i,
     P_i: mean router probability of i. Equals alpha under uniform routing (f_i = P_i = 1/E)."""
     E = probs.size(-1)
-    f = torch.bincount(first_choice, minlength=E).to(probs.dtype) / first_choice.numel()
-    return coef * E * (f * probs.mean(0)).sum()
+    f, P = balance(torch.bincount(first_choice, minlength=E), probs)
+    return coef * E * (f * P).sum()
 
 
 class Router(nn.Module):
@@ -106,6 +124,8 @@ class Router(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.jitter, self.random_second = cfg.router_jitter, cfg.moe_random_routing
+        # over which tokens f and P are taken; expert/data parallelism may widen it to the whole batch
+        self.balance: BalanceStatistics = local_balance
 
     def forward(self, x: torch.Tensor) -> Routing:
         # x: (N, C) flattened tokens
@@ -126,7 +146,7 @@ class Router(nn.Module):
         chosen = experts[experts >= 0]
         load = torch.bincount(chosen, minlength=E)
         token = torch.arange(N, device=logits.device)[:, None].expand(N, self.k)
-        aux = load_balancing_loss(probs, experts[:, 0], self.aux_coef)
+        aux = load_balancing_loss(probs, experts[:, 0], self.aux_coef, self.balance)
         z = self.z_coef * logits.logsumexp(-1).pow(2).mean()
         return Routing(token=token[keep], expert=experts[keep], gate=gates[keep], load=load,
                        dropped=chosen.numel() - keep.sum(), aux_loss=aux, z_loss=z)

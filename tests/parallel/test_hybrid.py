@@ -18,7 +18,9 @@ from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config, train_and_collect
 
 STEPS = ["train.steps=5"]
-MOE = ["model.n_experts=4", "model.moe_every=2", "model.moe_top_k=2", "model.capacity_factor=1.0"]
+# references accumulate one chunk per rank's shard (capacity is per shard): so do the balancing statistics
+MOE = ["model.n_experts=4", "model.moe_every=2", "model.moe_top_k=2", "model.capacity_factor=1.0",
+       'model.aux_loss_scope="local"']
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 # evaluation, sampling (full-vocab logits gathered on the last stage) and tied embeddings
 # (their gradient summed between the first and last stage, per tp shard) join the comparison

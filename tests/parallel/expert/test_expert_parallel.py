@@ -17,8 +17,10 @@ from tessel.sharding import shard_dims
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config
 
+# the reference routes each rank's shard as one accumulation chunk: per-rank (local) balancing
+# statistics (the global scope has its own test, test_global_balance.py)
 MOE = ["model.n_experts=4", "model.moe_every=1", "model.aux_loss_coef=0.01", "model.z_loss_coef=0.001",
-       "train.steps=3"]
+       "train.steps=3", 'model.aux_loss_scope="local"']
 NO_DROP = "model.capacity_factor=4.0"  # capacity = tokens: no expert can overflow
 DROP = "model.capacity_factor=0.5"  # room for half the assignments: drops are certain
 
