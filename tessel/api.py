@@ -44,6 +44,9 @@ from tessel.parallelize import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
 from tessel.sharding import packed_dims
 from tessel.train.checkpoint.logical import LogicalView, as_logical
+from tessel.train.checkpoint.manager import CheckpointManager, step_dir, verify
+from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
+from tessel.train.checkpoint.tensors import LocalTensors
 from tessel.train.data import cache_dir
 from tessel.train.mesh_cohort import mean_over
 from tessel.train.optim import optimizer_params, param_groups
@@ -154,6 +157,7 @@ class ParallelJob:
     config: Config  # the recipe this layout is (`tessel train` would run it)
     runner: Runner
     _optimizer: torch.optim.Optimizer | None = None
+    _manager: CheckpointManager | None = None
 
     @property
     def data_rank(self) -> int:
@@ -228,6 +232,43 @@ class ParallelJob:
         stages: list[dict] = [{} for _ in range(self.mesh.size("pp"))]
         dist.all_gather_object(stages, local, group=self.mesh.group("pp"))  # each stage holds its own names
         return {k: v for stage in stages for k, v in stage.items()}
+
+    def save(self, root: str | Path, step: int, keep: int = 3) -> Path:
+        """The model and the optimizer's state after `step` steps, as tessel's checkpoint <root>/step_<step>
+        (collective; root on a file system every rank sees): `tessel export` turns it into a folder that
+        from_pretrained loads, `load` resumes it under any layout. The `keep` newest under root are kept."""
+        manager = self._checkpoints(root, keep)
+        optimizer = self._optimizer_state("save")
+        cfg = self.config
+        info = {"model": cfg.model.model_dump(mode="json"), "world_size": self.mesh.world_size,
+                "layout": {**cfg.parallel.model_dump(mode="json"), "grad_accum": cfg.train.grad_accum}}
+        manager.save(step, LocalTensors(self.runner, optimizer), info)
+        return step_dir(Path(root), step)
+
+    def load(self, path: str | Path) -> int:
+        """Read a checkpoint that `save` (or `tessel train`, of the same model) wrote, under any layout, into the
+        model and the optimizer (`optimizer()` first); returns its step. CheckpointError, before anything is
+        read, for one that is damaged or holds other shapes."""
+        path = Path(path)
+        verify(path)
+        manifest = self._checkpoints(path.parent, None).load(path, LocalTensors(self.runner,
+                                                                                self._optimizer_state("load")))
+        return int(manifest["step"])
+
+    def _checkpoints(self, root: str | Path, keep: int | None) -> CheckpointManager:
+        """The checkpoint writer (made once: it makes process groups of its own, collectively)."""
+        if self._manager is None or self._manager.root != Path(root):
+            self._manager = CheckpointManager(root, self.mesh, keep=keep or 3)
+        if keep is not None:
+            self._manager.keep = keep
+        return self._manager
+
+    def _optimizer_state(self, verb: str) -> OptimizerState:
+        if self.runner.optimizer is not None:
+            return OwnState(self.runner.optimizer)
+        if self._optimizer is None:
+            raise ValueError(f"{verb} needs the optimizer whose state it holds: call job.optimizer() first")
+        return PerParameterState(self._optimizer)
 
     def _whole(self, view: LogicalView, named: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
         """The whole tensor of `key` from this rank's piece `t` (collective over the axes that split it)."""
