@@ -221,7 +221,7 @@ class Estimate:
     def memory_total(self) -> float:
         return self.memory["total"]
 
-    def repriced(self, flush_s: float, by: str = "simulator") -> "Estimate":
+    def repriced(self, flush_s: float, by: str = "simulator") -> Estimate:
         """This estimate with one pipeline flush taking `flush_s` (the event simulator's replay of the
         runtime's schedule, tessel.planner.search.simulate_top): the critical path moves by grad_accum
         times the difference, the link bound stays, and every rate follows the new step."""

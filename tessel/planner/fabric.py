@@ -22,10 +22,10 @@ from tessel.planner.search import search
 from tessel.planner.simulate import simulate_plan
 
 # PXN needs rails (it routes through the rail-aligned GPU), so it goes with them
-VARIANTS = {"rails + SHARP": dict(rails=True, pxn=True, sharp=True),
-            "rails": dict(rails=True, pxn=True, sharp=False),
-            "no rails + SHARP": dict(rails=False, pxn=False, sharp=True),
-            "no rails": dict(rails=False, pxn=False, sharp=False)}
+VARIANTS = {"rails + SHARP": {"rails": True, "pxn": True, "sharp": True},
+            "rails": {"rails": True, "pxn": True, "sharp": False},
+            "no rails + SHARP": {"rails": False, "pxn": False, "sharp": True},
+            "no rails": {"rails": False, "pxn": False, "sharp": False}}
 
 
 @dataclass
@@ -59,8 +59,8 @@ def network_gains(spec: ModelSpec, cluster: Cluster, world: int, global_batch: i
 def gain_lines(rows: list[FabricRow], baseline: str = "no rails") -> list[str]:
     """The rows as sentences: each variant's winner and simulated step against the baseline's."""
     base = next(r for r in rows if r.variant == baseline)
-    out = [f"baseline ({baseline}): {base.layout.describe()}, simulated step {base.simulated_s:.4g} s "
-           f"(analytic {base.analytic_s:.4g} s)"]
+    out = [(f"baseline ({baseline}): {base.layout.describe()}, simulated step {base.simulated_s:.4g} s "
+            f"(analytic {base.analytic_s:.4g} s)")]
     for r in rows:
         if r is base:
             continue

@@ -93,7 +93,9 @@ def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = No
     layouts = candidate_layouts(cm, world, global_batch, fixed)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
-        raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}")
+        bf16 = (fixed or {}).get("param_dtype") == "bf16"
+        why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
+        raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}{why}")
     estimates = [cm.estimate(lay) for lay in layouts]
     fits = sorted((e for e in estimates if e.fits), key=_rank)
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tessel.parallel.pipeline.schedules import COMPUTE
 from tessel.planner.cluster import Link
-from tessel.planner.cost import CostModel, Estimate, all_reduce_time
+from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
 from tessel.planner.schedule import pipeline_schedule
 

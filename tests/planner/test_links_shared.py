@@ -7,8 +7,6 @@ busiest link's total nor than the compute of the busiest stage.
 
 from dataclasses import replace
 
-import pytest
-
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import Layout
