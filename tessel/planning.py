@@ -19,7 +19,7 @@ from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
 from tessel.planner.layout import Layout, layout_config, parse_fix, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
-from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search
+from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search, simulated
 from tessel.planner.simulate import simulate_plan, write_png, write_trace
 
 
@@ -180,7 +180,7 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
     console = console or Console(width=max(Console().width, 150))
     as_json, out, top = opts.as_json, opts.out, opts.top
     if prob.layout is not None:
-        est = prob.cost.estimate(prob.layout)
+        est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
         result = search(prob.cost, prob.world, prob.global_batch, prob.fixed)
