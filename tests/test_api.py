@@ -1,4 +1,5 @@
-"""tessel.parallelize from a user's own loop (tessel.api): parity with transformers alone, and bad layouts.
+"""tessel.parallelize from a user's own loop (tessel.api): parity with transformers alone, a checkpoint that
+resumes under another layout, bad input named before any collective, `import tessel` without torch.
 
 The loop is examples/own_loop.py's `train`, run on 2 ranks under each layout in one process group (a
 tiny Llama under dp2, dp2 ZeRO-1, tp2 with sequence parallelism and pp2; a tiny GPT-2 under tp2); the
