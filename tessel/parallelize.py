@@ -17,13 +17,15 @@ from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
 from tessel.models.hf.families import FAMILIES, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
-from tessel.hf_shape import family
+from tessel.hf_shape import family, read_config
+from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
-from tessel.parallel.expert.balance import balance_over_batch
+from tessel.parallel.expert.balance import balance_over_batch, global_balance
+from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
@@ -73,6 +75,8 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """MoE models (any ep): aux losses join the loss, routing stats the metrics; ep > 1 shards experts."""
     if cfg.model.n_experts == 0:
         return plan
+    if cfg.model.hf_config is not None:
+        return _hf_expert_parallel(plan, mesh, cfg)
     layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
     if cfg.model.aux_loss_scope == "global":
         balance_over_batch(plan.model, mesh)
@@ -81,6 +85,19 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     else:
         plan.loss_fn = with_aux_losses(plan.loss_fn, plan.model)
     plan.extra_metrics = lambda: moe_metrics(layers, mesh)
+    return plan
+
+
+def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """A Hugging Face Mixtral (tessel.config admits ep > 1 for no other family): ep > 1 shards its experts
+    under their own names; its router loss (when its config outputs router logits) joins the loss."""
+    if mesh.size("ep") > 1:
+        shard_mixtral_experts(plan.model, mesh)
+    router_loss = mixtral_router_loss(plan.model, read_config(cfg.model.hf_config))
+    if router_loss is not None:
+        if cfg.model.aux_loss_scope == "global":
+            router_loss.balance = global_balance(mesh)
+        plan.loss_fn = with_router_loss(plan.loss_fn, router_loss)
     return plan
 
 
