@@ -84,18 +84,27 @@ def zero_state_bytes(params: float, stage: int, group: int, param_bytes: int = 4
     With fp32 storage (parallel.zero_param_dtype = "fp32", and always without ZeRO) the parameters
     are their own masters: 4 + 4 + 8/N (Adam's two moments).
 
-    "fp32_grads" is what tessel keeps beyond the paper's gradient term: its optimizer reads an fp32
-    gradient of the owned shard (tessel.parallel.zero.gradients), a view of the reduced buffer when
-    that is fp32 and a copy otherwise. whole_grads: the gradients stay whole however the stage
-    divides them (a pipeline accumulates them over the step, then reduce-scatters).
+    What tessel's runtime holds beyond that (tessel.parallel.zero.zero_parallel's table, checked
+    against the real model by tests/calibrate/test_dryrun.py):
+    "fp32_grads": its optimizer reads an fp32 gradient of the owned shard
+    (tessel.parallel.zero.gradients): a view of the reduced buffer when that is fp32, a copy
+    otherwise (stage 1: + 4/N); stages 2, 3 keep the reduced shard in fp32 (+ 2/N over the
+    paper's bf16 shard). Stage 3 with low-precision storage keeps no bf16 shard: the fp32 master
+    is the stored shard and each gather casts it (the gathered units are the cost model's
+    buffers), so "params" is 0 there and the total equals the paper's 16/N.
+    whole_grads: the gradients stay whole however the stage divides them (a pipeline accumulates
+    them over the step, then reduce-scatters them into the owned fp32 shard, kept between steps).
     """
     zp, zg, zo = zero_shards(stage, group)
     if whole_grads:
         zg = 1
     masters = 4 if param_bytes != 4 else 0
-    out = {"params": param_bytes * params / zp, "grads": reduce_bytes * params / zg,
+    stored = 0 if stage >= 3 and masters else param_bytes  # stage 3 stores only the fp32 master shard
+    out = {"params": stored * params / zp, "grads": reduce_bytes * params / zg,
            "optimizer": (8 + masters) * params / zo, "fp32_grads": 0.0}
-    if stage >= 2 and not whole_grads:  # the reduced shard is kept in fp32 whatever was reduced
+    if stage >= 2 and whole_grads:  # the owned shard the whole buffer is reduce-scattered into
+        out["fp32_grads"] = 4 * params / zo
+    elif stage >= 2:  # the reduced shard is kept in fp32 whatever was reduced
         out["fp32_grads"] = (4 - reduce_bytes) * params / zo
     elif stage >= 1 and reduce_bytes != 4:  # stage 1: an fp32 copy of the owned part of the reduced buffer
         out["fp32_grads"] = 4 * params / zo

@@ -50,6 +50,15 @@ from tessel.sharding import shard_axes
 Reducer = Callable[[torch.Tensor, object], object]
 
 
+def is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether `grad` already is `view` of a flat buffer (same storage, same place). Meta tensors
+    (tessel.calibrate.dryrun) all have address 0, so their storages are told apart by object."""
+    if grad.is_meta:
+        return (grad.untyped_storage()._cdata == view.untyped_storage()._cdata
+                and grad.storage_offset() == view.storage_offset())
+    return grad.data_ptr() == view.data_ptr()
+
+
 def native_all_reduce(buf: torch.Tensor, group) -> object:
     return dist.all_reduce(buf, group=group, async_op=True)
 
@@ -180,7 +189,7 @@ class DataParallel(GradientSyncWrapper):
         b_idx, i = self._where[id(p)]
         bucket = self.buckets[b_idx]
         view = bucket.view_of(i)
-        if p.grad.data_ptr() != view.data_ptr():
+        if not is_view(p.grad, view):
             # first gradient since zero_grad(set_to_none=True): move it into the bucket,
             # so later accumulations land in the buffer with no copy
             view.copy_(p.grad)
@@ -210,7 +219,7 @@ class DataParallel(GradientSyncWrapper):
             for i, p in enumerate(bucket.params):
                 if i not in bucket.ready:
                     view = bucket.view_of(i)
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is None or not is_view(p.grad, view):
                         mark_no_gradient(view) if p.grad is None else view.copy_(p.grad)
                         p.grad = view
                     bucket.ready.add(i)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.parallel.data.data_parallel import is_view
 from tessel.parallel.data.unused import NO_GRADIENT, mark_no_gradient
 from tessel.parallel.zero.collectives import all_reduce_gradients, reduce_scatter_gradients
 from tessel.parallel.zero.flat import FlatGroup
@@ -148,7 +149,7 @@ class AllReduceGradients(GradientReduction):
             # accumulate in grad_dtype over micro-steps, not in the parameter's dtype
             view.add_(p.grad)
             p.grad = None
-        elif p.grad.data_ptr() != view.data_ptr():
+        elif not is_view(p.grad, view):
             # autograd made a fresh gradient: keep it in the flat buffer from now on
             view.copy_(p.grad)
             p.grad = view
@@ -167,7 +168,7 @@ class AllReduceGradients(GradientReduction):
         view = g.view_of(i)
         if p.grad is None:
             mark_no_gradient(view)
-        elif p.grad.data_ptr() != view.data_ptr():
+        elif not is_view(p.grad, view):
             view.copy_(p.grad)
         p.grad = view
 

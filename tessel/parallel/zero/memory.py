@@ -32,5 +32,13 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is not None:
             s = t.untyped_storage()
-            seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+            seen[_storage_key(s)] = s.nbytes()
     return sum(seen.values())
+
+
+def _storage_key(s: torch.UntypedStorage) -> int:
+    """One key per storage, shared by its views. A meta storage (a dry run,
+    tessel.calibrate.dryrun) has no address, so it is told apart by its C++ object."""
+    if s.device.type == "meta":
+        return s._cdata
+    return s.data_ptr() if s.nbytes() else id(s)
