@@ -13,8 +13,8 @@ from tessel.planner.layout import Layout
 from tessel.planner.model_spec import preset
 from tessel.planner.search import candidate_layouts
 
-# (preset, model, world): a small model that ZeRO-3 holds anywhere, and 175B at scale
-CASES = [("h100", "gpt3-350m", 16), ("a100", "gpt3-175b", 1024)]
+# (preset, model, world): small models that ZeRO-3 holds anywhere on either preset, and 175B at scale
+CASES = [("h100", "gpt3-350m", 16), ("a100", "gpt3-1.3b", 16), ("a100", "gpt3-175b", 1024)]
 
 
 def test_step_never_beats_its_busiest_link_nor_its_compute():
