@@ -129,6 +129,10 @@ class ModelConfig(Strict):
 class ParallelConfig(Strict):
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    tp_mode: Literal["1d", "2d", "2.5d", "3d"] = Field(
+        "1d", description="tensor parallelism: 1d (Megatron), 2d (SUMMA, tp = q*q), 2.5d (Tesseract, tp = q*q*"
+                          "tp_depth), 3d (tp = c*c*c); see tessel.parallel.tensor_nd")
+    tp_depth: int = Field(1, ge=1, description="2.5d: the grid's depth d (tp = q*q*d)")
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
@@ -280,10 +284,12 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _check_ps(cfg)
     _require(sorted(p.rank_order) == sorted(AXES), "parallel.rank_order",
              f"must be a permutation of {list(AXES)}")
-    _require(m.n_head % p.tp == 0, "parallel.tp", f"model.n_head ({m.n_head}) is not divisible by tp ({p.tp})")
-    _require(m.kv_heads % p.tp == 0, "parallel.tp",
-             f"model.n_kv_head ({m.kv_heads}) is not divisible by tp ({p.tp})")
-    _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
+    if p.tp_mode == "1d":  # a grid mode splits heads and widths over its grid's sides (_check_tp_grid)
+        _require(m.n_head % p.tp == 0, "parallel.tp", f"model.n_head ({m.n_head}) is not divisible by tp ({p.tp})")
+        _require(m.kv_heads % p.tp == 0, "parallel.tp",
+                 f"model.n_kv_head ({m.kv_heads}) is not divisible by tp ({p.tp})")
+        _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
+    _check_tp_grid(cfg)
     stages = p.pp * p.virtual_stages
     _require(m.n_layer >= stages, "parallel.pp",
              f"model.n_layer ({m.n_layer}) is fewer than the pipeline stages (pp*virtual_stages = {stages})")
@@ -422,6 +428,46 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
     _require(family(cfg.model.hf_config) == "mixtral", "parallel.ep", f"a '{kind}' model has no sparse MoE block "
              "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
     _require(p.pp == 1, "parallel.ep", "Mixtral's experts are sharded over ep without a pipeline (pp = 1) so far")
+
+
+def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
+    """q of a q x q (2d) or q x q x depth (2.5d) grid, c of a c x c x c cube (3d); None if tp is no such grid."""
+    root = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
+    cells = tp // depth if mode == "2.5d" else tp
+    side = round(cells ** (1 / root))
+    return side if side >= 2 and side ** root * (depth if mode == "2.5d" else 1) == tp else None
+
+
+def _check_tp_grid(cfg: Config) -> None:
+    """parallel.tp_mode 2d (tessel.parallel.tensor_nd): the tp group must be a q x q grid; the hidden size splits
+    in q*q pieces (embedding and norms), heads, kv heads, feed-forward and vocabulary over q, and each rank's
+    micro-batch over q (rows hold batch chunks). What is not built or tested yet is refused by name."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _require(p.tp_mode in ("1d", "2d") or p.tp == 1, "parallel.tp_mode",
+             f"'{p.tp_mode}' is not implemented yet (tessel has 1d and 2d tensor parallelism)")
+    _require(p.tp_depth == 1 or p.tp_mode == "2.5d", "parallel.tp_depth", "is the depth of a 2.5d grid only")
+    if p.tp_mode == "1d" or p.tp == 1:
+        return
+    q = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)
+    _require(q is not None, "parallel.tp", f"({p.tp}) must be q*q with q >= 2 for tp_mode '{p.tp_mode}' (4, 9, 16, ..)")
+    _require(m.d_model % (q * q) == 0, "model.d_model", f"({m.d_model}) must be divisible by q*q = {q * q} "
+             f"(tp_mode '{p.tp_mode}' splits the embedding and norms in q*q pieces)")
+    for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
+                        ("vocab_size", m.vocab_size)):
+        _require(value % q == 0, f"model.{name}", f"({value}) must be divisible by the grid's side q = {q}")
+    micro = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)
+    _require(micro % q == 0, "train.global_batch", f"each rank's micro-batch ({micro}) must be divisible by the "
+             f"grid's side q = {q} (its rows hold batch chunks)")
+    _require(m.hf_config is None and m.n_experts == 0, "parallel.tp_mode",
+             f"'{p.tp_mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) so far")
+    _require(not m.tie_embeddings, "model.tie_embeddings", f"tp_mode '{p.tp_mode}' splits the embedding and the "
+             "head differently; untie them")
+    _require(not p.sequence_parallel, "parallel.sequence_parallel",
+             f"tp_mode '{p.tp_mode}' already splits activations over its grid")
+    _require(p.pp == 1 and p.zero_stage == 0 and p.dp_arch == "allreduce", "parallel.tp_mode",
+             f"'{p.tp_mode}' composes with dp so far (pp, ZeRO and the parameter server are not tested yet)")
+    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None, "checkpoint.every",
+             f"checkpoints of tp_mode '{p.tp_mode}' (logical tensors) are not written yet")
 
 
 def _check_ps(cfg: Config) -> None:

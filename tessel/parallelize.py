@@ -32,6 +32,7 @@ from tessel.parallel.recompute import recompute_attention_cores, recompute_block
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.tensor.regions import refuse_own_loss
 from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
+from tessel.parallel.tensor_nd.apply import apply_grid_mode
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
 from tessel.train.optim import param_groups
 
@@ -56,6 +57,8 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """
     if mesh.size("tp") == 1:
         return plan
+    if cfg.parallel.tp_mode != "1d":
+        return _apply_grid_mode(plan, mesh, cfg)
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     if cfg.model.hf_config is None:
         moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
@@ -68,6 +71,15 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
     plan.gather_vocab = GatherVocab(ctx)
+    return plan
+
+
+def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """tp_mode 2d (tessel.parallel.tensor_nd): the reference GPT's TP plan, its modules made grid layers."""
+    p = cfg.parallel
+    done = apply_grid_mode(plan.model, gpt_tp_plan([], cfg.model.n_layer), mesh, p.tp_mode, p.tp_depth,
+                           cfg.model.vocab_size)
+    plan.loss_fn, plan.full_logits = done.loss_fn, done.full_logits
     return plan
 
 

@@ -113,6 +113,19 @@ BAD = [
     (["train", "{tmp}/latin1.toml"], "recipe"),  # not UTF-8
     (["train", "{tmp}"], "recipe"),  # a folder
     (["train", "{tmp}/tiny.toml", "--set", "parallel.tp=3"], "parallel.tp"),
+    # tp_mode: the grid's sizes and what it splits (tessel.config._check_tp_grid)
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="4d"'], "parallel.tp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=2"], "parallel.tp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="3d"', "--set", "parallel.tp=8"], "parallel.tp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.tp_depth=2"], "parallel.tp_depth"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=16",
+      "--set", "model.d_model=40"], "model.d_model"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
+      "--set", "model.vocab_size=257"], "model.vocab_size"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
+      "--set", "train.global_batch=2"], "train.global_batch"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
+      "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""', "--set", "train.sample_tokens=8"],

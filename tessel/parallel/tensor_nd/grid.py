@@ -1,0 +1,84 @@
+"""The tensor-parallel group viewed as a grid: q x q (2D), d x q x q (2.5D), c x c x c (3D).
+
+Rank order: the tp group's t-th member (t = its index in mesh.group_ranks(("tp",)))
+sits at the grid coordinates of t unravelled row-major over the grid's shape,
+so the last grid dimension varies fastest. For 2D (shape (q, q)), t = i*q + j:
+row i, column j; for 2.5D (shape (d, q, q)), t = k*q*q + i*q + j (depth k
+outermost). Along each grid dimension a rank has one process group, the ranks
+that share every other coordinate, ordered by their coordinate on that
+dimension (a group's local rank is this rank's coordinate).
+
+Groups are created with torch.distributed.new_group by every rank for every tp
+group of the mesh in the same order (new_group is collective), and handed out
+through the Grid object: nothing is kept in module globals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from tessel.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Grid:
+    """This rank's place on the grid and its process group along each grid dimension."""
+    shape: tuple[int, ...]
+    coords: tuple[int, ...]
+    groups: tuple[object, ...]  # groups[a]: ranks differing only in coordinate a (None if that size is 1)
+    ranks: tuple[tuple[int, ...], ...]  # ranks[a][c]: the global rank at coordinate c along a, others as mine
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def src(self, axis: int, coord: int) -> int:
+        """The global rank at `coord` along grid dimension `axis`, sharing my other coordinates."""
+        return self.ranks[axis][coord]
+
+
+def grid_members(tp_ranks: list[int], shape: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """{global rank: grid coordinates} for one tp group (row-major, see the module docstring)."""
+    if len(tp_ranks) != math.prod(shape):
+        raise ValueError(f"a tp group of {len(tp_ranks)} ranks is not a {'x'.join(map(str, shape))} grid")
+    return dict(zip(tp_ranks, itertools.product(*(range(n) for n in shape))))
+
+
+def _line(members: dict[int, tuple[int, ...]], fixed: tuple[int, ...], axis: int) -> list[int]:
+    """Ranks whose coordinates equal `fixed` except along `axis`, in that axis's order."""
+    by_coords = {c: r for r, c in members.items()}
+    return [by_coords[fixed[:axis] + (k,) + fixed[axis + 1:]] for k in range(len({c[axis] for c in by_coords}))]
+
+
+def build_grid(mesh: Mesh, shape: tuple[int, ...]) -> Grid:
+    """This rank's Grid over its tp group. Collective: every rank of the world calls it."""
+    mine_coords, groups, ranks = None, [None] * len(shape), [()] * len(shape)
+    for tp_ranks in mesh.all_groups(("tp",)):
+        members = grid_members(tp_ranks, shape)
+        for axis in range(len(shape)):
+            seen = set()
+            for coords in members.values():
+                line = tuple(_line(members, coords, axis))
+                if line in seen:
+                    continue
+                seen.add(line)
+                group = dist.new_group(list(line)) if shape[axis] > 1 else None  # every rank takes part
+                if mesh.rank in line:
+                    groups[axis], ranks[axis] = group, line
+        if mesh.rank in members:
+            mine_coords = members[mesh.rank]
+    return Grid(tuple(shape), mine_coords, tuple(groups), tuple(ranks))
+
+
+def describe_grid(mesh: Mesh, shape: tuple[int, ...]) -> str:
+    """Each tp group's grid as text: 'coords -> rank' (printed with the mesh)."""
+    names = {2: "(row, col)", 3: "(depth, row, col)"}
+    lines = [f"tp grid {'x'.join(map(str, shape))}, coordinates {names.get(len(shape), '')}, row-major:"]
+    for tp_ranks in mesh.all_groups(("tp",)):
+        members = grid_members(tp_ranks, shape)
+        lines.append("  " + " ".join(f"{c}->{r}" for r, c in members.items()))
+    return "\n".join(lines)

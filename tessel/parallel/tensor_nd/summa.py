@@ -1,0 +1,275 @@
+"""2D tensor parallelism: SUMMA over a q x q grid (Xu et al. 2021, "An Efficient 2D
+Method for Training Super-Large Deep Learning Models", the Optimus method, as in
+Colossal-AI's legacy nn/layer/parallel_2d).
+
+Layout on the grid (tessel.parallel.tensor_nd.grid: rank (i, j) is tp rank i*q + j):
+
+- activations X (B, T, H): rank (i, j) holds X[batch chunk i, :, hidden chunk j],
+  (B/q, T, H/q); tokens of one sequence stay together, so attention split by heads
+  is local once the heads are split over j.
+- a linear weight W (nn.Linear's [out, in]): rank (i, j) holds W[out chunk j,
+  in chunk i]; Y = X W^T by SUMMA (Xu et al. Algorithm 1): q steps, each
+  broadcasting a panel of X along the row and a panel of W^T along the column,
+  then a local multiply-accumulate. Backward is the same algorithm for C = A B^T
+  and C = A^T B, broadcast-multiply-reduce (Xu et al. section 3.2).
+- an embedding table (V, H) and a norm's weight (H): split over the hidden dim
+  into q^2 pieces, rank (i, j) holding piece j*q + i; a column all-gathers its
+  pieces into hidden chunk j when it computes (backward: reduce-scatter, which
+  also sums the gradients of the q batch chunks).
+- logits (B, T, V): rank (i, j) holds [batch chunk i, :, vocab chunk j]; the loss
+  is Megatron's vocab-parallel cross-entropy along the row, then averaged over the
+  column's batch chunks: the full logits never exist on one rank.
+
+Every parameter is split over all q^2 ranks (no replica inside the tp group), so
+tessel's gradient norm sums it over tp like a 1D shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tessel.parallel.tensor import comm
+from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
+from tessel.parallel.tensor_nd.grid import Grid
+from tessel.sharding import mark_sharded
+
+
+class Summa:
+    """A 2D grid as SUMMA reads it: row i, column j, and the groups along each."""
+
+    def __init__(self, grid: Grid, batch_chunk: int | None = None, batch_chunks: int | None = None):
+        self.grid = grid
+        self.q = grid.shape[-1]
+        self.i, self.j = grid.coords[-2], grid.coords[-1]
+        self.row_group, self.col_group = grid.groups[-1], grid.groups[-2]  # same i over j; same j over i
+        # which slice of the batch this rank holds (2.5D splits it over depth x rows)
+        self.batch_chunk = self.i if batch_chunk is None else batch_chunk
+        self.batch_chunks = self.q if batch_chunks is None else batch_chunks
+
+    def row_src(self, k: int) -> int:
+        return self.grid.src(len(self.grid.shape) - 1, k)  # rank (i, k)
+
+    def col_src(self, k: int) -> int:
+        return self.grid.src(len(self.grid.shape) - 2, k)  # rank (k, j)
+
+
+def _bcast(x: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
+    # a contiguous buffer: empty_like would copy a transposed weight's strides, and the collective
+    # writes the bytes in row-major order
+    buf = x.contiguous() if mine else x.new_empty(x.shape)
+    dist.broadcast(buf, src=src, group=group)
+    return buf
+
+
+def summa_ab(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
+    """C_ij = sum_k A_ik B_kj: broadcast A_ik along row i, B_kj along column j, multiply-accumulate."""
+    c = a.new_zeros(a.size(0), b.size(1))
+    for k in range(s.q):
+        a_k = _bcast(a, s.j == k, s.row_src(k), s.row_group)
+        b_k = _bcast(b, s.i == k, s.col_src(k), s.col_group)
+        c.addmm_(a_k, b_k)
+    return c
+
+
+def summa_abt(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
+    """C_ij = sum_m A_im B_jm^T: for each target column k, broadcast B_kj down column j, multiply,
+    reduce the partial products along row i onto rank (i, k)."""
+    out = None
+    for k in range(s.q):
+        b_k = _bcast(b, s.i == k, s.col_src(k), s.col_group)
+        part = a @ b_k.t()
+        dist.reduce(part, dst=s.row_src(k), group=s.row_group)
+        if s.j == k:
+            out = part
+    return out
+
+
+def summa_atb(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
+    """C_ij = sum_n A_ni^T B_nj: for each target row k, broadcast A_nk along row n, multiply,
+    reduce the partial products down column j onto rank (k, j)."""
+    out = None
+    for k in range(s.q):
+        a_k = _bcast(a, s.j == k, s.row_src(k), s.row_group)
+        part = a_k.t() @ b
+        dist.reduce(part, dst=s.col_src(k), group=s.col_group)
+        if s.i == k:
+            out = part
+    return out
+
+
+class SummaMatmul(torch.autograd.Function):
+    """Y = X W on a q x q grid by SUMMA (Xu et al. 2021, Algorithm 1; Colossal-AI's Matmul_AB_2D).
+
+    Forward: q broadcast steps of X's panel along the row and W's along the column. Backward
+    (Xu et al. section 3.2): dX = dY W^T (Matmul_ABT_2D) and dW = X^T dY (Matmul_ATB_2D), each q
+    steps of broadcast, local multiply and reduce onto the panel's owner.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, s: Summa):
+        ctx.save_for_backward(x, w)
+        ctx.summa = s
+        return summa_ab(x, w, s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        return summa_abt(grad, w, ctx.summa), summa_atb(x, grad, ctx.summa), None
+
+
+class GatherColumn(torch.autograd.Function):
+    """All-gather a parameter's q pieces down the grid's column (forward), reduce-scatter its gradient
+    (backward): Colossal-AI's all_gather_tensor_2d / reduce_scatter_tensor_2d for the 2D embedding and
+    norm weights (Xu et al. 2021). The reduce-scatter also sums the gradients of the column's q batch chunks."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return comm.all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter_dim(grad.contiguous(), ctx.dim, ctx.group), None, None
+
+
+class SumOverRow(torch.autograd.Function):
+    """All-reduce over the row forward and backward: a statistic over the whole hidden dim (the norm's
+    sum of squares) that every rank of the row uses, so each use's gradient reaches every addend."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.clone(), ctx.group), None
+
+
+class MeanOverColumn(torch.autograd.Function):
+    """The mean of the column's per-batch-chunk losses on every rank (all-reduce / n forward). Backward
+    hands each rank 1/n of the gradient: every rank's copy is the same one scalar of the whole batch."""
+
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.n = n
+        return comm.all_reduce(x.clone(), group) / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n, None, None
+
+
+# ---- layers ---------------------------------------------------------------------
+
+def _param(data: torch.Tensor) -> nn.Parameter:
+    p = nn.Parameter(data.detach().clone().contiguous())
+    mark_sharded(p, "tp")  # a block of a 2D split: no single tensor dim (see tensor_nd.logical)
+    return p
+
+
+def hidden_piece(full: torch.Tensor, s: Summa, dim: int = -1) -> torch.Tensor:
+    """Piece j*q + i of q^2 along `dim` (the embedding's and norms' split)."""
+    return full.chunk(s.q, dim=dim)[s.j].chunk(s.q, dim=dim)[s.i]
+
+
+def gather_block(t: torch.Tensor, s: Summa) -> torch.Tensor:
+    """A linear weight (or its gradient) whole from the blocks [out chunk j, in chunk i]; collective."""
+    rows = comm.all_gather_dim(t.detach().contiguous(), 0, s.row_group)  # the j blocks: [out, in/q]
+    return comm.all_gather_dim(rows, 1, s.col_group)  # the i blocks: [out, in]
+
+
+def gather_pieces(t: torch.Tensor, s: Summa, dim: int = -1) -> torch.Tensor:
+    """A tensor split in q^2 hidden pieces (piece j*q + i) whole again; collective."""
+    chunk = comm.all_gather_dim(t.detach().contiguous(), dim, s.col_group)  # pieces of chunk j, by i
+    return comm.all_gather_dim(chunk, dim, s.row_group)  # the chunks, by j
+
+
+class Linear2D(nn.Module):
+    """nn.Linear (no bias) on the grid: rank (i, j) keeps weight[out chunk j, in chunk i]."""
+
+    def __init__(self, linear: nn.Linear, s: Summa):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("2D linear layers take no bias (the reference GPT has none)")
+        self.s = s
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i])  # [out/q, in/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = SummaMatmul.apply(x.flatten(0, -2), self.weight.t(), self.s)  # (N, out/q)
+        return y.view(*x.shape[:-1], -1)
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return gather_block(t, self.s)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, grid={self.s.q}x{self.s.q}, at=({self.s.i}, {self.s.j})"
+
+
+class Embedding2D(nn.Module):
+    """The token table split over the hidden dim in q^2 pieces; rank (i, j) looks up batch chunk i's
+    ids in hidden chunk j (gathered down the column)."""
+
+    def __init__(self, emb: nn.Embedding, s: Summa):
+        super().__init__()
+        self.s = s
+        self.weight = _param(hidden_piece(emb.weight, s))  # (V, H/q^2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        table = GatherColumn.apply(self.weight, -1, self.s.col_group)  # (V, H/q)
+        mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
+        return F.embedding(mine, table)  # (B/q, T, H/q)
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return gather_pieces(t, self.s, -1)
+
+
+class RMSNorm2D(nn.Module):
+    """RMSNorm over hidden chunks: the sum of squares is summed along the row (SumOverRow)."""
+
+    def __init__(self, norm: nn.RMSNorm, s: Summa, hidden: int):
+        super().__init__()
+        self.s, self.hidden = s, hidden
+        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        self.weight = _param(hidden_piece(norm.weight, s))  # (H/q^2,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sq = SumOverRow.apply(x.pow(2).sum(-1, keepdim=True), self.s.row_group)
+        gamma = GatherColumn.apply(self.weight, 0, self.s.col_group)  # (H/q,)
+        return x * torch.rsqrt(sq / self.hidden + self.eps) * gamma
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return gather_pieces(t, self.s, 0)
+
+
+class Loss2D:
+    """loss_fn(logits [batch chunk i, vocab chunk j], targets (B, T) whole): the vocab-parallel
+    cross-entropy along the row, averaged over the batch chunks."""
+
+    def __init__(self, s: Summa, vocab_size: int):
+        self.s, self.vocab_size = s, vocab_size
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        mine = targets.chunk(s.batch_chunks, dim=0)[s.batch_chunk]
+        start = s.j * logits.size(-1)
+        local = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), mine.flatten(), start, self.vocab_size,
+                                                s.row_group)
+        return MeanOverColumn.apply(local, s.col_group, s.q)
+
+
+class FullLogits2D:
+    """model(idx) -> logits over the whole vocabulary for sampling: the prompt is repeated so that every
+    batch chunk holds all of it, and the vocab chunks are gathered along the row."""
+
+    def __init__(self, model: nn.Module, s: Summa):
+        self.model, self.s = model, s
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.model(idx.repeat(self.s.batch_chunks, 1))  # this rank's chunk: the whole prompt
+        return comm.all_gather_dim(logits.contiguous(), -1, self.s.row_group)

@@ -1,0 +1,80 @@
+"""2D tensor parallelism (SUMMA) against one process, through the trainer's own step.
+
+One spawn of 4 ranks (a 2 x 2 grid): 5 steps of the real trainer path (tests.helpers.build_trainer,
+tessel.parallelize, Trainer.train_step), the loss of each step, the gradients of the first step and
+the weights after 3 steps, gathered whole, compared with the same run on one process.
+"""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tessel.parallel.tensor_nd.apply import full_tensors
+from tessel.spawn import spawn
+from tests.helpers import build_trainer, tiny_config
+
+STEPS = 5
+COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",
+          f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4")
+LAYOUTS_4 = {"2d": ["parallel.tp=4", "parallel.tp_mode='2d'"]}
+# fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
+# sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
+# 2x2: loss <= 4.8e-7, gradients <= 1.5e-8 absolute (the largest ~1e-2), weights after 3 steps <= 9e-8. AdamW's first steps move each weight by ~lr * g / |g|, so an entry
+# whose gradient is ~1e-9 may step differently for a rounding difference of 1e-10; WEIGHT_TOL's 5e-5 is
+# 1/20 of one step (lr 1e-3). A wrong block, a missing reduction or a doubled one changes the gradients
+# by O(1) relative and the weights by ~lr, far outside these tolerances.
+LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
+WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
+
+
+def _train(overrides: list[str]) -> dict:
+    """5 trainer steps; the loss of each, the first step's gradients and the weights after 3, whole."""
+    cfg = tiny_config(*COMMON, *overrides)
+    trainer, model, runner, _ = build_trainer(cfg)
+    grid = cfg.parallel.tp_mode != "1d"
+    whole = (lambda grads=False: full_tensors(model, grads)) if grid else \
+        (lambda grads=False: {n: (p.grad if grads else p).detach().clone() for n, p in model.named_parameters()})
+    out: dict = {"losses": []}
+    forward_backward = runner.forward_backward
+
+    def capture(x, y):  # the gradients before clipping and the update zero them
+        loss = forward_backward(x, y)
+        out.setdefault("grads", whole(grads=True))
+        return loss
+
+    runner.forward_backward = capture
+    for step in range(STEPS):
+        out["losses"].append(trainer.train_step(step)["loss"])
+        trainer.state.step = step + 1
+        if step == 2:
+            out["weights"] = whole()
+    return out
+
+
+def _world4() -> dict:
+    return {name: _train(o) for name, o in LAYOUTS_4.items()}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(_world4, 4, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train([])
+
+
+def _compare(got: dict, ref: dict) -> None:
+    assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name in ref["grads"]:
+        assert_close(got["grads"][name], ref["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+        assert_close(got["weights"][name], ref["weights"][name], **WEIGHT_TOL, msg=lambda m, n=name: f"weight {n}: {m}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_parity_world4(world4, reference, layout):
+    for rank, result in enumerate(world4):
+        _compare(result[layout], reference)
