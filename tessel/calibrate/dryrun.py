@@ -33,7 +33,12 @@ from tessel.train.optim import build_optimizer
 
 
 def dry_run(cfg: Config, ranks: list[int]) -> dict[int, dict[str, int]]:
-    """{rank: bytes of params, grads and optimizer state} for each of `ranks` under cfg's layout."""
+    """{rank: bytes of params, grads and optimizer state} for each of `ranks` under cfg's layout.
+
+    Dense models: an MoE block routes by the values of its tokens, which meta tensors do not have."""
+    if cfg.model.n_experts:
+        raise ValueError("the dry run builds dense models only: MoE routing reads token values, "
+                         "which meta tensors do not have")
     return {rank: _one_rank(cfg, rank) for rank in ranks}
 
 

@@ -462,6 +462,8 @@ class CostModel:
             dense += self.spec.embedding_params
         if len(all_chunks) - 1 in chunks:
             dense += self.spec.head_params
+            if self.spec.cfg.tie_embeddings and 0 not in chunks:  # the last stage's copy of the tied embedding
+                dense += self.spec.cfg.vocab_size * self.spec.cfg.d_model
         return dense / lay.tp, expert / (lay.tp * lay.ep)
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:

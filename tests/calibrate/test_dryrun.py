@@ -2,7 +2,7 @@
 
 World 64 on the meta device with torch's fake process group (tessel.calibrate.dryrun): the
 first and last pipeline stages of tp8 x pp2 x dp4 under ZeRO-1, 2 and 3 (fp32 storage: a
-pipeline refuses bf16 storage), and dp8 x tp8 with sequence parallelism and bf16 storage
+pipeline refuses bf16 storage; untied, and tied embeddings), and dp8 x tp8 with sequence parallelism and bf16 storage
 under ZeRO-1, 2 and 3, for a GPT of width 4096. Per rank, the parameter, gradient and
 optimizer-state bytes the real parallelized model holds must be within 2% of the planner's
 (they differ by the flat groups' padding to a multiple of dp, about 0.03% here).
@@ -19,10 +19,11 @@ RAW = {"model": {"vocab_size": 51200, "n_layer": 4, "n_head": 32, "d_model": 409
        "train": {"steps": 10, "warmup_steps": 1, "global_batch": 64, "seq_len": 2048},
        "data": {"source": "synthetic"}, "logging": {"progress": False, "tensorboard": False}}
 PIPELINE = ["parallel.tp=8", "parallel.pp=2", "parallel.dp=4", "parallel.micro_batches=4"]
+TIED = [*PIPELINE, "model.tie_embeddings=true"]  # the last stage holds its own copy of the embedding
 BF16 = ["parallel.tp=8", "parallel.dp=8", "parallel.sequence_parallel=true", 'parallel.zero_param_dtype="bf16"']
 
 
-@pytest.mark.parametrize("layout", [PIPELINE, BF16], ids=["tp8-pp2-dp4", "dp8-tp8-sp-bf16"])
+@pytest.mark.parametrize("layout", [PIPELINE, TIED, BF16], ids=["tp8-pp2-dp4", "tied", "dp8-tp8-sp-bf16"])
 def test_dry_run_bytes_match_the_planner(layout):
     for stage in (1, 2, 3):
         cfg = build_config(RAW, [*layout, f"parallel.zero_stage={stage}"])
