@@ -439,25 +439,27 @@ def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
 
 
 def _check_tp_grid(cfg: Config) -> None:
-    """parallel.tp_mode 2d (tessel.parallel.tensor_nd): the tp group must be a q x q grid; the hidden size splits
-    in q*q pieces (embedding and norms), heads, kv heads, feed-forward and vocabulary over q, and each rank's
-    micro-batch over q (rows hold batch chunks). What is not built or tested yet is refused by name."""
+    """parallel.tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the tp group must be a q x q grid, a
+    q x q x tp_depth grid or a c x c x c cube; the hidden size splits in q*q (c*c*c) pieces (embedding and norms),
+    heads, kv heads, feed-forward and vocabulary over the side, and each rank's micro-batch over the grid's batch
+    chunks (q, q*tp_depth, c*c). What is not built or tested yet is refused by name."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _require(p.tp_mode in ("1d", "2d") or p.tp == 1, "parallel.tp_mode",
-             f"'{p.tp_mode}' is not implemented yet (tessel has 1d and 2d tensor parallelism)")
     _require(p.tp_depth == 1 or p.tp_mode == "2.5d", "parallel.tp_depth", "is the depth of a 2.5d grid only")
     if p.tp_mode == "1d" or p.tp == 1:
         return
-    q = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)
-    _require(q is not None, "parallel.tp", f"({p.tp}) must be q*q with q >= 2 for tp_mode '{p.tp_mode}' (4, 9, 16, ..)")
-    _require(m.d_model % (q * q) == 0, "model.d_model", f"({m.d_model}) must be divisible by q*q = {q * q} "
-             f"(tp_mode '{p.tp_mode}' splits the embedding and norms in q*q pieces)")
+    side = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)
+    shape = {"2d": "q*q", "2.5d": f"q*q*tp_depth (q*q*{p.tp_depth})", "3d": "c*c*c"}[p.tp_mode]
+    _require(side is not None, "parallel.tp", f"({p.tp}) must be {shape} with a side >= 2 for tp_mode '{p.tp_mode}'")
+    pieces = side ** 3 if p.tp_mode == "3d" else side ** 2
+    chunks = {"2d": side, "2.5d": side * p.tp_depth, "3d": side * side}[p.tp_mode]
+    _require(m.d_model % pieces == 0, "model.d_model", f"({m.d_model}) must be divisible by {pieces} "
+             f"(tp_mode '{p.tp_mode}' splits the embedding and norms in {pieces} pieces)")
     for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
                         ("vocab_size", m.vocab_size)):
-        _require(value % q == 0, f"model.{name}", f"({value}) must be divisible by the grid's side q = {q}")
+        _require(value % side == 0, f"model.{name}", f"({value}) must be divisible by the grid's side {side}")
     micro = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)
-    _require(micro % q == 0, "train.global_batch", f"each rank's micro-batch ({micro}) must be divisible by the "
-             f"grid's side q = {q} (its rows hold batch chunks)")
+    _require(micro % chunks == 0, "train.global_batch", f"each rank's micro-batch ({micro}) must be divisible by "
+             f"the {chunks} batch chunks of tp_mode '{p.tp_mode}'")
     _require(m.hf_config is None and m.n_experts == 0, "parallel.tp_mode",
              f"'{p.tp_mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) so far")
     _require(not m.tie_embeddings, "model.tie_embeddings", f"tp_mode '{p.tp_mode}' splits the embedding and the "

@@ -116,7 +116,11 @@ BAD = [
     # tp_mode: the grid's sizes and what it splits (tessel.config._check_tp_grid)
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="4d"'], "parallel.tp_mode"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=2"], "parallel.tp"),
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="3d"', "--set", "parallel.tp=8"], "parallel.tp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="3d"', "--set", "parallel.tp=9"], "parallel.tp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2.5d"', "--set", "parallel.tp=8",
+      "--set", "parallel.tp_depth=3"], "parallel.tp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="3d"', "--set", "parallel.tp=8",
+      "--set", "model.d_model=36", "--set", "model.n_head=2"], "model.d_model"),
     (["train", "{tmp}/tiny.toml", "--set", "parallel.tp_depth=2"], "parallel.tp_depth"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=16",
       "--set", "model.d_model=40"], "model.d_model"),

@@ -34,20 +34,30 @@ import torch.nn.functional as F
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
 from tessel.parallel.tensor_nd.grid import Grid
-from tessel.sharding import mark_sharded
+from tessel.sharding import mark_replica, mark_sharded
 
 
 class Summa:
-    """A 2D grid as SUMMA reads it: row i, column j, and the groups along each."""
+    """A 2D grid as SUMMA reads it: row i, column j, and the groups along each.
 
-    def __init__(self, grid: Grid, batch_chunk: int | None = None, batch_chunks: int | None = None):
+    A 2.5D grid (depth, q, q) is read the same within each depth layer k (Wang et al. 2021): the batch
+    is split over depth x rows (chunk k*q + i), the weights are the same on every layer, and their
+    gradients are summed over the depth group (ReduceOverDepth)."""
+
+    def __init__(self, grid: Grid):
         self.grid = grid
         self.q = grid.shape[-1]
         self.i, self.j = grid.coords[-2], grid.coords[-1]
         self.row_group, self.col_group = grid.groups[-1], grid.groups[-2]  # same i over j; same j over i
-        # which slice of the batch this rank holds (2.5D splits it over depth x rows)
-        self.batch_chunk = self.i if batch_chunk is None else batch_chunk
-        self.batch_chunks = self.q if batch_chunks is None else batch_chunks
+        self.depth = grid.shape[0] if len(grid.shape) == 3 else 1
+        self.k = grid.coords[0] if len(grid.shape) == 3 else 0
+        self.depth_group = grid.groups[0] if len(grid.shape) == 3 else None
+        # which slice of the batch this rank holds
+        self.batch_chunk, self.batch_chunks = self.k * self.q + self.i, self.depth * self.q
+
+    def shared(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight as this layer's computation uses it: under 2.5D its gradient is summed over depth."""
+        return weight if self.depth_group is None else ReduceOverDepth.apply(weight, self.depth_group)
 
     def row_src(self, k: int) -> int:
         return self.grid.src(len(self.grid.shape) - 1, k)  # rank (i, k)
@@ -150,8 +160,23 @@ class SumOverRow(torch.autograd.Function):
         return comm.all_reduce(grad.clone(), ctx.group), None
 
 
+class ReduceOverDepth(torch.autograd.Function):
+    """Tesseract's weight replication (Wang et al. 2021, "2.5-dimensional distributed model training",
+    section 3): every depth layer of the q x q x d grid holds the same weight blocks and multiplies its
+    own batch slice by them; identity forward, all-reduce of the gradient over the depth group backward."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.clone(), ctx.group), None
+
+
 class MeanOverColumn(torch.autograd.Function):
-    """The mean of the column's per-batch-chunk losses on every rank (all-reduce / n forward). Backward
+    """The mean of the group's per-batch-chunk losses on every rank (all-reduce / n forward). Backward
     hands each rank 1/n of the gradient: every rank's copy is the same one scalar of the whole batch."""
 
     @staticmethod
@@ -166,9 +191,11 @@ class MeanOverColumn(torch.autograd.Function):
 
 # ---- layers ---------------------------------------------------------------------
 
-def _param(data: torch.Tensor) -> nn.Parameter:
+def _param(data: torch.Tensor, s: Summa) -> nn.Parameter:
     p = nn.Parameter(data.detach().clone().contiguous())
-    mark_sharded(p, "tp")  # a block of a 2D split: no single tensor dim (see tensor_nd.logical)
+    mark_sharded(p, "tp")  # a block of a 2D split: no single tensor dim (full_tensors gathers it)
+    if s.k > 0:
+        mark_replica(p)  # 2.5D: depth layer 0's copy is the one the gradient norm counts
     return p
 
 
@@ -198,10 +225,10 @@ class Linear2D(nn.Module):
             raise ValueError("2D linear layers take no bias (the reference GPT has none)")
         self.s = s
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i])  # [out/q, in/q]
+        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i], s)  # [out/q, in/q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = SummaMatmul.apply(x.flatten(0, -2), self.weight.t(), self.s)  # (N, out/q)
+        y = SummaMatmul.apply(x.flatten(0, -2), self.s.shared(self.weight).t(), self.s)  # (N, out/q)
         return y.view(*x.shape[:-1], -1)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
@@ -218,10 +245,10 @@ class Embedding2D(nn.Module):
     def __init__(self, emb: nn.Embedding, s: Summa):
         super().__init__()
         self.s = s
-        self.weight = _param(hidden_piece(emb.weight, s))  # (V, H/q^2)
+        self.weight = _param(hidden_piece(emb.weight, s), s)  # (V, H/q^2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        table = GatherColumn.apply(self.weight, -1, self.s.col_group)  # (V, H/q)
+        table = GatherColumn.apply(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
         mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
         return F.embedding(mine, table)  # (B/q, T, H/q)
 
@@ -236,11 +263,11 @@ class RMSNorm2D(nn.Module):
         super().__init__()
         self.s, self.hidden = s, hidden
         self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        self.weight = _param(hidden_piece(norm.weight, s))  # (H/q^2,)
+        self.weight = _param(hidden_piece(norm.weight, s), s)  # (H/q^2,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sq = SumOverRow.apply(x.pow(2).sum(-1, keepdim=True), self.s.row_group)
-        gamma = GatherColumn.apply(self.weight, 0, self.s.col_group)  # (H/q,)
+        gamma = GatherColumn.apply(self.s.shared(self.weight), 0, self.s.col_group)  # (H/q,)
         return x * torch.rsqrt(sq / self.hidden + self.eps) * gamma
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
@@ -249,7 +276,7 @@ class RMSNorm2D(nn.Module):
 
 class Loss2D:
     """loss_fn(logits [batch chunk i, vocab chunk j], targets (B, T) whole): the vocab-parallel
-    cross-entropy along the row, averaged over the batch chunks."""
+    cross-entropy along the row, averaged over the batch chunks (the column's, then the depth's)."""
 
     def __init__(self, s: Summa, vocab_size: int):
         self.s, self.vocab_size = s, vocab_size
@@ -260,7 +287,8 @@ class Loss2D:
         start = s.j * logits.size(-1)
         local = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), mine.flatten(), start, self.vocab_size,
                                                 s.row_group)
-        return MeanOverColumn.apply(local, s.col_group, s.q)
+        loss = MeanOverColumn.apply(local, s.col_group, s.q)
+        return loss if s.depth_group is None else MeanOverColumn.apply(loss, s.depth_group, s.depth)
 
 
 class FullLogits2D:

@@ -1,6 +1,7 @@
-"""2D tensor parallelism (SUMMA) against one process, through the trainer's own step.
+"""2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against one process, through the trainer's step.
 
-One spawn of 4 ranks (a 2 x 2 grid): 5 steps of the real trainer path (tests.helpers.build_trainer,
+Two spawns: 4 ranks (2D on a 2 x 2 grid) and 8 ranks (2.5D on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube,
+dp2 x 2D), each layout 5 steps of the real trainer path (tests.helpers.build_trainer,
 tessel.parallelize, Trainer.train_step), the loss of each step, the gradients of the first step and
 the weights after 3 steps, gathered whole, compared with the same run on one process.
 """
@@ -17,15 +18,25 @@ STEPS = 5
 COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",
           f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4")
 LAYOUTS_4 = {"2d": ["parallel.tp=4", "parallel.tp_mode='2d'"]}
+LAYOUTS_8 = {
+    "2.5d": ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2"],  # 2 x 2 x depth 2
+    "3d": ["parallel.tp=8", "parallel.tp_mode='3d'"],  # a 2 x 2 x 2 cube
+    "dp2_2d": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'"],
+}
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
-# 2x2: loss <= 4.8e-7, gradients <= 1.5e-8 absolute (the largest ~1e-2), weights after 3 steps <= 9e-8. AdamW's first steps move each weight by ~lr * g / |g|, so an entry
+# 2x2: loss <= 4.8e-7, gradients <= 1.5e-8 absolute (the largest ~1e-2), weights after 3 steps <= 9e-8;
+# 2.5D and 3D: loss <= 4.8e-7, gradients <= 2.3e-8, weights <= 1.2e-7. AdamW's first steps move each weight by ~lr * g / |g|, so an entry
 # whose gradient is ~1e-9 may step differently for a rounding difference of 1e-10; WEIGHT_TOL's 5e-5 is
 # 1/20 of one step (lr 1e-3). A wrong block, a missing reduction or a doubled one changes the gradients
 # by O(1) relative and the weights by ~lr, far outside these tolerances.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
+NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 rounding only
+# the share of the model's parameters a rank holds: 1/q^2 (2D), 1/q^2 with every depth layer a copy
+# (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
+PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4}
 
 
 def _train(overrides: list[str]) -> dict:
@@ -35,7 +46,8 @@ def _train(overrides: list[str]) -> dict:
     grid = cfg.parallel.tp_mode != "1d"
     whole = (lambda grads=False: full_tensors(model, grads)) if grid else \
         (lambda grads=False: {n: (p.grad if grads else p).detach().clone() for n, p in model.named_parameters()})
-    out: dict = {"losses": []}
+    out: dict = {"losses": [], "norms": [],
+                 "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     forward_backward = runner.forward_backward
 
     def capture(x, y):  # the gradients before clipping and the update zero them
@@ -45,7 +57,9 @@ def _train(overrides: list[str]) -> dict:
 
     runner.forward_backward = capture
     for step in range(STEPS):
-        out["losses"].append(trainer.train_step(step)["loss"])
+        row = trainer.train_step(step)
+        out["losses"].append(row["loss"])
+        out["norms"].append(row["grad_norm"])
         trainer.state.step = step + 1
         if step == 2:
             out["weights"] = whole()
@@ -54,6 +68,15 @@ def _train(overrides: list[str]) -> dict:
 
 def _world4() -> dict:
     return {name: _train(o) for name, o in LAYOUTS_4.items()}
+
+
+def _world8() -> dict:
+    return {name: _train(o) for name, o in LAYOUTS_8.items()}
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return spawn(_world8, 8, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +91,8 @@ def reference():
 
 def _compare(got: dict, ref: dict) -> None:
     assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
+    # the norm counts each block once: 2.5D's depth copies are replicas (a doubled count would be O(1) off)
+    assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), **NORM_TOL)
     assert got["grads"].keys() == ref["grads"].keys()
     for name in ref["grads"]:
         assert_close(got["grads"][name], ref["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}")
@@ -78,3 +103,11 @@ def _compare(got: dict, ref: dict) -> None:
 def test_parity_world4(world4, reference, layout):
     for rank, result in enumerate(world4):
         _compare(result[layout], reference)
+        assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_8))
+def test_parity_world8(world8, reference, layout):
+    for rank, result in enumerate(world8):
+        _compare(result[layout], reference)
+        assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
