@@ -13,39 +13,44 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, prec
                            moe: bool = False) -> float:
     """Bytes one block keeps for backward, for `tokens` tokens (Korthikanti et al. 2022, redone for this block).
 
-    Counted from tessel.models.gpt.Block: the residual input and the normed
-    input of each sublayer (4 d, kept in fp32, replicated across tp unless
-    sequence parallel); q, k, v before and after rotary, the attention output
-    and the wo input (4 d + 3 d_kv), the SwiGLU gate, silu(gate), up and their
-    product (4 ffn), and the attention's log-sum-exp (n_head floats); these
-    are split by tp. Under bf16 autocast the matmul inputs are also kept as
-    bf16 copies (2 d).
-    An MoE block (tessel.models.moe) keeps, instead of the SwiGLU's 4 ffn, the
-    same 4 ffn for each of a token's top_k expert rows, the dispatched rows and
-    the expert outputs before combining (2 d each per row) and the router's
-    fp32 probabilities (n_experts); tp leaves the MoE feed-forward replicated.
+    Counted from what autograd saves in tessel.models.gpt.Block (tests/planner/test_activation_memory.py
+    measures it), a bytes per activation element (2 under bf16 autocast, else 4):
+    - the residual stream, fp32: each norm keeps its input, its normalised x/rms (4 d) and the
+      rms (2 floats); split by tp under sequence parallelism, else replicated;
+    - the inputs of the column-parallel matmuls: under bf16 autocast a bf16 copy per matmul (wq, wk,
+      wv, SwiGLU's gate and up: 5 d), in fp32 the normed input itself (2 d). Whole on every tp rank,
+      sequence parallel or not: tessel's SP all-gathers the normed input before the matmuls save it;
+    - attention, split by tp: what the attention kernel saves (rotated q, rotated k and v as wide as
+      q once kv heads are repeated or when there are as many, its output and log-sum-exp) and the
+      wo input: 5 q + n_head floats; q and k before rotary are not kept (rotary keeps its tables);
+    - the SwiGLU's gate, silu(gate), up and their product (4 ffn), split by tp.
+    An MoE block (tessel.models.moe) keeps, instead of the SwiGLU's terms, the router's input and
+    for each of a token's top_k expert rows the same 4 ffn, the dispatched row and the expert output
+    (2 d), and the router's fp32 probabilities (n_experts); tp leaves the MoE feed-forward replicated.
     """
     c = spec.cfg
     a = 2 if precision == "bf16" else 4
-    d_kv = c.kv_heads * spec.head_dim
-    replicated = 4 * c.d_model * 4 + (2 * c.d_model * 2 if precision == "bf16" else 0)
-    split = (4 * c.d_model + 3 * d_kv + (0 if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
-    per_token = replicated / (tp if sp else 1) + split / tp
+    q = c.n_head * spec.head_dim
+    stream = 4 * c.d_model * 4 + 2 * 4
+    casts = (3 + (1 if moe else 2)) * c.d_model * 2 if precision == "bf16" else 2 * c.d_model * 4
+    split = (5 * q + (0 if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
+    per_token = stream / (tp if sp else 1) + casts + split / tp
     if moe:
         per_token += c.moe_top_k * (4 * c.ffn_dim + 2 * c.d_model) * a + c.n_experts * 4
     return tokens * per_token
 
 
 def attention_core_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, fused: bool = True) -> float:
-    """What one block's attention core keeps for backward and selective recompute drops (Korthikanti et
-    al. 2022): of layer_activation_bytes' terms, the rotated q and k, the attention output and its
-    log-sum-exp (q, k and v before rotary stay: they are the recomputed region's inputs); without a
-    fused kernel also the T x T probabilities of every head (the 2 a s^2 b / t term of the paper's
-    5 a s^2 b / t, which without dropout is all of it that is saved)."""
+    """What selective recompute (Korthikanti et al. 2022; tessel.parallel.recompute) saves of one block:
+    the core's saved tensors (rotated q, k and v as the kernel sees them, its output, the log-sum-exp:
+    4 q + n_head floats of layer_activation_bytes' terms) less its inputs, which the recomputed
+    region keeps instead (q, k, v before rotary: q + 2 kv); without a fused kernel also the T x T
+    probabilities of every head (the 2 a s^2 b / t term of the paper's 5 a s^2 b / t, which without
+    dropout is all of it that is saved)."""
     c = spec.cfg
     a = 2 if precision == "bf16" else 4
     q, kv = c.n_head * spec.head_dim, c.kv_heads * spec.head_dim
-    per_token = (2 * q + kv) * a + c.n_head * 4
+    per_token = (3 * q - 2 * kv) * a + c.n_head * 4
     if not fused:
         per_token += a * c.n_head * spec.seq_len
     return tokens * per_token / tp
