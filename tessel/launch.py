@@ -318,6 +318,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
     from tessel.models.build import build_model  # deferred: loads torch
     from tessel.parallelize import parallelize  # deferred: loads torch and every strategy
+    from tessel.parallel.tensor_nd.apply import describe_mode  # deferred: loads torch
     from tessel.runtime import init_distributed  # deferred: loads torch
     from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer
     from tessel.train.trainer import Trainer  # deferred: loads torch and every strategy
@@ -336,6 +337,8 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     rank = dist.get_rank()
     if rank == 0:
         print(mesh.describe(), flush=True)
+        if p.tp_mode != "1d" and p.tp > 1:  # the tp group's grid: which rank holds which block
+            print(describe_mode(mesh, p.tp_mode, p.tp, p.tp_depth), flush=True)
     if r.topology and not r.nproc_per_node:  # a `tessel probe` file knows the node size
         mesh.check_topology(Topology.load(r.topology).nproc_per_node)
     else:

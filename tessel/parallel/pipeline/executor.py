@@ -79,7 +79,7 @@ class ScheduleExecutor:
         if len(xs) != self.m or len({t.size(0) for t in xs}) != 1:
             raise ValueError(f"batch of {x.size(0)} does not split into {self.m} equal micro-batches")
         # known ahead, so no shape messages; under sequence parallelism each rank's tokens
-        shape = (xs[0].size(0), x.size(1) // self.spec.seq_shards, self.spec.d_model)
+        shape = self.spec.act_shape(xs[0].size(0), x.size(1))
         return StepState(xs, ys, shape, loss=torch.zeros((), device=self.device),
                          aux=torch.zeros((), device=self.device))
 
@@ -184,7 +184,7 @@ class ScheduleExecutor:
     def forward_only(self, idx: torch.Tensor) -> torch.Tensor | None:
         """One batch down every virtual stage, no gradients; the last stage's output (None elsewhere)."""
         p, rank = self.placement.p, self.placement.rank
-        shape = (idx.size(0), idx.size(1) // self.spec.seq_shards, self.spec.d_model)
+        shape = self.spec.act_shape(idx.size(0), idx.size(1))
         out = None
         for c, chunk in enumerate(self.chunks):
             inp = idx

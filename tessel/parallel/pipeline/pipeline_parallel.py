@@ -21,6 +21,7 @@ from tessel.parallel.pipeline.partition import balanced_layout, param_costs, spl
 from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.pipeline.spec import PipelineSpec
+from tessel.parallel.tensor_nd.apply import activation_shards
 from tessel.parallel.zero.optim import ZeroAdamW
 from tessel.parallel.zero.pipeline import pipeline_zero3
 from tessel.parallel.zero.zero_parallel import zero_parallel
@@ -77,6 +78,7 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
-                        seq_shards=mesh.size("tp") if p.sequence_parallel else 1, vocab_size=cfg.model.vocab_size,
+                        seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
+                        vocab_size=cfg.model.vocab_size,
                         max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics)
     return PipelineRunner(chunks, mesh, spec, sync, optimizer)

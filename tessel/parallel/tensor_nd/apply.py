@@ -44,6 +44,14 @@ def grid_shape(mode: str, tp: int, depth: int = 1) -> tuple[int, ...]:
 Layers = dict[str, Callable[[nn.Module], nn.Module]]
 
 
+def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
+    """(batch chunks, hidden chunks) of an activation on the grid: what a pipeline stage sends. (1, 1) in 1D."""
+    if mode == "1d" or tp == 1:
+        return 1, 1
+    side = grid_shape(mode, tp, depth)[-1]
+    return {"2d": side, "2.5d": side * depth, "3d": side * side}[mode], side
+
+
 def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> tuple[Layers, Callable, Callable]:
     """2D, and 2.5D (SUMMA in each depth layer): the layers, the loss, the sampling logits."""
     s = Summa(grid)
@@ -104,5 +112,6 @@ def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tenso
 
 
 def describe_mode(mesh: Mesh, mode: str, tp: int, depth: int) -> str:
-    return describe_grid(mesh, grid_shape(mode, tp, depth))
+    coordinates = {"2d": "(row, col)", "2.5d": "(depth, row, col)", "3d": "(a, b, e) of the cube"}[mode]
+    return describe_grid(mesh, grid_shape(mode, tp, depth), coordinates)
 

@@ -74,10 +74,9 @@ def build_grid(mesh: Mesh, shape: tuple[int, ...]) -> Grid:
     return Grid(tuple(shape), mine_coords, tuple(groups), tuple(ranks))
 
 
-def describe_grid(mesh: Mesh, shape: tuple[int, ...]) -> str:
+def describe_grid(mesh: Mesh, shape: tuple[int, ...], coordinates: str) -> str:
     """Each tp group's grid as text: 'coords -> rank' (printed with the mesh)."""
-    names = {2: "(row, col)", 3: "(depth, row, col)"}
-    lines = [f"tp grid {'x'.join(map(str, shape))}, coordinates {names.get(len(shape), '')}, row-major:"]
+    lines = [f"tp grid {'x'.join(map(str, shape))}, coordinates {coordinates}, row-major:"]
     for tp_ranks in mesh.all_groups(("tp",)):
         members = grid_members(tp_ranks, shape)
         lines.append("  " + " ".join(f"{c}->{r}" for r, c in members.items()))

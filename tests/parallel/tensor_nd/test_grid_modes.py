@@ -8,6 +8,7 @@ the weights after 3 steps, gathered whole, compared with the same run on one pro
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.testing import assert_close
 
 from tessel.parallel.tensor_nd.apply import full_tensors
@@ -22,6 +23,7 @@ LAYOUTS_8 = {
     "2.5d": ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2"],  # 2 x 2 x depth 2
     "3d": ["parallel.tp=8", "parallel.tp_mode='3d'"],  # a 2 x 2 x 2 cube
     "dp2_2d": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'"],
+    "pp2_2d": ["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.micro_batches=2"],
 }
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
@@ -36,18 +38,31 @@ WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 rounding only
 # the share of the model's parameters a rank holds: 1/q^2 (2D), 1/q^2 with every depth layer a copy
 # (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
-PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4}
+PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4}  # pp2: its stages' shares summed
+
+
+def _whole(model, runner, mesh, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) whole, by name: gathered over tp, then over the pipeline's stages."""
+    chunks = runner.chunks if mesh.size("pp") > 1 else [model]
+    mine = {name: t for chunk in chunks for name, t in full_tensors(chunk, grads).items()}
+    if mesh.size("pp") == 1:
+        return mine
+    stages = [None] * mesh.size("pp")
+    dist.all_gather_object(stages, mine, group=mesh.group("pp"))
+    return {name: t for stage in stages for name, t in stage.items()}
 
 
 def _train(overrides: list[str]) -> dict:
     """5 trainer steps; the loss of each, the first step's gradients and the weights after 3, whole."""
     cfg = tiny_config(*COMMON, *overrides)
-    trainer, model, runner, _ = build_trainer(cfg)
+    trainer, model, runner, mesh = build_trainer(cfg)
     grid = cfg.parallel.tp_mode != "1d"
-    whole = (lambda grads=False: full_tensors(model, grads)) if grid else \
+    whole = (lambda grads=False: _whole(model, runner, mesh, grads)) if grid else \
         (lambda grads=False: {n: (p.grad if grads else p).detach().clone() for n, p in model.named_parameters()})
-    out: dict = {"losses": [], "norms": [],
-                 "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    param_bytes = torch.tensor(sum(p.numel() * p.element_size() for p in runner.parameters()))
+    if mesh.size("pp") > 1:  # the stages' shares together
+        dist.all_reduce(param_bytes, group=mesh.group("pp"))
+    out: dict = {"losses": [], "norms": [], "param_bytes": param_bytes.item()}
     forward_backward = runner.forward_backward
 
     def capture(x, y):  # the gradients before clipping and the update zero them
