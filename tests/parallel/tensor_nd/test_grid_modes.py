@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from tessel.mesh import make_mesh
 from tessel.parallel.tensor_nd.apply import full_tensors
+from tessel.parallel.tensor_nd.cube import STREAM, Cube, Linear3D
+from tessel.parallel.tensor_nd.grid import build_grid
+from tessel.parallel.tensor_nd.summa import Linear2D, Summa
+from tessel.parallel.tensor_nd.traffic import CollectiveRecorder, linear_bytes
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config
 
@@ -38,6 +43,7 @@ WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 rounding only
 # the share of the model's parameters a rank holds: 1/q^2 (2D), 1/q^2 with every depth layer a copy
 # (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
+TRAFFIC = {"batch": 8, "seq": 4, "k": 16, "m": 32}  # one linear layer, X (batch*seq, k) x W (k, m)
 PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4}  # pp2: its stages' shares summed
 
 
@@ -82,11 +88,32 @@ def _train(overrides: list[str]) -> dict:
 
 
 def _world4() -> dict:
-    return {name: _train(o) for name, o in LAYOUTS_4.items()}
+    out = {name: _train(o) for name, o in LAYOUTS_4.items()}
+    out["traffic"] = {"2d": _traffic("2d", (2, 2))}
+    return out
+
+
+def _traffic(mode: str, shape: tuple[int, ...]) -> float:
+    """Bytes this rank sends in one linear layer's forward and backward on a grid of `shape` (recorded)."""
+    mesh = make_mesh({"tp": dist.get_world_size()})
+    grid = build_grid(mesh, shape)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(TRAFFIC["k"], TRAFFIC["m"], bias=False)
+    b, t, k = TRAFFIC["batch"], TRAFFIC["seq"], TRAFFIC["k"]
+    if mode == "3d":
+        layer, rows, width = Linear3D(linear, Cube(grid), STREAM), shape[0] ** 2, shape[0]
+    else:
+        layer, rows, width = Linear2D(linear, Summa(grid)), grid.size // shape[-1], shape[-1]
+    x = torch.randn(b // rows, t, k // width, requires_grad=True)
+    with CollectiveRecorder().recording() as rec:
+        layer(x).sum().backward()
+    return rec.sent
 
 
 def _world8() -> dict:
-    return {name: _train(o) for name, o in LAYOUTS_8.items()}
+    out = {name: _train(o) for name, o in LAYOUTS_8.items()}
+    out["traffic"] = {"2.5d": _traffic("2.5d", (2, 2, 2)), "3d": _traffic("3d", (2, 2, 2))}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +153,14 @@ def test_parity_world8(world8, reference, layout):
     for rank, result in enumerate(world8):
         _compare(result[layout], reference)
         assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
+
+
+def test_bytes_sent_per_layer_match_theory(world4, world8):
+    """Every rank of each grid sends what tessel.parallel.tensor_nd.traffic says, to the byte."""
+    n, k, m = TRAFFIC["batch"] * TRAFFIC["seq"], TRAFFIC["k"], TRAFFIC["m"]
+    theory = {"2d": linear_bytes("2d", n, k, m, 2), "2.5d": linear_bytes("2.5d", n, k, m, 2, depth=2),
+              "3d": linear_bytes("3d", n, k, m, 2)}
+    for world in (world4, world8):
+        for rank, result in enumerate(world):
+            for mode, sent in result["traffic"].items():
+                assert sent == pytest.approx(theory[mode], rel=1e-12), (mode, rank, sent, theory[mode])
