@@ -14,6 +14,8 @@ state_memory (tessel.planner.cost) must predict.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,7 +23,9 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import make_mesh
 from tessel.models.build import build_model
+from tessel.parallel.data.data_parallel import DataParallel
 from tessel.parallel.pipeline.runner import PipelineRunner
+from tessel.parallel.runner import LocalRunner
 from tessel.parallel.zero.memory import state_bytes
 from tessel.parallel.zero.optim import ZeroAdamW
 from tessel.parallelize import parallelize
@@ -88,14 +92,19 @@ def _one_rank(cfg: Config, rank: int) -> dict[str, int]:
         dist.destroy_process_group()
 
 
-def _backward_once(runner, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+def _backward_once(runner: LocalRunner | PipelineRunner,
+                   cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """One sequence forward and backward through each of this rank's chunks, then every reduction;
     returns (the module whose storages count, its optimizer, the gradient bytes before the
     reductions: under a pipeline they accumulate whole over the step, ZeRO-2/3 too)."""
     tokens = torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta")
     if not isinstance(runner, PipelineRunner):
-        out = runner.model(tokens)
-        torch.autograd.backward(out, torch.ones_like(out))
+        # plain DP's reduction asks which gradients are "no gradient" (a read meta cannot do); its
+        # buckets hold the gradients either way. ZeRO's reductions run: stage 2 frees what it reduced
+        skip = runner.model.no_sync() if isinstance(runner.model, DataParallel) else contextlib.nullcontext()
+        with skip:
+            out = runner.model(tokens)
+            torch.autograd.backward(out, torch.ones_like(out))
         optimizer = runner.optimizer or build_optimizer(runner.parameters(), cfg.train)
         return runner.model, optimizer, 0
     chunks, sync = runner.chunks, runner.sync
@@ -106,7 +115,8 @@ def _backward_once(runner, cfg: Config) -> tuple[nn.Module, torch.optim.Optimize
     with sync.whole_parameters():
         for c, chunk in enumerate(chunks):
             out = chunk(tokens if runner.placement.is_first(c) else hidden.requires_grad_(True))
-            sync.before_backward(c, chunk_done=True, rank_done=False)  # ZeRO reduces after the count
+            # reductions after the count (plain DP's never: it reads gradients' values, see above)
+            sync.before_backward(c, chunk_done=False, rank_done=False)
             torch.autograd.backward(out, torch.ones_like(out))
         in_step = state_bytes(engine, optimizer)["grads"]
         if zero is not None:
