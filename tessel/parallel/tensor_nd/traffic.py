@@ -60,7 +60,7 @@ class CollectiveRecorder:
         self.sent += factor * (n - 1) / n * b
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator["CollectiveRecorder"]:
+    def recording(self) -> Iterator[CollectiveRecorder]:
         saved = {name: getattr(dist, name) for name in ("broadcast", "reduce", "all_reduce")}
         gather, scatter = comm._all_gather_single, comm._reduce_scatter_single
 
@@ -70,7 +70,9 @@ class CollectiveRecorder:
                 return fn(*args, group=group, **kw)
             return recorded
 
-        first = lambda args: args[0]  # noqa: E731 - the payload argument of each collective
+        def first(args):  # the payload argument of most collectives
+            return args[0]
+
         try:
             dist.broadcast = wrap("broadcast", saved["broadcast"], 1, first)
             dist.reduce = wrap("reduce", saved["reduce"], 1, first)
@@ -82,3 +84,58 @@ class CollectiveRecorder:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
             comm._all_gather_single, comm._reduce_scatter_single = gather, scatter
+
+
+# ---- the README's table: per layer, per rank, from the formulas above --------------------------
+
+def grid_side(mode: str, devices: int, depth: int | None = None) -> tuple[int, int] | None:
+    """(side, depth) of the grid `devices` ranks make in `mode`, or None (2D needs a square, 3D a cube;
+    2.5D takes the depth that makes a cube of q x q x d with d = q when it can)."""
+    if mode == "1d":
+        return devices, 1
+    if mode == "2d":
+        q = round(devices ** 0.5)
+        return (q, 1) if q * q == devices else None
+    c = round(devices ** (1 / 3))
+    if c ** 3 != devices:
+        return None
+    return (c, c) if mode == "2.5d" else (c, 1)
+
+
+def layer_costs(mode: str, devices: int, tokens: int, hidden: int, elem: int = 2) -> dict[str, float] | None:
+    """One transformer-sized linear (hidden x hidden on `tokens` tokens) in `mode` on `devices` ranks: bytes sent
+    per rank (fwd + bwd), weight bytes and input-activation bytes per rank. None if the mode has no such grid."""
+    grid = grid_side(mode, devices)
+    if grid is None:
+        return None
+    side, depth = grid
+    n, k, m = tokens, hidden, hidden
+    if mode == "1d":  # a column + row pair halves: one all-reduce of N x H per layer fwd or bwd
+        sent = 2 * (devices - 1) / devices * n * k * elem
+        weights, acts = k * m / devices, n * k  # the activation is whole on every rank
+    elif mode == "2.5d":
+        sent = linear_bytes(mode, n, k, m, side, depth, elem)
+        weights, acts = k * m / side ** 2, n * k / (depth * side ** 2)
+    else:
+        sent = linear_bytes(mode, n, k, m, side, depth, elem)
+        cells = side ** 2 if mode == "2d" else side ** 3
+        weights, acts = k * m / cells, n * k / cells
+    return {"sent": sent, "weights": weights * elem, "acts": acts * elem}
+
+
+def table(tokens: int = 8 * 2048, hidden: int = 12288, devices=(8, 64, 512)) -> str:
+    """Markdown: per-layer bytes sent, weight and activation bytes per rank for each mode (bf16)."""
+    mib = 2 ** 20
+    rows = [f"| mode | {' | '.join(f'{d} devices: sent / weights / activations (MiB)' for d in devices)} |",
+            "|---|" + "---|" * len(devices)]
+    for mode in ("1d", "2d", "2.5d", "3d"):
+        cells = []
+        for d in devices:
+            c = layer_costs(mode, d, tokens, hidden)
+            cells.append("-" if c is None else f"{c['sent'] / mib:,.0f} / {c['weights'] / mib:,.1f} / {c['acts'] / mib:,.1f}")
+        rows.append(f"| {mode} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
