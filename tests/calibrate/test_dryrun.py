@@ -6,7 +6,7 @@ first and last pipeline stages of tp8 x pp2 x dp4 without ZeRO and under ZeRO-1,
 with sequence parallelism and bf16 storage under ZeRO-1, 2 and 3, for a GPT of width 4096.
 Per rank, the parameter, gradient and optimizer-state bytes the real parallelized model holds
 must be within 2% of the planner's
-(they differ by the flat groups' padding to a multiple of dp, about 0.03% here).
+(about 0.03% apart here: the planner divides the norm weights by tp, which every tp rank holds whole).
 """
 
 from __future__ import annotations
