@@ -57,3 +57,46 @@ def test_block_saves_what_the_planner_counts(precision, kv_heads):
     full = GPT(cfg)
     recompute_blocks(list(full.layers))  # full recompute: the block's fp32 input alone
     assert saved_bytes(full, precision) == recompute_layer_bytes(spec, B * T, 1, False)
+
+
+def test_sequence_parallel_matmuls_keep_their_input_whole():
+    """Under tp8 + SP a block's norm works on its sequence shard, but the MLP's column-parallel
+    matmuls save the all-gathered input: whole on every tp rank (tessel.parallel.tensor gathers
+    before the matmul; Megatron's SP saves the shard instead). Measured on one rank of a fake
+    world of 8 on the meta device (fp32: autocast does not reach meta tensors), on the MLP half of
+    the block (the attention half takes the math kernel on meta, unlike CPU and GPU runs)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tessel.config import build_config
+    from tessel.mesh import make_mesh
+    from tessel.parallelize import parallelize
+
+    raw = {"model": {"vocab_size": 256, "n_layer": 1, "n_head": 8, "d_model": 128, "max_seq_len": 32},
+           "train": {"steps": 10, "warmup_steps": 1, "global_batch": 8, "seq_len": 32, "precision": "fp32"},
+           "data": {"source": "synthetic"}, "logging": {"progress": False, "tensorboard": False}}
+    cfg = build_config(raw, ["parallel.tp=8", "parallel.sequence_parallel=true"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        block = parallelize(model, make_mesh({"tp": 8}, rank=0), cfg).model.layers[0]
+        skip = {p.untyped_storage()._cdata for p in block.parameters()}  # meta storages have no address
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage()._cdata not in skip:
+                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.zeros(3, 32 // 8, 128, device="meta", requires_grad=True)  # this rank's sequence shard
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block.mlp(block.mlp_norm(x))
+    finally:
+        dist.destroy_process_group()
+    tokens, d, ffn, heads, tp = 3 * 32, 128, cfg.model.ffn_dim, 8, 8
+    mlp_half = tokens * ((2 * d * 4 + 4) / tp + d * 4 + 4 * ffn * 4 / tp)  # norm's x, x/rms, rms; whole input
+    assert sum(seen.values()) == mlp_half
+    attention_half = tokens * ((2 * d * 4 + 4) / tp + d * 4 + (5 * d * 4 + heads * 4) / tp)
+    spec = from_config(cfg.model, 32, 3)
+    assert layer_activation_bytes(spec, tokens, tp, True, "fp32") == mlp_half + attention_half
