@@ -468,8 +468,6 @@ def _check_tp_grid(cfg: Config) -> None:
              f"tp_mode '{p.tp_mode}' already splits activations over its grid")
     _require(p.zero_stage == 0 and p.dp_arch == "allreduce", "parallel.tp_mode",
              f"'{p.tp_mode}' composes with dp and pp so far (ZeRO and the parameter server are not tested yet)")
-    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None, "checkpoint.every",
-             f"checkpoints of tp_mode '{p.tp_mode}' (logical tensors) are not written yet")
 
 
 def _check_ps(cfg: Config) -> None:

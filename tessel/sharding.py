@@ -17,6 +17,9 @@ record:
   then not one piece of the dim, so the axis has no entry in `dims` (a reader
   that cuts plain pieces, a checkpoint, refuses it rather than misplace it).
 
+- `placement`: a layout no (axis, dim) pair says (a block of a 2D / 2.5D / 3D tp grid, split on two
+  dims inside the one tp axis); it builds its own DTensor for checkpoints (tessel.parallel.tensor_nd.grid).
+
 Strategies mark parameters as they cut them (tensor, expert, then ZeRO, which
 copies the marks of what it flattens onto its segments: so a mark must be set
 before ZeRO runs, which tessel.parallelize's fixed order guarantees). Readers:
@@ -28,10 +31,19 @@ reducers (the axes a gradient still needs reducing over), checkpoints
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 ATTR = "tessel_sharding"
+
+
+class Placement(Protocol):
+    """A shard whose layout no (axis, dim) pair says (a block of a 2D / 2.5D / 3D tp grid, split on two dims
+    inside the one tp axis): it makes its own DTensor of the logical tensor for checkpoints."""
+    shape: tuple[int, ...]  # the logical tensor's
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,16 @@ class Sharding:
     logical_shape: tuple[int, ...] | None = None
     replica: bool = False
     packed: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, parts): see mark_packed
+    placement: Placement | None = None  # see set_placement
+
+
+def set_placement(p: torch.Tensor, placement: Placement) -> None:
+    """p's layout as a DTensor placement of its own (tessel.parallel.tensor_nd's grid blocks)."""
+    _set(p, replace(sharding(p), placement=placement))
+
+
+def placement(p: torch.Tensor) -> Placement | None:
+    return sharding(p).placement
 
 
 def sharding(p: torch.Tensor) -> Sharding:

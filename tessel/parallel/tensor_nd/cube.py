@@ -29,12 +29,13 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
 from tessel.parallel.tensor_nd.summa import MeanOverColumn, SumOverRow
-from tessel.sharding import mark_sharded
+from tessel.sharding import mark_sharded, set_placement
 
 STREAM = (2, 1)  # the residual stream's layout L(s, r)
 MIXED = (1, 2)  # between a pair of linear layers (attention heads, the SwiGLU's hidden)
+HIDDEN_ORDER = (1, 0, 2)  # a norm's or the embedding's hidden dim: chunk on axis 1, pieces on axes 0 then 2
 
 
 class GatherCube(torch.autograd.Function):
@@ -69,15 +70,19 @@ class Cube:
     """This rank on the cube: its coordinates and the group along each axis."""
 
     def __init__(self, grid: Grid):
-        self.c, self.coords, self.groups = grid.shape[0], grid.coords, grid.groups
+        self.grid, self.c, self.coords, self.groups = grid, grid.shape[0], grid.coords, grid.groups
 
     def batch_chunk(self, layout: tuple[int, int]) -> int:
         return self.coords[0] * self.c + self.coords[layout[0]]
 
 
-def _param(data: torch.Tensor) -> nn.Parameter:
+def _param(data: torch.Tensor, cube: Cube, full: torch.Tensor, order: tuple[int, ...],
+           dims: tuple[int, ...]) -> nn.Parameter:
+    """A parameter holding `data`, this rank's piece of `full`: the cube's axes in `order` split the tensor
+    dims `dims`, outer to inner where two split the same dim (a DTensor placement for checkpoints)."""
     p = nn.Parameter(data.detach().clone().contiguous())
     mark_sharded(p, "tp")  # a piece of a 3D split: no single tensor dim (full_tensors gathers it)
+    set_placement(p, GridPlacement(cube.grid, order, dims, tuple(full.shape)))
     return p
 
 
@@ -96,7 +101,7 @@ class Linear3D(nn.Module):
         s, r = layout
         c, at = cube.c, cube.coords
         block = linear.weight.chunk(c, 0)[at[s]].chunk(c, 1)[at[r]]  # [out chunk s, in chunk r]
-        self.weight = _param(block.chunk(c, 0)[at[0]])  # its piece on axis 0
+        self.weight = _param(block.chunk(c, 0)[at[0]], cube, linear.weight, (s, 0, r), (0, 0, 1))  # piece on axis 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, r = self.layout
@@ -133,7 +138,7 @@ class Embedding3D(nn.Module):
     def __init__(self, emb: nn.Embedding, cube: Cube):
         super().__init__()
         self.cube = cube
-        self.weight = _param(_hidden_piece(emb.weight, cube))  # (V, H/c^3)
+        self.weight = _param(_hidden_piece(emb.weight, cube), cube, emb.weight, HIDDEN_ORDER, (1, 1, 1))  # (V, H/c^3)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mine = idx.chunk(self.cube.c ** 2, dim=0)[self.cube.batch_chunk(STREAM)]
@@ -150,7 +155,7 @@ class RMSNorm3D(nn.Module):
         super().__init__()
         self.cube, self.hidden = cube, hidden
         self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        self.weight = _param(_hidden_piece(norm.weight, cube))  # (H/c^3,)
+        self.weight = _param(_hidden_piece(norm.weight, cube), cube, norm.weight, HIDDEN_ORDER, (0, 0, 0))  # (H/c^3,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sq = SumOverRow.apply(x.pow(2).sum(-1, keepdim=True), self.cube.groups[STREAM[1]])

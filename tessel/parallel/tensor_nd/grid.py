@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessel.mesh import Mesh
 
@@ -31,10 +34,21 @@ class Grid:
     coords: tuple[int, ...]
     groups: tuple[object, ...]  # groups[a]: ranks differing only in coordinate a (None if that size is 1)
     ranks: tuple[tuple[int, ...], ...]  # ranks[a][c]: the global rank at coordinate c along a, others as mine
+    members: tuple[int, ...] = ()  # this tp group's global ranks, row-major over the grid
+    _meshes: dict = field(default_factory=dict, compare=False, repr=False)  # DeviceMeshes by axis order
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    def device_mesh(self, order: tuple[int, ...]):
+        """A torch DeviceMesh over this tp group with the grid's axes in `order` (nested shards of one tensor
+        dim follow the mesh's dims): made from the grid's own groups, no new process group, no collective."""
+        if order not in self._meshes:
+            ranks = torch.tensor(self.members).reshape(self.shape).permute(order)
+            self._meshes[order] = DeviceMesh.from_group([self.groups[a] for a in order], "cpu", mesh=ranks,
+                                                         mesh_dim_names=tuple(f"grid{a}" for a in order))
+        return self._meshes[order]
 
     def src(self, axis: int, coord: int) -> int:
         """The global rank at `coord` along grid dimension `axis`, sharing my other coordinates."""
@@ -56,7 +70,7 @@ def _line(members: dict[int, tuple[int, ...]], fixed: tuple[int, ...], axis: int
 
 def build_grid(mesh: Mesh, shape: tuple[int, ...]) -> Grid:
     """This rank's Grid over its tp group. Collective: every rank of the world calls it."""
-    mine_coords, groups, ranks = None, [None] * len(shape), [()] * len(shape)
+    mine_coords, mine_members, groups, ranks = None, (), [None] * len(shape), [()] * len(shape)
     for tp_ranks in mesh.all_groups(("tp",)):
         members = grid_members(tp_ranks, shape)
         for axis in range(len(shape)):
@@ -70,8 +84,8 @@ def build_grid(mesh: Mesh, shape: tuple[int, ...]) -> Grid:
                 if mesh.rank in line:
                     groups[axis], ranks[axis] = group, line
         if mesh.rank in members:
-            mine_coords = members[mesh.rank]
-    return Grid(tuple(shape), mine_coords, tuple(groups), tuple(ranks))
+            mine_coords, mine_members = members[mesh.rank], tuple(tp_ranks)
+    return Grid(tuple(shape), mine_coords, tuple(groups), tuple(ranks), mine_members)
 
 
 def describe_grid(mesh: Mesh, shape: tuple[int, ...], coordinates: str) -> str:
@@ -81,3 +95,20 @@ def describe_grid(mesh: Mesh, shape: tuple[int, ...], coordinates: str) -> str:
         members = grid_members(tp_ranks, shape)
         lines.append("  " + " ".join(f"{c}->{r}" for r, c in members.items()))
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class GridPlacement:
+    """A grid block's place in its logical tensor, as a DTensor (tessel.sharding.Placement): the grid's axes
+    in `order` become the DeviceMesh's dims, `dims[n]` the tensor dim the n-th of them splits (None:
+    replicated along it, 2.5D's depth). Checkpoints save the logical tensor and any layout reads it back."""
+    grid: Grid
+    order: tuple[int, ...]
+    dims: tuple[int | None, ...]
+    shape: tuple[int, ...]
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        placements = [Replicate() if d is None else Shard(d) for d in self.dims]
+        stride = torch.empty(self.shape, device="meta").stride()
+        return DTensor.from_local(local, self.grid.device_mesh(self.order), placements, run_check=False,
+                                  shape=torch.Size(self.shape), stride=stride)

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid
-from tessel.sharding import mark_replica, mark_sharded
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
+from tessel.sharding import mark_replica, mark_sharded, set_placement
 
 
 class Summa:
@@ -191,9 +191,17 @@ class MeanOverColumn(torch.autograd.Function):
 
 # ---- layers ---------------------------------------------------------------------
 
-def _param(data: torch.Tensor, s: Summa) -> nn.Parameter:
+def _param(data: torch.Tensor, s: Summa, full: torch.Tensor, by_i: int, by_j: int, j_outer: bool = False) -> nn.Parameter:
+    """A parameter holding `data`, this rank's block of `full`: tensor dim by_i split over the grid's rows
+    (i), by_j over its columns (j); when both split one dim, j_outer says j's chunks hold i's pieces."""
     p = nn.Parameter(data.detach().clone().contiguous())
     mark_sharded(p, "tp")  # a block of a 2D split: no single tensor dim (full_tensors gathers it)
+    rank = len(s.grid.shape)
+    i_axis, j_axis = rank - 2, rank - 1
+    order, dims = ((j_axis, i_axis), (by_j, by_i)) if j_outer else ((i_axis, j_axis), (by_i, by_j))
+    if rank == 3:  # 2.5D: the same block on every depth layer
+        order, dims = (0, *order), (None, *dims)
+    set_placement(p, GridPlacement(s.grid, order, dims, tuple(full.shape)))
     if s.k > 0:
         mark_replica(p)  # 2.5D: depth layer 0's copy is the one the gradient norm counts
     return p
@@ -225,7 +233,7 @@ class Linear2D(nn.Module):
             raise ValueError("2D linear layers take no bias (the reference GPT has none)")
         self.s = s
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i], s)  # [out/q, in/q]
+        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i], s, linear.weight, 1, 0)  # [out/q, in/q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SummaMatmul.apply(x.flatten(0, -2), self.s.shared(self.weight).t(), self.s)  # (N, out/q)
@@ -245,7 +253,7 @@ class Embedding2D(nn.Module):
     def __init__(self, emb: nn.Embedding, s: Summa):
         super().__init__()
         self.s = s
-        self.weight = _param(hidden_piece(emb.weight, s), s)  # (V, H/q^2)
+        self.weight = _param(hidden_piece(emb.weight, s), s, emb.weight, 1, 1, j_outer=True)  # (V, H/q^2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         table = GatherColumn.apply(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
@@ -263,7 +271,7 @@ class RMSNorm2D(nn.Module):
         super().__init__()
         self.s, self.hidden = s, hidden
         self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        self.weight = _param(hidden_piece(norm.weight, s), s)  # (H/q^2,)
+        self.weight = _param(hidden_piece(norm.weight, s), s, norm.weight, 0, 0, j_outer=True)  # (H/q^2,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sq = SumOverRow.apply(x.pow(2).sum(-1, keepdim=True), self.s.row_group)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tessel.axes import AXES
 from tessel.mesh import Mesh
 from tessel.parallel.runner import Runner, strip_wrappers
-from tessel.sharding import logical_shape, shard_axes, shard_dims
+from tessel.sharding import logical_shape, placement, shard_axes, shard_dims
 from tessel.train.checkpoint.manifest import CheckpointError
 
 OPTIM_PREFIX = "optim/"
@@ -75,6 +75,9 @@ class LogicalView:
         return [Shard(dims[a]) if a in axes else Replicate() for a in self.axes]
 
     def logical_shape(self, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Size:
+        own = placement(like)
+        if own is not None:  # a tp grid's block (tessel.parallel.tensor_nd)
+            return torch.Size(own.shape)
         given = logical_shape(like)
         if given is not None:
             return torch.Size(given)
@@ -87,6 +90,9 @@ class LogicalView:
 
     def to_logical(self, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
         """local shard (of `like`'s layout) -> DTensor of the logical tensor, or the tensor if replicated."""
+        own = placement(like)
+        if own is not None:  # a tp grid's block: its own DTensor over the grid (tessel.parallel.tensor_nd)
+            return own.as_dtensor(local.detach())
         placements = self._placements(like, name)
         local = local.detach()
         if placements is None:

@@ -18,6 +18,7 @@ from tessel.parallel.tensor_nd.grid import build_grid
 from tessel.parallel.tensor_nd.summa import Linear2D, Summa
 from tessel.parallel.tensor_nd.traffic import CollectiveRecorder, linear_bytes
 from tessel.spawn import spawn
+from tessel.train.checkpoint.read import read_model_tensors
 from tests.helpers import build_trainer, tiny_config
 
 STEPS = 5
@@ -87,9 +88,19 @@ def _train(overrides: list[str]) -> dict:
     return out
 
 
-def _world4() -> dict:
+def _fit(root: str, name: str, *overrides: str) -> list[float]:
+    cfg = tiny_config(*COMMON, "checkpoint.every=3", "fault.heartbeat_s=0", *overrides, out_dir=f"{root}/{name}")
+    return build_trainer(cfg)[0].fit().losses
+
+
+def _world4(root: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_4.items()}
     out["traffic"] = {"2d": _traffic("2d", (2, 2))}
+    # saved in 2D at step 3, resumed in 1D (tp4): the logical tensors, whatever the layout
+    out["root"] = root
+    out["saved_2d"] = _fit(root, "saved_2d", *LAYOUTS_4["2d"])
+    out["resumed_1d"] = _fit(root, "resumed_1d", "parallel.tp=4",
+                             f'checkpoint.resume="{root}/saved_2d/checkpoints/step_00000003"')
     return out
 
 
@@ -110,20 +121,24 @@ def _traffic(mode: str, shape: tuple[int, ...]) -> float:
     return rec.sent
 
 
-def _world8() -> dict:
+def _world8(root: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_8.items()}
     out["traffic"] = {"2.5d": _traffic("2.5d", (2, 2, 2)), "3d": _traffic("3d", (2, 2, 2))}
+    # saved on the 3D cube at step 3, resumed as dp2 x 2D
+    out["saved_3d"] = _fit(root, "saved_3d", *LAYOUTS_8["3d"])
+    out["resumed_2d"] = _fit(root, "resumed_2d", *LAYOUTS_8["dp2_2d"],
+                             f'checkpoint.resume="{root}/saved_3d/checkpoints/step_00000003"')
     return out
 
 
 @pytest.fixture(scope="module")
-def world8():
-    return spawn(_world8, 8, timeout=300)
+def world8(tmp_path_factory):
+    return spawn(_world8, 8, str(tmp_path_factory.mktemp("cube")), timeout=300)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return spawn(_world4, 4, timeout=240)
+def world4(tmp_path_factory):
+    return spawn(_world4, 4, str(tmp_path_factory.mktemp("grid")), timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +179,23 @@ def test_bytes_sent_per_layer_match_theory(world4, world8):
         for rank, result in enumerate(world):
             for mode, sent in result["traffic"].items():
                 assert sent == pytest.approx(theory[mode], rel=1e-12), (mode, rank, sent, theory[mode])
+
+
+def test_saved_in_2d_resumes_in_1d(world4, reference):
+    """Checkpoints hold logical tensors (weights and AdamW moments): the 2D run's step-3 checkpoint holds the
+    one-process run's weights after 3 steps, whole, and the 1D run resumed from it takes steps 4 and 5 like
+    the 2D run itself, within the parity tolerance."""
+    saved = read_model_tensors(f"{world4[0]['root']}/saved_2d/checkpoints/step_00000003")
+    assert saved.keys() == reference["weights"].keys()
+    for name, weight in reference["weights"].items():
+        assert_close(saved[name], weight, **WEIGHT_TOL, msg=lambda m, n=name: f"saved {n}: {m}")
+    for result in world4:
+        assert len(result["resumed_1d"]) == 2
+        assert_close(torch.tensor(result["resumed_1d"]), torch.tensor(result["saved_2d"][3:]), **LOSS_TOL)
+
+
+def test_saved_in_3d_resumes_in_2d(world8):
+    """The cube's step-3 checkpoint resumed under dp2 x 2D: steps 4 and 5 as the 3D run took them."""
+    for result in world8:
+        assert len(result["resumed_2d"]) == 2
+        assert_close(torch.tensor(result["resumed_2d"]), torch.tensor(result["saved_3d"][3:]), **LOSS_TOL)
