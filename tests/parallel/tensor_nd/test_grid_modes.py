@@ -26,10 +26,13 @@ COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n
           f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4")
 LAYOUTS_4 = {"2d": ["parallel.tp=4", "parallel.tp_mode='2d'"]}
 LAYOUTS_8 = {
-    "2.5d": ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2"],  # 2 x 2 x depth 2
+    "2.5d": ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2",  # 2 x 2 x depth 2
+             "parallel.recompute='selective'"],
     "3d": ["parallel.tp=8", "parallel.tp_mode='3d'"],  # a 2 x 2 x 2 cube
     "dp2_2d": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'"],
-    "pp2_2d": ["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.micro_batches=2"],
+    "pp2_2d": ["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.micro_batches=2",
+               "parallel.recompute='full'"],
+    "dp2_2d_zero1": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.zero_stage=1"],
 }
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
@@ -45,7 +48,7 @@ NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 
 # the share of the model's parameters a rank holds: 1/q^2 (2D), 1/q^2 with every depth layer a copy
 # (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
 TRAFFIC = {"batch": 8, "seq": 4, "k": 16, "m": 32}  # one linear layer, X (batch*seq, k) x W (k, m)
-PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4}  # pp2: its stages' shares summed
+PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4}  # pp2: its stages' shares summed
 
 
 def _whole(model, runner, mesh, grads: bool) -> dict[str, torch.Tensor]:
