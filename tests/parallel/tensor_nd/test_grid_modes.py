@@ -48,6 +48,8 @@ NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 
 # the share of the model's parameters a rank holds: 1/q^2 (2D), 1/q^2 with every depth layer a copy
 # (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
 TRAFFIC = {"batch": 8, "seq": 4, "k": 16, "m": 32}  # one linear layer, X (batch*seq, k) x W (k, m)
+# the residual stream's share per rank: batch chunks x hidden chunks = q*q (2D), d*q*q (2.5D), c*c*c (3D)
+STREAM_SHARE = {"2d": 4, "2.5d": 8, "3d": 8, "dp2_2d": 4, "dp2_2d_zero1": 4}
 PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4}  # pp2: its stages' shares summed
 
 
@@ -81,6 +83,10 @@ def _train(overrides: list[str]) -> dict:
         return loss
 
     runner.forward_backward = capture
+    if mesh.size("pp") == 1:  # the residual stream each block reads: this rank's share of it
+        for block in model.layers:
+            block.register_forward_pre_hook(lambda m, args: out.__setitem__(
+                "stream_bytes", max(out.get("stream_bytes", 0), args[0].numel() * args[0].element_size())))
     for step in range(STEPS):
         row = trainer.train_step(step)
         out["losses"].append(row["loss"])
@@ -149,6 +155,13 @@ def reference():
     return _train([])
 
 
+def _check_stream(got: dict, ref: dict, layout: str) -> None:
+    """Activation bytes: a block's input on one rank is the one-process batch's / (dp x the grid's share)."""
+    if layout in STREAM_SHARE:
+        dp = 2 if layout.startswith("dp2") else 1
+        assert got["stream_bytes"] * dp * STREAM_SHARE[layout] == ref["stream_bytes"], layout
+
+
 def _compare(got: dict, ref: dict) -> None:
     assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
     # the norm counts each block once: 2.5D's depth copies are replicas (a doubled count would be O(1) off)
@@ -163,6 +176,7 @@ def _compare(got: dict, ref: dict) -> None:
 def test_parity_world4(world4, reference, layout):
     for rank, result in enumerate(world4):
         _compare(result[layout], reference)
+        _check_stream(result[layout], reference, layout)
         assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
 
 
@@ -170,6 +184,7 @@ def test_parity_world4(world4, reference, layout):
 def test_parity_world8(world8, reference, layout):
     for rank, result in enumerate(world8):
         _compare(result[layout], reference)
+        _check_stream(result[layout], reference, layout)
         assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
 
 
