@@ -445,6 +445,8 @@ def _check_tp_grid(cfg: Config) -> None:
     chunks (q, q*tp_depth, c*c). What is not built or tested yet is refused by name."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(p.tp_depth == 1 or p.tp_mode == "2.5d", "parallel.tp_depth", "is the depth of a 2.5d grid only")
+    _require(p.tp_mode != "2.5d" or p.tp == 1 or p.tp_depth >= 2, "parallel.tp_depth",
+             "a 2.5d grid needs a depth >= 2 (depth 1 is tp_mode '2d')")
     if p.tp_mode == "1d" or p.tp == 1:
         return
     side = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)

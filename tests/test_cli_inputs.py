@@ -122,6 +122,7 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="3d"', "--set", "parallel.tp=8",
       "--set", "model.d_model=36", "--set", "model.n_head=2"], "model.d_model"),
     (["train", "{tmp}/tiny.toml", "--set", "parallel.tp_depth=2"], "parallel.tp_depth"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2.5d"', "--set", "parallel.tp=4"], "parallel.tp_depth"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=16",
       "--set", "model.d_model=40"], "model.d_model"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
