@@ -15,7 +15,7 @@ the residual stream per rank 0.12x (2.5D, 3D) and 0.25x (2D) of 1D's, parameters
 
 On CPU (gloo) this measures the algorithms' message counts and sizes on shared memory, not a GPU fabric:
 SUMMA's q broadcasts per matmul cost latency that 1D's one all-reduce does not; the bytes per rank are what
-shrink (python -m tessel.parallel.tensor_nd.traffic prints the per-layer formulas at 8-512 devices).
+shrink (python -m tessel.planner.tp_grid prints the per-layer formulas at 8-512 devices).
 
     PYTHONPATH=$PWD python benchmarks/tp_nd.py [--steps 8] [--d-model 256] [--layers 4]
 """

@@ -16,7 +16,8 @@ from tessel.parallel.tensor_nd.apply import full_tensors
 from tessel.parallel.tensor_nd.cube import STREAM, Cube, Linear3D
 from tessel.parallel.tensor_nd.grid import build_grid
 from tessel.parallel.tensor_nd.summa import Linear2D, Summa
-from tessel.parallel.tensor_nd.traffic import CollectiveRecorder, linear_bytes
+from tessel.parallel.tensor_nd.traffic import CollectiveRecorder
+from tessel.planner.tp_grid import linear_bytes
 from tessel.spawn import spawn
 from tessel.train.checkpoint.read import read_model_tensors
 from tests.helpers import build_trainer, tiny_config
@@ -189,7 +190,7 @@ def test_parity_world8(world8, reference, layout):
 
 
 def test_bytes_sent_per_layer_match_theory(world4, world8):
-    """Every rank of each grid sends what tessel.parallel.tensor_nd.traffic says, to the byte."""
+    """Every rank of each grid sends what the planner's tessel.planner.tp_grid.linear_bytes says, to the byte."""
     n, k, m = TRAFFIC["batch"] * TRAFFIC["seq"], TRAFFIC["k"], TRAFFIC["m"]
     theory = {"2d": linear_bytes("2d", n, k, m, 2), "2.5d": linear_bytes("2.5d", n, k, m, 2, depth=2),
               "3d": linear_bytes("3d", n, k, m, 2)}
