@@ -111,6 +111,10 @@ def _world4(root: str) -> dict:
     out["saved_2d"] = _fit(root, "saved_2d", *LAYOUTS_4["2d"])
     out["resumed_1d"] = _fit(root, "resumed_1d", "parallel.tp=4",
                              f'checkpoint.resume="{root}/saved_2d/checkpoints/step_00000003"')
+    # and the reverse: saved in 1D (tp4), resumed on the 2 x 2 grid
+    out["saved_1d"] = _fit(root, "saved_1d", "parallel.tp=4")
+    out["resumed_2d"] = _fit(root, "resumed_2d", *LAYOUTS_4["2d"],
+                             f'checkpoint.resume="{root}/saved_1d/checkpoints/step_00000003"')
     return out
 
 
@@ -200,16 +204,17 @@ def test_bytes_sent_per_layer_match_theory(world4, world8):
                 assert sent == pytest.approx(theory[mode], rel=1e-12), (mode, rank, sent, theory[mode])
 
 
-def test_saved_in_2d_resumes_in_1d(world4, reference):
+def test_saved_in_2d_resumes_in_1d_and_back(world4, reference):
     """Checkpoints hold logical tensors (weights and AdamW moments): the 2D run's step-3 checkpoint holds the
     one-process run's weights after 3 steps, whole, and the 1D run resumed from it takes steps 4 and 5 like
-    the 2D run itself, within the parity tolerance."""
+    the 2D run itself, within the parity tolerance; a 1D checkpoint resumes on the grid likewise."""
     saved = read_model_tensors(f"{world4[0]['root']}/saved_2d/checkpoints/step_00000003")
     assert saved.keys() == reference["weights"].keys()
     for name, weight in reference["weights"].items():
         assert_close(saved[name], weight, **WEIGHT_TOL, msg=lambda m, n=name: f"saved {n}: {m}")
     for result in world4:
-        assert len(result["resumed_1d"]) == 2
+        assert len(result["resumed_1d"]) == len(result["resumed_2d"]) == 2
+        assert_close(torch.tensor(result["resumed_2d"]), torch.tensor(result["saved_1d"][3:]), **LOSS_TOL)
         assert_close(torch.tensor(result["resumed_1d"]), torch.tensor(result["saved_2d"][3:]), **LOSS_TOL)
 
 
