@@ -468,8 +468,8 @@ def _check_tp_grid(cfg: Config) -> None:
              "head differently; untie them")
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
              f"tp_mode '{p.tp_mode}' already splits activations over its grid")
-    _require(p.zero_stage <= 1 and p.dp_arch == "allreduce", "parallel.tp_mode",
-             f"'{p.tp_mode}' composes with dp, ZeRO-1 and pp so far (ZeRO-2/3 and the parameter server are not "
+    _require(p.zero_stage <= 2 and p.dp_arch == "allreduce", "parallel.tp_mode",
+             f"'{p.tp_mode}' composes with dp, ZeRO-1/2 and pp so far (ZeRO-3 and the parameter server are not "
              "tested yet)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
