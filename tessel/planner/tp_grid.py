@@ -31,7 +31,8 @@ def linear_bytes(mode: str, n: int, k: int, m: int, side: int, depth: int = 1, e
     if mode == "2d":
         return 3 * (side - 1) / side ** 2 * (n * k + k * m) * elem
     if mode == "2.5d":
-        return (3 * (side - 1) / side ** 2 * (n * k / depth + k * m) + 2 * (depth - 1) / depth * k * m / side ** 2) * elem
+        summa = 3 * (side - 1) / side ** 2 * (n * k / depth + k * m)
+        return (summa + 2 * (depth - 1) / depth * k * m / side ** 2) * elem
     if mode == "3d":
         return 2 * (side - 1) / side ** 3 * (n * k + k * m + n * m) * elem
     raise ValueError(f"no traffic model for tp_mode {mode!r}")
@@ -83,7 +84,8 @@ def table(tokens: int = 8 * 2048, hidden: int = 12288, devices=(8, 64, 512)) -> 
         cells = []
         for d in devices:
             c = layer_costs(mode, d, tokens, hidden)
-            cells.append("-" if c is None else f"{c['sent'] / mib:,.0f} / {c['weights'] / mib:,.1f} / {c['acts'] / mib:,.1f}")
+            cells.append("-" if c is None else
+                         f"{c['sent'] / mib:,.0f} / {c['weights'] / mib:,.1f} / {c['acts'] / mib:,.1f}")
         rows.append(f"| {mode} | {' | '.join(cells)} |")
     return "\n".join(rows)
 
@@ -119,7 +121,8 @@ LINKS = {"NVLink 4 (450 GB/s, 2 us)": (450.0, 2.0), "InfiniBand NDR (50 GB/s, 5 
 
 def seconds_table(tokens: int = 8 * 2048, hidden: int = 12288, devices=(8, 64, 512)) -> str:
     """Markdown: each mode's per-layer communication time (ms) at each link and group size; the winner marked."""
-    rows = [f"| link | mode | {' | '.join(f'{d} devices (ms)' for d in devices)} |", "|---|---|" + "---|" * len(devices)]
+    rows = [f"| link | mode | {' | '.join(f'{d} devices (ms)' for d in devices)} |",
+            "|---|---|" + "---|" * len(devices)]
     for link, (gbps, lat) in LINKS.items():
         times = {m: [layer_seconds(m, d, tokens, hidden, gbps, lat) for d in devices] for m in MODES}
         best = [min(t[i] for t in times.values() if t[i] is not None) for i in range(len(devices))]

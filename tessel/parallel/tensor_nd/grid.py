@@ -59,7 +59,7 @@ def grid_members(tp_ranks: list[int], shape: tuple[int, ...]) -> dict[int, tuple
     """{global rank: grid coordinates} for one tp group (row-major, see the module docstring)."""
     if len(tp_ranks) != math.prod(shape):
         raise ValueError(f"a tp group of {len(tp_ranks)} ranks is not a {'x'.join(map(str, shape))} grid")
-    return dict(zip(tp_ranks, itertools.product(*(range(n) for n in shape))))
+    return dict(zip(tp_ranks, itertools.product(*(range(n) for n in shape)), strict=True))
 
 
 def _line(members: dict[int, tuple[int, ...]], fixed: tuple[int, ...], axis: int) -> list[int]:

@@ -191,7 +191,8 @@ class MeanOverColumn(torch.autograd.Function):
 
 # ---- layers ---------------------------------------------------------------------
 
-def _param(data: torch.Tensor, s: Summa, full: torch.Tensor, by_i: int, by_j: int, j_outer: bool = False) -> nn.Parameter:
+def _param(data: torch.Tensor, s: Summa, full: torch.Tensor, by_i: int, by_j: int,
+           j_outer: bool = False) -> nn.Parameter:
     """A parameter holding `data`, this rank's block of `full`: tensor dim by_i split over the grid's rows
     (i), by_j over its columns (j); when both split one dim, j_outer says j's chunks hold i's pieces."""
     p = nn.Parameter(data.detach().clone().contiguous())
@@ -233,7 +234,8 @@ class Linear2D(nn.Module):
             raise ValueError("2D linear layers take no bias (the reference GPT has none)")
         self.s = s
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _param(linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i], s, linear.weight, 1, 0)  # [out/q, in/q]
+        block = linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i]  # [out/q, in/q]
+        self.weight = _param(block, s, linear.weight, 1, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SummaMatmul.apply(x.flatten(0, -2), self.s.shared(self.weight).t(), self.s)  # (N, out/q)
@@ -243,7 +245,8 @@ class Linear2D(nn.Module):
         return gather_block(t, self.s)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, grid={self.s.q}x{self.s.q}, at=({self.s.i}, {self.s.j})"
+        return (f"in={self.in_features}, out={self.out_features}, grid={self.s.q}x{self.s.q}, "
+                f"at=({self.s.i}, {self.s.j})")
 
 
 class Embedding2D(nn.Module):

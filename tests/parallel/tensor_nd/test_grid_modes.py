@@ -39,7 +39,8 @@ LAYOUTS_8 = {
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
 # 2x2: loss <= 4.8e-7, gradients <= 1.5e-8 absolute (the largest ~1e-2), weights after 3 steps <= 9e-8;
-# 2.5D and 3D: loss <= 4.8e-7, gradients <= 2.3e-8, weights <= 1.2e-7. AdamW's first steps move each weight by ~lr * g / |g|, so an entry
+# 2.5D and 3D: loss <= 4.8e-7, gradients <= 2.3e-8, weights <= 1.2e-7.
+# AdamW's first steps move each weight by ~lr * g / |g|, so an entry
 # whose gradient is ~1e-9 may step differently for a rounding difference of 1e-10; WEIGHT_TOL's 5e-5 is
 # 1/20 of one step (lr 1e-3). A wrong block, a missing reduction or a doubled one changes the gradients
 # by O(1) relative and the weights by ~lr, far outside these tolerances.
@@ -52,7 +53,8 @@ NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 
 TRAFFIC = {"batch": 8, "seq": 4, "k": 16, "m": 32}  # one linear layer, X (batch*seq, k) x W (k, m)
 # the residual stream's share per rank: batch chunks x hidden chunks = q*q (2D), d*q*q (2.5D), c*c*c (3D)
 STREAM_SHARE = {"2d": 4, "2.5d": 8, "3d": 8, "dp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4}
-PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4}  # pp2: its stages' shares summed
+# (pp2: its stages' shares summed)
+PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4}
 
 
 def _whole(model, runner, mesh, grads: bool) -> dict[str, torch.Tensor]:
