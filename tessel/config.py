@@ -471,6 +471,8 @@ def _check_tp_grid(cfg: Config) -> None:
     _require(p.zero_stage <= 2 and p.dp_arch == "allreduce", "parallel.tp_mode",
              f"'{p.tp_mode}' composes with dp, ZeRO-1/2 and pp so far (ZeRO-3 and the parameter server are not "
              "tested yet)")
+    _require(p.pp == 1 or t.sample_tokens == 0, "train.sample_tokens", f"sampling from a pipeline's last stage under "
+             f"tp_mode '{p.tp_mode}' is not built yet (its logits are split by batch and vocabulary); set it to 0")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
 
