@@ -40,6 +40,7 @@ from tessel.config import build_config, to_toml
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import layout_config, parse_layout
 from tessel.planner.model_spec import from_config
+from tessel.planner.search import simulated
 
 WORLD = 4
 BASE = {
@@ -129,7 +130,7 @@ def run_pass(base, spec, args, pass_no: str, reverse: bool) -> list[dict]:
                 model = CostModel(spec, cluster, "fp32", cal, base.parallel.bucket_mb)
             lay = parse_layout(text, GLOBAL_BATCH)
             cfg = layout_config(base, lay)
-            est = model.estimate(lay)
+            est = simulated([model.estimate(lay)])[0]  # a pipeline's flush priced as `tessel plan --layout` does
             row = {"pass": pass_no, "case": text, "layout": lay.describe(), "pred_s": est.step_s,
                    "pred_mib": est.stage_memory[0]["total"] / 2**20}
             why = runnable(cfg)
