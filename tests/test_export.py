@@ -108,9 +108,9 @@ def test_reference_gpt_dp2_tp2_pp2_checkpoint_exports_as_llama(tmp_path):
     assert_close(exported_loss(tmp_path / "hf"), torch.tensor(sharded), **SHARDED_LOSS)
 
 
-# the widest layouts a Hugging Face Llama checkpoints under today: dp2 x tp2 with ZeRO-1, and dp4 with
-# ZeRO-3's flat shards (pipeline parallelism for Hugging Face models is another engineer's work in
-# progress); a vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250 logical rows
+# a Hugging Face Llama's ZeRO checkpoints: dp2 x tp2 with ZeRO-1, and dp4 with ZeRO-3's flat shards
+# (dp2 x tp2 x pp2 below); a vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250
+# logical rows
 HF_LAYOUTS = {"dp2tp2zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
               "dp4zero3": ["parallel.dp=4", "parallel.zero_stage=3"]}
 
@@ -128,6 +128,19 @@ def test_hf_llama_sharded_checkpoints_export_under_their_own_names(tmp_path):
         cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
         assert_close(hf_logits(tmp_path / f"hf-{name}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
         assert_close(exported_loss(tmp_path / f"hf-{name}", 250), torch.tensor(sharded[name]), **SHARDED_LOSS)
+
+
+def test_hf_llama_dp2_tp2_pp2_checkpoint_exports_under_its_own_names(tmp_path):
+    """Each stage saves its own layers under the model's names, tp shards as logical rows."""
+    hf = f'model.hf_config="{config_file(tmp_path, {**LLAMA, "vocab_size": 250})}"'
+    layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]
+    sharded = spawn(_train, 8, str(tmp_path), {"llama": [hf, *layout]}, 250, timeout=300)[0]["llama"]
+    checkpoint = tmp_path / "llama" / "step_00000002"
+    export(checkpoint, tmp_path / "hf")
+    x = batch(250)
+    cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
+    assert_close(hf_logits(tmp_path / "hf", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
+    assert_close(exported_loss(tmp_path / "hf", 250), torch.tensor(sharded), **SHARDED_LOSS)
 
 
 # ---- one process: every conversion, and the round trip -----------------------------------------
