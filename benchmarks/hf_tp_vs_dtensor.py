@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tessel.config import build_config
 from tessel.mesh import make_mesh
 from tessel.models.build import build_model
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 
 

@@ -29,7 +29,7 @@ from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
 from tessel.models.moe import Router
 from tessel.parallel.expert.expert_parallel import AllToAllDispatcher
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tessel.train.trainer import Trainer
 

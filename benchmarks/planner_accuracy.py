@@ -69,7 +69,7 @@ MOE_CASES = ["dp=4,mb=4", "ep=2,dp=2,mb=4", "ep=4,mb=4", "ep=2,tp=2,mb=4", "ep=2
 def runnable(cfg) -> str | None:
     """None if the trainer on this branch can run cfg, else why not."""
     try:
-        from tessel.parallelize import _not_yet
+        from tessel.apply import _not_yet
     except ImportError:
         return None
     try:

@@ -57,7 +57,7 @@ def _runner(p: int, name: str, v: int, m: int, args):
     from tessel.config import build_config
     from tessel.mesh import make_mesh
     from tessel.models.gpt import GPT
-    from tessel.parallelize import parallelize
+    from tessel.apply import parallelize
     raw = {"model": {"vocab_size": args.vocab, "n_layer": args.layers, "n_head": 4, "d_model": args.d_model,
                      "max_seq_len": args.seq},
            "parallel": {"pp": p, "schedule": name, "virtual_stages": v, "micro_batches": m},

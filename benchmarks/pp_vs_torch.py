@@ -65,7 +65,7 @@ def _timed(fn) -> float:
 def _bench(args) -> dict:
     from tessel.mesh import make_mesh
     from tessel.models.gpt import GPT
-    from tessel.parallelize import parallelize
+    from tessel.apply import parallelize
     rank, p = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh({"pp": p})
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@
 from the model's own config (tessel.hf_shape reads it, as for model.hf_config)
 and the layout (tessel.planner.layout's `dp=2,tp=2,zero=1`), checked by the
 recipe's rules (tessel.config.check_layout) before anything is cut. Then
-tessel.parallelize's apply steps (TP/SP -> EP -> PP -> recompute -> DP/ZeRO)
+tessel.apply's steps (TP/SP -> EP -> PP -> recompute -> DP/ZeRO)
 cut the model in place and return a Runner; a ParallelJob drives it as the
 trainer does, minus the loop: the data, the optimizer's steps, the learning-rate
 schedule and logging stay the user's.
@@ -40,7 +40,7 @@ from tessel.mesh import Mesh
 from tessel.models.hf.build import answer_with_logits
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
-from tessel.parallelize import parallelize as apply_layout
+from tessel.apply import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
 from tessel.sharding import packed_dims
 from tessel.train.checkpoint.logical import LogicalView, as_logical

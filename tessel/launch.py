@@ -317,7 +317,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
 
     from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
     from tessel.models.build import build_model  # deferred: loads torch
-    from tessel.parallelize import parallelize  # deferred: loads torch and every strategy
+    from tessel.apply import parallelize  # deferred: loads torch and every strategy
     from tessel.parallel.tensor_nd.apply import describe_mode  # deferred: loads torch
     from tessel.runtime import init_distributed  # deferred: loads torch
     from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer

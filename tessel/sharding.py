@@ -22,7 +22,7 @@ record:
 
 Strategies mark parameters as they cut them (tensor, expert, then ZeRO, which
 copies the marks of what it flattens onto its segments: so a mark must be set
-before ZeRO runs, which tessel.parallelize's fixed order guarantees). Readers:
+before ZeRO runs, which tessel.apply's fixed order guarantees). Readers:
 the global gradient norm (tessel.parallel.norms), the data-parallel and ZeRO
 reducers (the axes a gradient still needs reducing over), checkpoints
 (tessel.train.checkpoint.logical).

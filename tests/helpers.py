@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tessel.config import Config, build_config, to_toml
 from tessel.mesh import make_mesh
 from tessel.models.build import build_model
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -162,8 +162,8 @@ def test_bad_layouts_name_what_is_wrong():
 
 
 def test_import_tessel_stays_light():
-    """`import tessel` loads no torch; tessel.parallelize is the library's function, even once the module of
-    that name (the apply steps) is loaded."""
+    """`import tessel` loads no torch; tessel.parallelize is the library's function, also once the trainer's
+    apply steps (tessel.apply) are loaded."""
     code = ("import sys, tessel; assert not [m for m in sys.modules if m.split('.')[0] == 'torch']; "
-            "import tessel.parallelize, tessel.api; assert tessel.parallelize is tessel.api.parallelize")
+            "import tessel.apply, tessel.api; assert tessel.parallelize is tessel.api.parallelize")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), check=True, timeout=120)

@@ -28,7 +28,7 @@ from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.zero.memory import state_bytes
 from tessel.parallel.zero.optim import ZeroAdamW
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import config_layout

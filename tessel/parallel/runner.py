@@ -3,7 +3,7 @@
 A runner hides the layout from the trainer: it runs one optimizer step's
 forward and backward on the rank's batch, evaluates, samples text, names the
 tensors a checkpoint holds, and reports what only it knows (MoE load, the
-pipeline's bubble and timeline). tessel.parallelize builds one for every
+pipeline's bubble and timeline). tessel.apply builds one for every
 layout: LocalRunner (plain, DP, TP, EP, ZeRO), the pipeline's runner; the parameter
 server's worker (tessel.parallel.ps.worker) wraps a LocalRunner.
 

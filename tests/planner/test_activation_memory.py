@@ -70,7 +70,7 @@ def test_sequence_parallel_matmuls_keep_their_input_whole():
 
     from tessel.config import build_config
     from tessel.mesh import make_mesh
-    from tessel.parallelize import parallelize
+    from tessel.apply import parallelize
 
     raw = {"model": {"vocab_size": 256, "n_layer": 1, "n_head": 8, "d_model": 128, "max_seq_len": 32},
            "train": {"steps": 10, "warmup_steps": 1, "global_batch": 8, "seq_len": 32, "precision": "fp32"},

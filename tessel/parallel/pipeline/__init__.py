@@ -9,5 +9,5 @@
 - recorder, clock, saved: the step's bubble, saved-activation peak, trace and Gantt chart
 - aux: MoE router losses back-propagated on their own stage
 - runner: the Runner the trainer calls, composed of the above (spec: what it runs)
-- pipeline_parallel: the apply step tessel.parallelize calls (layout, chunks, runner)
+- pipeline_parallel: the apply step tessel.apply calls (layout, chunks, runner)
 """

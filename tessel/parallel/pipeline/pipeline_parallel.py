@@ -1,6 +1,6 @@
 """The pipeline's apply step: choose the stage layout, cut this rank's chunks, build the runner.
 
-tessel.parallelize calls `pipeline_chunks` (the PP split, after TP and EP) and
+tessel.apply calls `pipeline_chunks` (the PP split, after TP and EP) and
 then `pipeline_runner` (which wraps the chunks in dp or ZeRO and hands back a
 tessel.parallel.runner.Runner). Both take the model's ModelParts: the reference
 GPT's, or a Hugging Face family's (tessel.models.hf.families).

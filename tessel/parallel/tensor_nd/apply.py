@@ -31,7 +31,7 @@ GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
 
 @dataclass
 class GridModel:
-    """What a grid mode hands tessel.parallelize: the model, its loss and logits for sampling."""
+    """What a grid mode hands tessel.apply: the model, its loss and logits for sampling."""
     model: nn.Module
     loss_fn: Callable
     full_logits: Callable

@@ -25,7 +25,7 @@ from tessel.models.gpt import cross_entropy
 from tessel.models.weights import read_weights
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.sharding import shard_axes, shard_dims
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens

@@ -13,7 +13,7 @@ import torch
 from tessel.mesh import make_mesh
 from tessel.models.emulated import emulate_devices
 from tessel.models.gpt import GPT
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tests.helpers import tiny_config
 

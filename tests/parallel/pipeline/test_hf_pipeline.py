@@ -23,7 +23,7 @@ from tessel.models.build import build_model
 from tessel.models.hf.families import FAMILIES, pipeline_parts
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tessel.train.trainer import Trainer
 from tests.helpers import tiny_config, train_and_collect

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tests.helpers import tiny_config
 

@@ -23,7 +23,7 @@ from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor import regions
 from tessel.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, apply_plan,
                                                     full_tensor, match_plan, unplaced_modules)
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.sharding import shard_axes
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens

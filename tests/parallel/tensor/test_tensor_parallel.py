@@ -17,7 +17,7 @@ from tessel.models.plan import GPT_TP_PLAN
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, full_tensor,
                                                     local_param_bytes, match_plan)
-from tessel.parallelize import parallelize
+from tessel.apply import parallelize
 from tessel.sharding import logical_shape
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens

@@ -1,4 +1,8 @@
-"""Apply a parallel layout to the reference GPT, in a fixed order.
+"""Apply a parallel layout to a model (the reference GPT or a Hugging Face one), in a fixed order.
+
+The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls the
+public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
+config and calls it.
 
 TP/SP -> EP -> PP split -> recompute -> DP/ZeRO. Each step reads the mesh and
 the parallel config and leaves the model a plain module to the next one; the
