@@ -8,10 +8,10 @@ the hidden chunk coord[r]. Nothing is replicated: every rank holds 1/c^3 of ever
 
 A linear layer on L(s, r) (Bian et al. section 3.1: input, weight and output on three different
 faces of the cube):
-  1. all-gather X over axis s (rows): X[batch chunk a, hidden chunk coord[r]]      (GatherCube)
-  2. all-gather W's pieces over axis 0: W[out chunk coord[s], in chunk coord[r]]  (GatherCube)
+  1. all-gather X over axis s (rows): X[batch chunk a, hidden chunk coord[r]]      (gather_cube)
+  2. all-gather W's pieces over axis 0: W[out chunk coord[s], in chunk coord[r]]  (gather_cube)
   3. multiply locally: a partial sum over the in chunks, i.e. over axis r
-  4. reduce-scatter the partial outputs over axis r (rows): layout L(r, s)         (ReduceScatterCube)
+  4. reduce-scatter the partial outputs over axis r (rows): layout L(r, s)         (reduce_scatter_cube)
 Backward mirrors it (all-gather of dY over r; dX and dW reduce-scattered over s and 0).
 The output's layout swaps the two axes, so the layers that read the residual stream (q, k, v,
 gate, up, the head) take L(2, 1) to L(1, 2) and those that write it (wo, down) take L(1, 2) back.
@@ -38,32 +38,18 @@ MIXED = (1, 2)  # between a pair of linear layers (attention heads, the SwiGLU's
 HIDDEN_ORDER = (1, 0, 2)  # a norm's or the embedding's hidden dim: chunk on axis 1, pieces on axes 0 then 2
 
 
-class GatherCube(torch.autograd.Function):
+def gather_cube(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather along `dim` over one axis of the cube forward, reduce-scatter backward (Bian et al.
-    2021, section 3.1: the input and the weight reach the face where they are multiplied)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return comm.all_gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter_dim(grad.contiguous(), ctx.dim, ctx.group), None, None
+    2021, section 3.1: the input and the weight reach the face where they are multiplied); the
+    collective pair of Megatron-SP's g (tessel.parallel.tensor.comm.GatherSeq)."""
+    return comm.gather_seq(x, dim, group)
 
 
-class ReduceScatterCube(torch.autograd.Function):
+def reduce_scatter_cube(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Reduce-scatter along `dim` over one axis of the cube forward, all-gather backward (Bian et al.
-    2021, section 3.1: the partial products are summed onto the output face, split by rows)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return comm.reduce_scatter_dim(x.contiguous(), dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather_dim(grad.contiguous(), ctx.dim, ctx.group), None, None
+    2021, section 3.1: the partial products are summed onto the output face, split by rows); the
+    collective pair of Megatron-SP's g-bar (tessel.parallel.tensor.comm.ReduceScatterSeq)."""
+    return comm.reduce_scatter_seq(x, dim, group)
 
 
 class Cube:
@@ -106,9 +92,9 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, r = self.layout
         g = self.cube.groups
-        x = GatherCube.apply(x, 0, g[s])  # (B/c, T, in/c)
-        w = GatherCube.apply(self.weight, 0, g[0])  # [out/c, in/c]
-        return ReduceScatterCube.apply(F.linear(x, w), 0, g[r])  # (B/c^2, T, out/c), layout L(r, s)
+        x = gather_cube(x, 0, g[s])  # (B/c, T, in/c)
+        w = gather_cube(self.weight, 0, g[0])  # [out/c, in/c]
+        return reduce_scatter_cube(F.linear(x, w), 0, g[r])  # (B/c^2, T, out/c), layout L(r, s)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         s, r = self.layout
@@ -124,7 +110,7 @@ def _hidden_piece(full: torch.Tensor, cube: Cube) -> torch.Tensor:
 
 def _gather_hidden(w: torch.Tensor, cube: Cube) -> torch.Tensor:
     """The pieces of hidden chunk coord[1], with autograd (backward sums the users' gradients)."""
-    return GatherCube.apply(GatherCube.apply(w, -1, cube.groups[2]), -1, cube.groups[0])
+    return gather_cube(gather_cube(w, -1, cube.groups[2]), -1, cube.groups[0])
 
 
 def _full_hidden(t: torch.Tensor, cube: Cube) -> torch.Tensor:

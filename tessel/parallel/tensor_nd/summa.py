@@ -42,7 +42,7 @@ class Summa:
 
     A 2.5D grid (depth, q, q) is read the same within each depth layer k (Wang et al. 2021): the batch
     is split over depth x rows (chunk k*q + i), the weights are the same on every layer, and their
-    gradients are summed over the depth group (ReduceOverDepth)."""
+    gradients are summed over the depth group (reduce_over_depth)."""
 
     def __init__(self, grid: Grid):
         self.grid = grid
@@ -57,7 +57,7 @@ class Summa:
 
     def shared(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight as this layer's computation uses it: under 2.5D its gradient is summed over depth."""
-        return weight if self.depth_group is None else ReduceOverDepth.apply(weight, self.depth_group)
+        return weight if self.depth_group is None else reduce_over_depth(weight, self.depth_group)
 
     def row_src(self, k: int) -> int:
         return self.grid.src(len(self.grid.shape) - 1, k)  # rank (i, k)
@@ -131,19 +131,12 @@ class SummaMatmul(torch.autograd.Function):
         return summa_abt(grad, w, ctx.summa), summa_atb(x, grad, ctx.summa), None
 
 
-class GatherColumn(torch.autograd.Function):
+def gather_column(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather a parameter's q pieces down the grid's column (forward), reduce-scatter its gradient
     (backward): Colossal-AI's all_gather_tensor_2d / reduce_scatter_tensor_2d for the 2D embedding and
-    norm weights (Xu et al. 2021). The reduce-scatter also sums the gradients of the column's q batch chunks."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return comm.all_gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter_dim(grad.contiguous(), ctx.dim, ctx.group), None, None
+    norm weights (Xu et al. 2021). The reduce-scatter also sums the gradients of the column's q batch
+    chunks. The same collective pair as Megatron-SP's g along the sequence (tessel.parallel.tensor.comm)."""
+    return comm.gather_seq(x, dim, group)
 
 
 class SumOverRow(torch.autograd.Function):
@@ -160,19 +153,12 @@ class SumOverRow(torch.autograd.Function):
         return comm.all_reduce(grad.clone(), ctx.group), None
 
 
-class ReduceOverDepth(torch.autograd.Function):
+def reduce_over_depth(w: torch.Tensor, group) -> torch.Tensor:
     """Tesseract's weight replication (Wang et al. 2021, "2.5-dimensional distributed model training",
     section 3): every depth layer of the q x q x d grid holds the same weight blocks and multiplies its
-    own batch slice by them; identity forward, all-reduce of the gradient over the depth group backward."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.clone(), ctx.group), None
+    own batch slice by them; identity forward, all-reduce of the gradient over the depth group backward:
+    Megatron's f applied to a parameter (tessel.parallel.tensor.comm.CopyToTP)."""
+    return comm.copy_to_tp(w, group)
 
 
 class MeanOverColumn(torch.autograd.Function):
@@ -259,7 +245,7 @@ class Embedding2D(nn.Module):
         self.weight = _param(hidden_piece(emb.weight, s), s, emb.weight, 1, 1, j_outer=True)  # (V, H/q^2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        table = GatherColumn.apply(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
+        table = gather_column(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
         mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
         return F.embedding(mine, table)  # (B/q, T, H/q)
 
@@ -278,7 +264,7 @@ class RMSNorm2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sq = SumOverRow.apply(x.pow(2).sum(-1, keepdim=True), self.s.row_group)
-        gamma = GatherColumn.apply(self.s.shared(self.weight), 0, self.s.col_group)  # (H/q,)
+        gamma = gather_column(self.s.shared(self.weight), 0, self.s.col_group)  # (H/q,)
         return x * torch.rsqrt(sq / self.hidden + self.eps) * gamma
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
