@@ -52,16 +52,22 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
+def build_runner(cfg: Config, init_seed: int | None = None):
+    """The model and the Runner `tessel train` builds on each rank (no Trainer), on the current process
+    group (or alone). Returns (model, runner, mesh); init_seed overrides the weights' seed."""
+    p = cfg.parallel
+    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
+    torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
+    model = build_model(cfg.model)
+    return model, parallelize(model, mesh, cfg), mesh
+
+
 def build_trainer(cfg: Config, init_seed: int | None = None):
     """What `tessel train` builds on each rank, on the current process group (or alone).
 
     Returns (trainer, model, runner, mesh); init_seed overrides the weights' seed.
     """
-    p = cfg.parallel
-    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed if init_seed is None else init_seed)
-    model = build_model(cfg.model)
-    runner = parallelize(model, mesh, cfg)
+    model, runner, mesh = build_runner(cfg, init_seed)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Trainer(cfg, mesh, runner, rank), model, runner, mesh
 

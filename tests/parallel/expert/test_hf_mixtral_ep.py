@@ -20,17 +20,15 @@ from torch.testing import assert_close
 import tessel.cli
 from tessel.config import ConfigError
 from tessel.mesh import make_mesh
-from tessel.models.build import build_model
 from tessel.models.gpt import cross_entropy
 from tessel.models.weights import read_weights
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
-from tessel.apply import parallelize
 from tessel.sharding import shard_axes, shard_dims
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import build_runner, build_trainer, tiny_config
 
 STEPS = 5
 # the aux coefficient is 100x Mixtral's default (0.001) so that a wrong balance statistic
@@ -84,12 +82,8 @@ def _whole(p: torch.Tensor, mesh, ctx) -> torch.Tensor:
 def _parallel(path: str, overrides: list[str]) -> dict:
     """5 steps through parallelize(): each ep rank trains on its half of every batch."""
     cfg = _cfg(path, *overrides)
-    p = cfg.parallel
-    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    ctx = TPContext.from_mesh(mesh, p.sequence_parallel)
+    model, runner, mesh = build_runner(cfg)
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     params = runner.parameters()
     opt = build_optimizer(params, cfg.train)
     sampler = _batches(cfg, mesh.coord("ep"), mesh.size("ep"))

@@ -18,16 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel.mesh import make_mesh
-from tessel.models.build import build_model
 from tessel.models.hf.families import FAMILIES, pipeline_parts
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
-from tessel.apply import parallelize
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import tiny_config
+from tests.helpers import build_runner, tiny_config
 
 STEPS = 5
 # dropout 0 (GPT-2 has dropout by default); 4 layers so that pp2 leaves two decoder layers a stage
@@ -68,12 +65,8 @@ def configs(tmp_path_factory) -> dict[str, str]:
 def _run(path: str, overrides: list[str]) -> dict:
     """5 steps through parallelize(): the global batch's mean loss each step, the weights whole."""
     cfg = tiny_config(f'model.hf_config="{path}"', *overrides, "train.lr=1e-3")
-    p = cfg.parallel
-    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    ctx = TPContext.from_mesh(mesh, p.sequence_parallel)
+    model, runner, mesh = build_runner(cfg)
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     params = runner.parameters()
     opt = build_optimizer(params, cfg.train)
     tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)

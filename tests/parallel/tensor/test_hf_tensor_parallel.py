@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from tessel.config import ConfigError
-from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tessel.models.hf.families import FAMILIES
 from tessel.models.hf.tp_plan import hf_tp_plan
@@ -23,12 +22,11 @@ from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor import regions
 from tessel.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, apply_plan,
                                                     full_tensor, match_plan, unplaced_modules)
-from tessel.apply import parallelize
 from tessel.sharding import shard_axes
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import tiny_config
+from tests.helpers import build_runner, tiny_config
 
 STEPS = 5
 # tiny configs, dropout 0 (GPT-2 has dropout by default). Llama: grouped-query attention (4 heads,
@@ -92,12 +90,8 @@ def _cfg(path: str, *overrides: str):
 def _run(path: str, overrides: list[str]) -> dict:
     """5 optimizer steps through the real parallelize(); parameters and gradients gathered whole."""
     cfg = _cfg(path, *overrides)
-    p = cfg.parallel
-    mesh = make_mesh(p.axis_sizes, order=p.rank_order)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    runner = parallelize(model, mesh, cfg)
-    ctx = TPContext.from_mesh(mesh, p.sequence_parallel)
+    model, runner, mesh = build_runner(cfg)
+    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     params = runner.parameters()
     opt = build_optimizer(params, cfg.train)
     tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
