@@ -103,29 +103,20 @@ class Layout:
 
 def parse_layout(text: str, global_batch: int | None = None) -> Layout:
     """'dp=2,tp=2,pp=2,mb=1' -> Layout. Missing micro-batch fields are derived from global_batch."""
-    fields: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" not in item:
-            raise ConfigError("--layout", f"'{item}' is not key=value (keys: {', '.join(KEYS)})")
-        key, raw = (s.strip() for s in item.split("=", 1))
-        key = ALIASES.get(key, key)
-        if key not in KEYS:
-            raise ConfigError("--layout", f"unknown key '{key}' (keys: {', '.join(KEYS)})")
-        fields[key] = _convert(key, raw)
+    fields = _key_values(text, "--layout")
     return complete(Layout(**fields), fields, global_batch)
 
 
 def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
     """Derive the micro-batching fields `given` leaves out from the global batch."""
-    fields = given
-    if layout.pp > 1 and "m" not in fields and global_batch:
+    if layout.pp > 1 and "m" not in given and global_batch:
         per_shard = global_batch // layout.batch_shards
         layout = replace(layout, m=max(1, per_shard // (layout.mb * layout.ga)))
-    if "ga" not in fields and global_batch:
+    if "ga" not in given and global_batch:
         per_pipe = layout.mb * layout.m * layout.batch_shards
         if per_pipe and global_batch % per_pipe == 0:
             layout = replace(layout, ga=max(1, global_batch // per_pipe))
-    if layout.v > 1 and "schedule" not in fields:
+    if layout.v > 1 and "schedule" not in given:
         layout = replace(layout, schedule="interleaved")
     return layout
 
@@ -133,18 +124,23 @@ def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
 def parse_fix(text: str) -> dict:
     """'tp=8,recompute=selective' -> {"tp": 8, "recompute": "selective"}: layout fields pinned while the
     search chooses the rest (`tessel plan --fix`)."""
+    return _key_values(text, "--fix")
+
+
+def _key_values(text: str, option: str) -> dict:
+    """'k=v,k=v' -> {key: converted value}, aliases resolved; a ConfigError names `option`."""
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
-            raise ConfigError("--fix", f"'{item}' is not key=value (keys: {', '.join(KEYS)})")
+            raise ConfigError(option, f"'{item}' is not key=value (keys: {', '.join(KEYS)})")
         key, raw = (s.strip() for s in item.split("=", 1))
         key = ALIASES.get(key, key)
         if key not in KEYS:
-            raise ConfigError("--fix", f"unknown key '{key}' (keys: {', '.join(KEYS)})")
+            raise ConfigError(option, f"unknown key '{key}' (keys: {', '.join(KEYS)})")
         try:
             out[key] = _convert(key, raw)
         except ConfigError as err:
-            raise ConfigError("--fix", str(err).split(": ", 1)[-1]) from None
+            raise ConfigError(option, err.message) from None
     return out
 
 
