@@ -16,12 +16,11 @@ the loss over 5 steps (9e-4 at step 5) and 5e-2 in weights (measured); global:
 """
 
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel.sharding import shard_dims
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config
+from tests.parallel.expert.test_expert_parallel import _full
 
 STEPS = 5
 MOE = ["model.n_experts=4", "model.moe_every=1", "model.moe_top_k=2", "model.capacity_factor=4.0",
@@ -41,16 +40,6 @@ CASES = {
 # (1/ranks of it) moves the router weights by ~lr.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 WEIGHT_TOL = dict(rtol=1e-4, atol=2e-5)
-
-
-def _whole(p: torch.Tensor, mesh) -> torch.Tensor:
-    """The logical tensor of a parameter (experts sharded over ep along dim 0)."""
-    dim = shard_dims(p).get("ep")
-    if dim is None or mesh.size("ep") == 1:
-        return p.detach().clone()
-    parts = [torch.empty_like(p) for _ in range(mesh.size("ep"))]
-    dist.all_gather(parts, p.detach().contiguous(), group=mesh.group("ep"))
-    return torch.cat(parts, dim=dim)
 
 
 def _reordered(sampler, shards: int, micro: int):
@@ -73,7 +62,7 @@ def _train(overrides, reorder=None) -> dict:
         trainer.sampler.next = _reordered(trainer.sampler, *reorder)
     rows = [trainer.train_step(step) for step in range(STEPS)]
     params = runner.named_parameters() if mesh.size("pp") > 1 else dict(model.named_parameters())
-    return {"rows": rows, "state": {n: _whole(p, mesh) for n, p in params.items()}}
+    return {"rows": rows, "state": {n: _full(p, p, mesh) for n, p in params.items()}}
 
 
 def _run(cases: dict) -> dict:
