@@ -182,20 +182,22 @@ def _compare(got: dict, ref: dict) -> None:
         assert_close(got["weights"][name], ref["weights"][name], **WEIGHT_TOL, msg=lambda m, n=name: f"weight {n}: {m}")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_parity_world4(world4, reference, layout):
-    for rank, result in enumerate(world4):
+def _check_ranks(results: list[dict], reference: dict, layout: str) -> None:
+    """Every rank's run of `layout` against one process: values, the residual stream's shard, parameter bytes."""
+    for rank, result in enumerate(results):
         _compare(result[layout], reference)
         _check_stream(result[layout], reference, layout)
         assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_parity_world4(world4, reference, layout):
+    _check_ranks(world4, reference, layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
 def test_parity_world8(world8, reference, layout):
-    for rank, result in enumerate(world8):
-        _compare(result[layout], reference)
-        _check_stream(result[layout], reference, layout)
-        assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
+    _check_ranks(world8, reference, layout)
 
 
 def test_bytes_sent_per_layer_match_theory(world4, world8):
