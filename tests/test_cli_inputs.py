@@ -144,6 +144,7 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'runtime.topology="{tmp}/not_json.jsonl"'], "runtime.topology"),
     (["train", "{tmp}/tiny.toml", "--set", "model.n_layer=100000"], "memory"),
     (["train", "{tmp}/tiny.toml", "--set", 'model.aux_loss_scope="batch"'], "model.aux_loss_scope"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.recompute="attention"'], "parallel.recompute"),
     (["train", "{tmp}/tiny.toml", "--set", "train.global_batch=1000000000"], "memory"),
     # train: folders
     (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/a_file"'], "logging.out_dir"),
