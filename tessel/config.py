@@ -143,7 +143,9 @@ class ParallelConfig(Strict):
         None, description="ZeRO: dtype gradients are reduced in; default zero_param_dtype")
     micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
     sequence_parallel: bool = False
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"] = Field(
+        "1f1b", description="pipeline schedule; zb-h1 | zb-h2 | zbv split the backward (Qi et al. 2023), zbv "
+                            "holds 2 virtual stages per rank in a V (tessel.parallel.pipeline.zero_bubble)")
     virtual_stages: int = Field(1, ge=1)
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
     pp_balance: Literal["layers", "params", "time"] = Field(
@@ -297,8 +299,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(len(p.pp_layout) == stages, "parallel.pp_layout", f"needs {stages} entries (one per stage)")
         _require(sum(p.pp_layout) == m.n_layer and min(p.pp_layout) >= 1, "parallel.pp_layout",
                  f"entries must be >= 1 and sum to model.n_layer ({m.n_layer})")
-    _require(p.virtual_stages == 1 or p.schedule == "interleaved", "parallel.virtual_stages",
-             "virtual_stages > 1 needs parallel.schedule = 'interleaved'")
+    _require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv"), "parallel.virtual_stages",
+             "virtual_stages > 1 needs parallel.schedule = 'interleaved' or 'zbv'")
+    _check_zbv(cfg)
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
@@ -376,6 +379,20 @@ def check_tokenizer(d: DataConfig) -> None:
         return
     _require(Path(d.tokenizer).is_file(), "data.tokenizer", f"no such file: {d.tokenizer} (a tokenizer.json of "
              "the tokenizers library, or 'stdlib-bpe-N')")
+
+
+def _check_zbv(cfg: Config) -> None:
+    """ZBV (tessel.parallel.pipeline.zero_bubble) holds two stages per rank in a V: rank r runs stages r and
+    2p-1-r, so the embedding and the head share rank 0."""
+    p = cfg.parallel
+    if p.schedule != "zbv":
+        return
+    _require(p.virtual_stages == 2, "parallel.virtual_stages", "the zbv schedule holds 2 virtual stages per rank "
+             "in a V; set virtual_stages = 2")
+    _require(p.micro_batches >= p.pp, "parallel.micro_batches",
+             f"the zbv schedule needs at least pp ({p.pp}) micro-batches")
+    _require(not cfg.model.tie_embeddings or p.pp == 1, "model.tie_embeddings", "the zbv schedule puts the "
+             "embedding and the head on one rank, where a tied weight is not supported yet; untie them")
 
 
 def _check_hf_tensor_parallel(cfg: Config) -> None:

@@ -215,6 +215,17 @@ BAD = [
       "--val-fraction", "1"], "--val-fraction"),
     (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
       "--workers", "0"], "--workers"),
+    # train: zero-bubble pipeline schedules (tessel.config._check_zbv)
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.schedule="zb-h3"'], "parallel.schedule"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zb-h1"', "--set",
+      "parallel.virtual_stages=2", "--set", "model.n_layer=4"], "parallel.virtual_stages"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zbv"', "--set",
+      "model.n_layer=4"], "parallel.virtual_stages"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zbv"', "--set",
+      "parallel.virtual_stages=2", "--set", "model.n_layer=4"], "parallel.micro_batches"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zbv"', "--set",
+      "parallel.virtual_stages=2", "--set", "parallel.micro_batches=2", "--set", "model.n_layer=4", "--set",
+      "model.tie_embeddings=true"], "model.tie_embeddings"),
 ]
 
 

@@ -26,7 +26,7 @@ from tessel.parallel.pipeline.executor import ScheduleExecutor, StepState
 from tessel.parallel.pipeline.grad_sync import GradientSync
 from tessel.parallel.pipeline.recorder import StepRecorder
 from tessel.parallel.pipeline.saved import SavedBytes
-from tessel.parallel.pipeline.schedules import Placement
+from tessel.parallel.pipeline.schedules import Placement, is_vshape, owner_of
 from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.runner import CheckpointableOptimizer, autocast_for, generate_tokens, strip_wrappers
 from tessel.parallel.zero.zero_parallel import ZeroDataParallel
@@ -39,8 +39,9 @@ class PipelineRunner:
                  optimizer: CheckpointableOptimizer | None = None):
         self.chunks, self.spec, self.sync = list(chunks), spec, sync
         self.optimizer = optimizer  # ZeRO's (None: the trainer builds AdamW over parameters())
-        self.placement = Placement(mesh.size("pp"), len(self.chunks), mesh.coord("pp"))
-        self.links = StageLinks(mesh)
+        self.placement = Placement(mesh.size("pp"), len(self.chunks), mesh.coord("pp"), is_vshape(spec.schedule))
+        self.links = StageLinks(mesh, owner_of(self.placement.p, self.placement.p * self.placement.v - 1,
+                                               self.placement.vshape)[0])
         p, v = self.placement.p, self.placement.v
         title = f"{spec.schedule}: pp={p}, micro-batches={spec.micro_batches}" + (f", virtual stages={v}" if v > 1 else "")
         # chunks whose saved bytes depend on the data (MoE dispatch) are measured every forward
@@ -72,7 +73,7 @@ class PipelineRunner:
             state = self.executor.new_state(x, y)
             loss_in = self.links.expect_from_last() if self.loss_by_message else None
             self.executor.run(state)
-            if self.loss_by_message and self.placement.rank == self.placement.p - 1:
+            if self.loss_by_message and self.placement.rank == self.links.loss_rank:
                 self.links.send_to_all(state.loss)
             self.links.wait_sends()
             self.sync.after_flush()  # the tied embedding's sum, ZeRO's deferred reduction

@@ -12,7 +12,7 @@ from tessel.parallel.runner import LossFn
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    schedule: str  # gpipe | 1f1b | interleaved (schedules.py)
+    schedule: str  # gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv (schedules.py)
     micro_batches: int  # per step: grad_accum x parallel.micro_batches
     d_model: int  # the width of the activations that cross stages
     loss_fn: LossFn  # (logits, targets) -> mean loss, on the last stage
