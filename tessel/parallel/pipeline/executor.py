@@ -70,6 +70,9 @@ class ScheduleExecutor:
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
         self.split = splits_backward(spec.schedule)  # B, then W later (split_backward.py)
         self.chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in self.chunks]
+        self.first_hidden: torch.Tensor | None = None  # the hidden states entering the first stage's blocks
+        if self.split:
+            self._watch_first_hidden()
         # the computes that accumulate weight gradients: where data parallelism reduces
         backwards = [a for a in self.actions if a.kind == ("W" if self.split else "B")]
         self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last
@@ -121,6 +124,8 @@ class ScheduleExecutor:
         with saved.hooks(shape_key), autocast_for(self.device, self.spec.precision):
             out = self._with_losses(a, self.chunks[a.chunk](inp), state)
         state.saved_bytes[key] = saved.forwarded(shape_key)
+        if self.first_hidden is not None and self.placement.is_first(a.chunk):
+            inp, self.first_hidden = self.first_hidden, None  # B's cut on the first stage (split backward)
         state.chunk_inputs[key], state.outputs[key] = inp, out
         if self.placement.is_last(a.chunk):
             state.loss += out.detach()
@@ -142,9 +147,10 @@ class ScheduleExecutor:
         out = state.outputs.pop(key)
         first = self.placement.is_first(a.chunk)
         if self.split:  # B: the input's gradient only; the weights' wait for W, with the graph
-            inp = None if first else state.chunk_inputs[key]
-            dx, work = backward_input(out, received, inp, self.chunk_params[a.chunk])
-            if inp is not None:
+            inp = state.chunk_inputs[key]
+            dx, work = backward_input(out, received, inp if inp.is_floating_point() else None,
+                                      self.chunk_params[a.chunk])
+            if not first:
                 inp.grad = dx
             state.weight_work[key] = work
             held = work.nbytes
@@ -164,6 +170,19 @@ class ScheduleExecutor:
         self.sync.before_backward(a.chunk, chunk_done=a in self.last_backward, rank_done=a == self.final_backward)
         state.weight_work.pop(key).run()
         self.recorder.saved.released(state.saved_bytes.pop(key))  # the graph and the captured gradients
+
+    def _watch_first_hidden(self) -> None:
+        """Keep the hidden states entering the first stage's first block: B's cut there, so the blocks' input
+        path runs in B and only the weight branches (and the embedding) wait for W."""
+        for c, chunk in enumerate(self.chunks):
+            if self.placement.is_first(c):
+                first_block = next(iter(chunk.get_submodule(self.spec.blocks).children()))
+                first_block.register_forward_pre_hook(self._first_block_called, with_kwargs=True)
+
+    def _first_block_called(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            self.first_hidden = hidden
 
     # ---- communication -----------------------------------------------------------------
     def _communicate(self, item: list[Action], state: StepState) -> None:

@@ -81,5 +81,6 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
                         vocab_size=cfg.model.vocab_size,
-                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics)
+                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
+                        blocks=parts.blocks)
     return PipelineRunner(chunks, mesh, spec, sync, optimizer)

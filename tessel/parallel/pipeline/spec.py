@@ -24,6 +24,7 @@ class PipelineSpec:
     max_seq_len: int | None = None
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: the last stage's logits are shards
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. MoE routing stats of this rank's blocks
+    blocks: str = "layers"  # the block list in a stage (ModelParts.blocks): a split backward's first-stage cut
 
     def act_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """The (B, T, C) of this rank's activation (and gradient) messages for a micro-batch of (batch, seq)."""

@@ -2,31 +2,34 @@
 gradients of its weights (deferred), as zero-bubble pipelines need (Qi et al. 2023, "Zero Bubble
 Pipeline Parallelism", sec. 2).
 
-B walks the autograd graph of one micro-batch's stage output once, finds the
-nodes that lie on a path to the stage's input and also feed a weight (a
+B walks the autograd graph of one micro-batch's stage output once and finds
+the nodes that lie on a path to the stage's input and also feed a weight (a
 matmul's node feeds both x and W), and hooks them: while autograd computes the
 input's gradient alone (`torch.autograd.grad(..., inputs=stage input)`, which
 runs no weight branch), each hooked node hands over the gradient flowing into
-it. W later runs only the weight branches, from those nodes and the gradients
-they captured, one weight group at a time (weights whose branches share a
-node), so no activation gradient is computed twice. torch.distributed.pipelining
-splits a stage's backward the same way (its `_backward.py`); this is written
-for tessel's executor: any module's graph (the reference GPT's blocks, a
-Hugging Face decoder layer, checkpointed blocks, MoE aux losses) splits
-without a change to the model.
+it. W runs each hooked node again for its weight edges only (its gradient
+into the weight branch, e.g. a matmul's dW; autograd.grad stops at those
+edges), then every weight branch from there in one backward. torch.distributed.
+pipelining splits a stage's backward along the same nodes (its `_backward.py`);
+this is written for tessel's executor, and W never walks back into the input's
+path, so no activation gradient is computed twice: any module's graph (the
+reference GPT's blocks, a Hugging Face decoder layer, checkpointed blocks, MoE
+aux losses) splits without a change to the model.
 
-W ends with one backward on the weights themselves, each seeded with its
-gradient, so gradients accumulate into `.grad` through autograd and every
-post-accumulate hook fires inside one engine run, as a whole backward's would
-(data parallelism's bucketed all-reduce, tessel.parallel.data).
+W's last backward starts from the weight branches and accumulates into
+`.grad` through autograd, so every post-accumulate hook fires inside one
+engine run, as a whole backward's would (data parallelism's bucketed
+all-reduce, tessel.parallel.data).
 
 Memory between B and W: the graph is kept (B runs with retain_graph), so
 everything the forward saved stays alive until W; the gradients the hooked
 nodes captured are held on top (`WeightWork.nbytes`). The runner counts both
 as held for backward until W (tessel.parallel.pipeline.saved).
 
-A stage without an input gradient to send (the first: token ids) has no B
-work: its W runs the whole backward.
+The first stage has no input gradient to send (its input is token ids); the
+runner hands B the hidden states entering its first block instead, so B runs
+the blocks' input path there too and W the weight branches and the embedding.
+Without such a tensor W runs the whole backward.
 """
 
 from __future__ import annotations
@@ -47,28 +50,33 @@ def grad_node(t: torch.Tensor) -> Node | None:
     return t.view_as(t).grad_fn.next_functions[0][0]  # a view's only edge points at the leaf's accumulator
 
 
+Edge = tuple[Node, int]  # (node, which of its inputs): where a gradient flows in
+
+
 @dataclass
 class WeightGroup:
-    """Weights whose gradient branches start at the same hooked nodes, and what those nodes captured."""
-    params: list[torch.Tensor]
+    """Hooked nodes whose weight edges lead into shared nodes (usually one node), and what they captured."""
     nodes: list[Node]
+    edges: list[Edge]  # their edges into the weight branches, each once
     grads: dict[Node, tuple] = field(default_factory=dict)  # node -> the gradients flowing into it
 
-    def weight_grads(self) -> tuple:
-        edges, seeds = [], []
+    def branch_grads(self) -> tuple:
+        """The gradient flowing along each of `edges`: the nodes run again, for their weight edges only."""
+        roots, seeds = [], []
         for node in self.nodes:
             for i, g in enumerate(self.grads.get(node, ())):
                 if g is not None:
-                    edges.append(GradientEdge(node, i))
+                    roots.append(GradientEdge(node, i))
                     seeds.append(g)
-        if not edges:
-            return (None,) * len(self.params)
-        # a node on the path to another of the group's nodes would send it a second gradient;
-        # the captured one is the whole gradient, so it replaces whatever arrives
+        if not roots:
+            return (None,) * len(self.edges)
+        # one node on the path to another of the group would send it a second gradient; the captured one
+        # is the whole gradient, so it replaces whatever arrives
         hooks = [n.register_prehook(lambda _, n=n: self.grads[n]) for n in self.nodes if n in self.grads] \
             if len(self.nodes) > 1 else []
         try:
-            return torch.autograd.grad(edges, self.params, seeds, allow_unused=True)
+            return torch.autograd.grad(roots, [GradientEdge(*e) for e in self.edges], seeds, allow_unused=True,
+                                       retain_graph=True)
         finally:
             for h in hooks:
                 h.remove()
@@ -76,8 +84,8 @@ class WeightGroup:
 
 @dataclass
 class WeightWork:
-    """What a B leaves for its W: the weight groups and their captured gradients, or (a stage without
-    an input gradient) the output and its gradient for a whole backward."""
+    """What a B leaves for its W: the hooked nodes and their captured gradients, or (a stage without an
+    input gradient) the output and its gradient for a whole backward."""
     groups: list[WeightGroup] = field(default_factory=list)
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -91,37 +99,42 @@ class WeightWork:
         """Accumulate this micro-batch's weight gradients into `.grad` (hooks fire as in a backward)."""
         if self.whole is not None:
             out, grad = self.whole
+            self.whole = None
             torch.autograd.backward(out, grad)
             return
-        params, grads = [], []
+        edges, grads = [], []
         for group in self.groups:
-            for p, g in zip(group.params, group.weight_grads()):
+            for edge, g in zip(group.edges, group.branch_grads()):
                 if g is not None:
-                    params.append(p)
+                    edges.append(GradientEdge(*edge))
                     grads.append(g)
         self.groups = []  # the graph goes with them
-        if params:
-            torch.autograd.backward(params, grads)  # a leaf seeded with g: .grad += g, then its hooks
+        if edges:
+            torch.autograd.backward(edges, grads)  # the weight branches alone: they reach no activation
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                   params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
+                   params: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, WeightWork]:
     """B: d(out)/d(inp) seeded with grad (None: out is a scalar loss), and the WeightWork W will run.
 
-    No weight's `.grad` changes here."""
+    No weight's `.grad` changes here. `params` is accepted for symmetry with a whole
+    backward and not needed: the weight branches are found in the graph."""
     in_node = grad_node(inp) if inp is not None else None
     root = out.grad_fn
     parents = _parents(root)
     if in_node is None or in_node not in parents:  # nothing upstream needs a gradient
         return None, WeightWork(whole=(out, grad))
-    on_input_path = _ancestors(in_node, parents)
-    groups = _weight_groups(params, parents, on_input_path)
+    groups = _weight_groups(_ancestors(in_node, parents))
     hooks = [node.register_prehook(_capture(group, node)) for group in groups for node in group.nodes]
     try:
         (dx,) = torch.autograd.grad(out, inp, grad, retain_graph=True)  # W needs the graph
     finally:
         for h in hooks:
             h.remove()
+    if inp.grad_fn is not None:  # a computed input (the first stage's embedding): its node runs in W
+        for group in groups:
+            if in_node in group.nodes:
+                group.grads[in_node] = (None,) * inp.output_nr + (dx,)
     return dx, WeightWork(groups=groups)
 
 
@@ -148,7 +161,7 @@ def _parents(root: Node) -> dict[Node, list[Node]]:
 
 
 def _ancestors(node: Node, parents: dict[Node, list[Node]]) -> set[Node]:
-    """node and every node whose gradient reaches it."""
+    """node and every node whose gradient reaches it: the input's path."""
     seen, todo = {node}, [node]
     while todo:
         for up in parents[todo.pop()]:
@@ -158,32 +171,21 @@ def _ancestors(node: Node, parents: dict[Node, list[Node]]) -> set[Node]:
     return seen
 
 
-def _weight_groups(params: list[torch.Tensor], parents: dict[Node, list[Node]],
-                   on_input_path: set[Node]) -> list[WeightGroup]:
-    """Weights grouped by the input-path nodes their branches hang from (a union of overlapping sets)."""
-    group_of: dict[Node, WeightGroup] = {}
-    for p in params:
-        node = grad_node(p)
-        if node is None or node not in parents:
-            continue  # not used by this micro-batch
-        hangs_from = _branch_roots(node, parents, on_input_path)
-        group = WeightGroup([p], list(hangs_from))
-        for other in {id(group_of[n]): group_of[n] for n in hangs_from if n in group_of}.values():
-            group.params += other.params
-            group.nodes += [n for n in other.nodes if n not in hangs_from]
-        for n in group.nodes:
-            group_of[n] = group
-    return list({id(g): g for g in group_of.values()}.values())
-
-
-def _branch_roots(node: Node, parents: dict[Node, list[Node]], on_input_path: set[Node]) -> set[Node]:
-    """The input-path nodes the weight branch above `node` starts at."""
-    roots, seen, todo = set(), {node}, [node]
-    while todo:
-        for up in parents[todo.pop()]:
-            if up in on_input_path:
-                roots.add(up)
-            elif up not in seen:
-                seen.add(up)
-                todo.append(up)
-    return roots
+def _weight_groups(on_input_path: set[Node]) -> list[WeightGroup]:
+    """The input path's nodes with edges leaving it (into weight branches), grouped where two of them
+    lead into the same node (a weight used twice: its branch must see both gradients at once)."""
+    group_of: dict[Node, WeightGroup] = {}  # a weight branch's first node -> its group
+    groups: list[WeightGroup] = []
+    for node in on_input_path:
+        edges = [(c, i) for c, i in node.next_functions if c is not None and c not in on_input_path]
+        if not edges:
+            continue
+        group = WeightGroup([node], list(dict.fromkeys(edges)))
+        for other in {id(group_of[c]): group_of[c] for c, _ in edges if c in group_of}.values():
+            group.nodes += other.nodes
+            group.edges = list(dict.fromkeys(group.edges + other.edges))
+            groups.remove(other)
+        for c, _ in group.edges:
+            group_of[c] = group
+        groups.append(group)
+    return groups

@@ -101,3 +101,22 @@ def test_w_fires_each_post_accumulate_hook_once_in_one_backward():
     assert fired == []
     work.run()
     assert sorted(fired) == sorted(n for n, _ in model.layers.named_parameters(prefix="layers"))
+
+
+def test_the_first_stage_cuts_at_its_blocks_input():
+    """Token ids have no gradient: B runs down to the hidden states entering the first block, W the weight
+    branches and the embedding's gradient (the runner hands B that tensor)."""
+    model = _gpt()
+    idx = torch.randint(0, 64, (2, 16))
+    seed = torch.randn(2, 16, 64)
+    torch.autograd.backward(model(idx), seed)
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    hidden = []
+    model.layers[0].register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
+    dx, work = backward_input(model(idx), seed, hidden[0], list(model.parameters()))
+    assert dx is not None and all(p.grad is None for p in model.parameters())
+    work.run()
+    assert set(_grads(model)) == set(want)
+    for name, g in want.items():
+        assert_close(model.get_parameter(name).grad, g, rtol=0, atol=0)
