@@ -226,6 +226,22 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zbv"', "--set",
       "parallel.virtual_stages=2", "--set", "parallel.micro_batches=2", "--set", "model.n_layer=4", "--set",
       "model.tie_embeddings=true"], "model.tie_embeddings"),
+    # train: asynchronous pipelines (tessel.config._check_async)
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
+      "parallel.micro_batches=2"], "parallel.allow_async"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="pipedream"', "--set",
+      "parallel.micro_batches=2", "--set", "parallel.allow_async=true"], "train.grad_clip"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
+      "parallel.allow_async=true"], "parallel.micro_batches"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
+      "parallel.micro_batches=2", "--set", "parallel.allow_async=true", "--set", "checkpoint.every=5"],
+     "checkpoint.every"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
+      "parallel.micro_batches=2", "--set", "parallel.allow_async=true", "--set", "parallel.vertical_sync=true"],
+     "parallel.vertical_sync"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
+      "parallel.micro_batches=2", "--set", "parallel.allow_async=true", "--set", "parallel.zero_stage=1", "--set",
+      "parallel.dp=2"], "parallel.schedule"),
 ]
 
 

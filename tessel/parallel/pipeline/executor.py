@@ -63,8 +63,6 @@ class ScheduleExecutor:
         self.chunks, self.placement, self.links = list(chunks), placement, links
         self.recorder, self.spec, self.sync = recorder, spec, sync
         self.device, self.m = links.device, spec.micro_batches
-        self.actions = build_schedule(spec.schedule, placement.p, spec.micro_batches, placement.v)[placement.rank]
-        self.items = batches(self.actions)
         self.aux = [StageAux(c) for c in chunks]  # MoE aux losses: each stage back-propagates its own
         self.has_aux = any(a.layers for a in self.aux)
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
@@ -73,10 +71,6 @@ class ScheduleExecutor:
         self.first_hidden: torch.Tensor | None = None  # the hidden states entering the first stage's blocks
         if self.split:
             self._watch_first_hidden()
-        # the computes that accumulate weight gradients: where data parallelism reduces
-        backwards = [a for a in self.actions if a.kind == ("W" if self.split else "B")]
-        self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last
-        self.final_backward = backwards[-1]
         # gloo moves a message only once its receive is posted (the sender waits for the
         # receiver's ready note), so a receive posted just before it is needed costs a round
         # trip of wake-ups. There, receives are posted RECV_LOOKAHEAD ahead of need, in the
@@ -84,7 +78,20 @@ class ScheduleExecutor:
         # finds its input already there. Under NCCL a posted receive would hold up the sends
         # queued behind it on the same stream, so receives stay in the schedule's batches.
         self.prepost = links.group is not None and dist.get_backend(links.group) == "gloo"
-        self.recv_order = [a for a in self.actions if a.kind in RECVS]
+        self._plan(self.step_actions(0))
+
+    def step_actions(self, step: int) -> list[Action]:
+        """This rank's list for a step: the schedule's, the same every step."""
+        return build_schedule(self.spec.schedule, self.placement.p, self.m, self.placement.v)[self.placement.rank]
+
+    def _plan(self, actions: list[Action]) -> None:
+        self.actions = actions
+        self.items = batches(actions)
+        # the computes that accumulate weight gradients: where data parallelism reduces
+        backwards = [a for a in actions if a.kind == ("W" if self.split else "B")]
+        self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last
+        self.final_backward = backwards[-1] if backwards else None
+        self.recv_order = [a for a in actions if a.kind in RECVS]
         self.recv_pos = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(self.recv_order)}
 
     def new_state(self, x: torch.Tensor, y: torch.Tensor) -> StepState:
@@ -122,7 +129,7 @@ class ScheduleExecutor:
         inp = state.inputs[a.mb] if received is None else received.requires_grad_(True)
         saved, shape_key = self.recorder.saved, (a.chunk, tuple(inp.shape), inp.dtype)
         with saved.hooks(shape_key), autocast_for(self.device, self.spec.precision):
-            out = self._with_losses(a, self.chunks[a.chunk](inp), state)
+            out = self._with_losses(a, self._run_chunk(a, inp), state)
         state.saved_bytes[key] = saved.forwarded(shape_key)
         if self.first_hidden is not None and self.placement.is_first(a.chunk):
             inp, self.first_hidden = self.first_hidden, None  # B's cut on the first stage (split backward)
@@ -130,12 +137,18 @@ class ScheduleExecutor:
         if self.placement.is_last(a.chunk):
             state.loss += out.detach()
 
+    def _run_chunk(self, a: Action, inp: torch.Tensor) -> torch.Tensor:
+        return self.chunks[a.chunk](inp)
+
+    def _targets(self, state: StepState, mb: int) -> torch.Tensor:
+        return state.targets[mb]
+
     def _with_losses(self, a: Action, out: torch.Tensor, state: StepState) -> torch.Tensor:
         """The last stage's output becomes its loss; elsewhere MoE aux losses ride on the activation."""
         aux = self.aux[a.chunk]()  # this micro-batch's router losses on this chunk
         if self.placement.is_last(a.chunk):
             # mean over micro-batches: each contributes 1/m of the step's loss
-            out = self.spec.loss_fn(out, state.targets[a.mb]) / self.m
+            out = self.spec.loss_fn(out, self._targets(state, a.mb)) / self.m
             return out + aux / self.m if aux is not None else out
         if aux is not None:
             state.aux += aux.detach() / self.m

@@ -83,4 +83,8 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
                         vocab_size=cfg.model.vocab_size,
                         max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
                         blocks=parts.blocks)
-    return PipelineRunner(chunks, mesh, spec, sync, optimizer)
+    micro = None
+    if p.schedule == "pipedream":  # the stage updates after every micro-batch (async_executor.py)
+        micro = torch.optim.AdamW(param_groups or [{"params": list(chunks.parameters())}], lr=t.lr,
+                                  betas=(t.beta1, t.beta2))
+    return PipelineRunner(chunks, mesh, spec, sync, optimizer, micro_optimizer=micro, vertical_sync=p.vertical_sync)

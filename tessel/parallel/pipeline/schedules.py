@@ -35,7 +35,8 @@ from tessel.parallel.pipeline.zero_bubble import zb_h1_order, zb_h2_orders, zbv_
 __all__ = ["COMPUTE", "RECVS", "SENDS", "Action"]  # defined in action.py, read from here too
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
-SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zbv")  # B and W apart (zero_bubble.py)
+# B and W apart (zero_bubble.py); the asynchronous pipelines too (async_schedules.py)
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zbv", "pipedream", "2bw")
 
 
 def splits_backward(name: str) -> bool:
@@ -220,7 +221,7 @@ def align_receives(schedule: Schedule) -> Schedule:
     return out
 
 
-def pair_for_rendezvous(schedule: Schedule, v: int, vshape: bool = False) -> Schedule:
+def pair_for_rendezvous(schedule: Schedule, v: int, vshape: bool = False, carried: list[set] | None = None) -> Schedule:
     """The schedule with receives pulled into the batches of sends that would otherwise wait on each other.
 
     Under rendezvous semantics (NCCL's fused groups: simulate(strict=True)) a
@@ -233,7 +234,7 @@ def pair_for_rendezvous(schedule: Schedule, v: int, vshape: bool = False) -> Sch
     flat = [list(actions) for actions in schedule]
     for _ in range(sum(map(len, flat))):
         try:
-            simulate(flat, v, strict=True, vshape=vshape)
+            simulate(flat, v, strict=True, vshape=vshape, carried=carried)
             return flat
         except ScheduleError as e:
             if not e.stuck:
@@ -333,7 +334,8 @@ class _Op:
 
 
 def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0,
-             strict: bool = True, cost=None, vshape: bool = False) -> list[list[tuple[Action, float, float]]]:
+             strict: bool = True, cost=None, vshape: bool = False,
+             carried: list[set] | None = None) -> list[list[tuple[Action, float, float]]]:
     """Run the lists on a model of the machine; returns each rank's (action, start, end) computes.
 
     Messages on a link (src -> dst) match in the order they are posted, as NCCL
@@ -345,6 +347,8 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
     cost(rank, action) -> seconds overrides t_fwd/t_bwd (e.g. measured times);
     where the backward is split (W actions), B and W take t_bwd / 2 each.
     Messages take no time. vshape: the lists place chunks in a V (ZBV).
+    carried[r]: the (kind, mb, chunk) computes rank r ran in an earlier step
+    (an asynchronous pipeline's step continues the micro-batches of the last).
     """
     p = len(schedule)
     split = any(a.kind == "W" for acts in schedule for a in acts)
@@ -355,7 +359,7 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
     recvs: dict[tuple[int, int], list[_Op]] = {}
     posted: list[list[_Op] | None] = [None] * p
     incoming: list[dict] = [{} for _ in range(p)]  # (RF | RB, mb, chunk) -> its posted receive
-    done: list[set] = [set() for _ in range(p)]  # (kind, mb, chunk) computes finished on a rank
+    done: list[set] = [set(c) for c in carried] if carried else [set() for _ in range(p)]  # computes finished
     timeline: list[list] = [[] for _ in range(p)]
     while True:
         moved = False
