@@ -177,13 +177,15 @@ def _check_memory(results, configs, gpipe, one_f):
 
 
 def _check_split_memory(results, configs, gpipe, model):
-    """A split backward holds a micro-batch from its F to its W: ZB-H1 p micro-batches (1F1B's most, on
-    every rank), ZB-H2 2p-1. The first stage's W is its whole backward, so there it holds exactly that
-    many; later stages also hold the gradients B captured for W (split_backward.WeightWork.nbytes)."""
+    """A split backward holds a micro-batch from its F to its W: ZB-H1 min(p, m) micro-batches (1F1B's most,
+    on every rank), ZB-H2 min(2p-1, m); on top, the gradients B captured for W (split_backward.WeightWork)."""
     p, m = len(results), 8
     g = configs.index(gpipe)
+    peaks = {}
     for schedule, held in (("zb-h1", min(p, m)), ("zb-h2", min(2 * p - 1, m))):
         c = configs.index(model + _overrides(p, 1, schedule, m))
-        ratios = [results[r][c]["act_peak_mb_rank"] / (results[r][g]["act_peak_mb_rank"] / m) for r in range(p)]
-        assert_close(ratios[0], float(held), rtol=1e-6, atol=0)
-        assert all(x > held for x in ratios[1:]), (schedule, ratios)
+        # in units of one micro-batch's saved activations on the rank (GPipe holds all m at its peak)
+        peaks[schedule] = [results[r][c]["act_peak_mb_rank"] / (results[r][g]["act_peak_mb_rank"] / m)
+                           for r in range(p)]
+        assert all(x > held for x in peaks[schedule]), (schedule, peaks[schedule])
+    assert all(h2 > h1 for h1, h2 in zip(peaks["zb-h1"], peaks["zb-h2"])), peaks
