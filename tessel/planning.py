@@ -183,7 +183,8 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed)
+        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed,
+                        allow_async=prob.base.parallel.allow_async)
         ranked, lines = result.ranked[:top], explain(result, top)
         if not ranked:
             raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))

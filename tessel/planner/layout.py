@@ -22,12 +22,14 @@ KEY_HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree (inside a node)", "pp": "pipeline stages",
     "ep": "expert-parallel degree (MoE)", "zero": "ZeRO stage 0-3 over dp x ep",
     "mb": "sequences per micro-batch", "m": "micro-batches per pipeline flush",
-    "ga": "accumulation steps per optimizer step", "schedule": "gpipe | 1f1b | interleaved",
-    "v": "virtual stages per pipeline rank (interleaved)", "sp": "sequence parallelism (true/false)",
+    "ga": "accumulation steps per optimizer step",
+    "schedule": "gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv | 2bw | pipedream (2bw, pipedream: the recipe "
+                "needs parallel.allow_async = true)",
+    "v": "virtual stages per pipeline rank (interleaved; zbv: 2)", "sp": "sequence parallelism (true/false)",
     "recompute": "none | full | selective (true = full, false = none)",
     "param_dtype": "fp32 | bf16: ZeRO's parameter storage (bf16 needs zero >= 1 and pp = 1)",
 }
-CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved"), "recompute": ("none", "full", "selective"),
+CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "2bw", "pipedream"), "recompute": ("none", "full", "selective"),
            "param_dtype": ("fp32", "bf16")}
 RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
              "yes": "full", "no": "none", "on": "full", "off": "none"}
@@ -118,6 +120,8 @@ def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
             layout = replace(layout, ga=max(1, global_batch // per_pipe))
     if layout.v > 1 and "schedule" not in given:
         layout = replace(layout, schedule="interleaved")
+    if layout.schedule == "zbv" and "v" not in given:  # ZBV's V holds two stages a rank
+        layout = replace(layout, v=2)
     return layout
 
 

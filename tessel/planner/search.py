@@ -11,6 +11,7 @@ from tessel.config import ConfigError
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
+from tessel.planner.schedule import ASYNC_SCHEDULES
 from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -32,10 +33,22 @@ def tp_degrees(cfg, world: int) -> list[int]:
             if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
-def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None) -> list[Layout]:
+# the pipeline schedules the search tries. ZB-H2 prices as ZB-H1's bubble with more memory (a step ends in a
+# synchronous update, tessel.parallel.pipeline.zero_bubble), PipeDream as 2BW's time with more weight versions:
+# neither can win, so they are priced only when --fix names them. Asynchronous ones only where allowed.
+SEARCHED = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+SEARCHED_ASYNC = ("2bw",)
+
+
+def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
+                      allow_async: bool = False) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
-    `fixed` (tessel.planner.layout.parse_fix), only those with these fields."""
-    every = _all_layouts(cm, world, global_batch)
+    `fixed` (tessel.planner.layout.parse_fix), only those with these fields; asynchronous pipelines
+    (stale weights) only with allow_async (the recipe's parallel.allow_async)."""
+    schedules = SEARCHED + (SEARCHED_ASYNC if allow_async else ())
+    if fixed and "schedule" in fixed:
+        schedules = (fixed["schedule"],) if allow_async or fixed["schedule"] not in ASYNC_SCHEDULES else ()
+    every = _all_layouts(cm, world, global_batch, schedules)
     if not fixed:
         return every
     if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
@@ -43,7 +56,7 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
-def _all_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+def _all_layouts(cm: CostModel, world: int, global_batch: int, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
     tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
@@ -58,21 +71,28 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
                 per_shard = global_batch // (dp * ep)
                 for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
                     base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb)
-                    out += _variants(base, per_shard // mb, c.n_layer, seq)
+                    out += _variants(base, per_shard // mb, c.n_layer, seq, schedules)
     return out
 
 
-def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]:
+def _variants(base: Layout, chunks: int, n_layer: int, seq: int, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
     if base.pp == 1:
         pipes = [replace(base, m=1, ga=chunks)]
     else:
-        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe")]
+        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe", "zb-h1", "zb-h2") if s in schedules]
         pipes += [replace(base, m=chunks, schedule="interleaved", v=v) for v in (2, 4)
-                  if base.pp * v <= n_layer and chunks % base.pp == 0]
+                  if "interleaved" in schedules and base.pp * v <= n_layer and chunks % base.pp == 0]
+        # ZBV: two stages a rank in a V, at least pp micro-batches (tessel.config)
+        pipes += [replace(base, m=chunks, schedule="zbv", v=2)
+                  for _ in range("zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp)]
     zeros = (0, 1, 2, 3) if base.batch_shards > 1 else (0,)
     sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
-    return [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
-            for rc in RECOMPUTE]
+    out = [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
+           for rc in RECOMPUTE]
+    if base.pp > 1 and base.tp == 1 and base.ep == 1 and chunks >= base.pp:
+        # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, ep or recompute (tessel.config)
+        out += [replace(base, m=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
+    return out
 
 
 @dataclass
@@ -87,14 +107,17 @@ class SearchResult:
 
 
 def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-           simulate_top: int = SIMULATE_TOP) -> SearchResult:
+           simulate_top: int = SIMULATE_TOP, allow_async: bool = False) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
-    re-priced by the event simulator (one pricing of schedules: the runtime's own action lists)."""
-    layouts = candidate_layouts(cm, world, global_batch, fixed)
+    re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
+    allow_async: the recipe accepts stale updates (parallel.allow_async), so 2BW is a candidate."""
+    layouts = candidate_layouts(cm, world, global_batch, fixed, allow_async)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"
         why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
+        if (fixed or {}).get("schedule") in ASYNC_SCHEDULES and not allow_async:
+            why = " (asynchronous schedules update on stale weights: the recipe needs parallel.allow_async = true)"
         raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}{why}")
     estimates = [cm.estimate(lay) for lay in layouts]
     fits = sorted((e for e in estimates if e.fits), key=_rank)

@@ -122,45 +122,34 @@ def _unit_stream(p: int, m: int, n: int) -> list[list[tuple[int, str, int]]]:
 def _cut(stream, p: int, m: int, k: int, start: int, end: int) -> Schedule:
     """Step k's lists: its computes, each receive right before its consumer, each send right after its
     producer when both are in the step, else at the start of the consumer's step (kept until then)."""
-    step_of = {}  # (kind, g, rank) -> the step its start falls in
-    for r in range(p):
-        for t, kind, g in stream[r]:
-            step_of[(kind, g, r)] = t >= start and t < end
+    when = {(kind, g, r): t for r in range(p) for t, kind, g in stream[r]}  # (kind, g, rank) -> start time
+
+    def in_step(kind: str, g: int, r: int) -> bool:
+        return start <= when.get((kind, g, r), -1) < end
+
     lists: Schedule = []
     for r in range(p):
-        mine = [(t, kind, g) for t, kind, g in stream[r] if start <= t < end]
-        deferred: list[Action] = []  # messages to this step's consumers from this rank's earlier computes
         out: list[Action] = []
-        for t, kind, g in mine:
+        for t, kind, g in stream[r]:
+            if not start <= t < end:
+                continue
             mb = g - k * m
             if kind == "F" and r > 0:
                 out.append(Action("RF", mb, 0, r - 1))
-                if not step_of[("F", g, r - 1)]:
-                    pass  # its sender posts it at the start of this step (below, on rank r-1)
             if kind == "B" and r < p - 1:
                 out.append(Action("RB", mb, 0, r + 1))
             out.append(Action(kind, mb))
-            if kind == "F" and r < p - 1 and _in_step(stream[r + 1], "F", g, start, end):
+            if kind == "F" and r < p - 1 and in_step("F", g, r + 1):
                 out.append(Action("SF", mb, 0, r + 1))
-            if kind == "B" and r > 0 and _in_step(stream[r - 1], "B", g, start, end):
+            if kind == "B" and r > 0 and in_step("B", g, r - 1):
                 out.append(Action("SB", mb, 0, r - 1))
-        # what this rank computed before the step and a neighbour consumes in it
-        if r < p - 1:
-            deferred += [Action("SF", g - k * m, 0, r + 1) for t, kind, g in stream[r + 1]
-                         if kind == "F" and start <= t < end and _before(stream[r], "F", g, start)]
-        if r > 0:
-            deferred += [Action("SB", g - k * m, 0, r - 1) for t, kind, g in stream[r - 1]
-                         if kind == "B" and start <= t < end and _before(stream[r], "B", g, start)]
+        # what this rank computed before the step and a neighbour consumes in it, in the consumer's order
+        deferred = [Action("SF", g - k * m, 0, r + 1) for t, kind, g in (stream[r + 1] if r < p - 1 else ())
+                    if kind == "F" and start <= t < end and when[("F", g, r)] < start]
+        deferred += [Action("SB", g - k * m, 0, r - 1) for t, kind, g in (stream[r - 1] if r > 0 else ())
+                     if kind == "B" and start <= t < end and when[("B", g, r)] < start]
         lists.append(deferred + out)
     return lists
-
-
-def _in_step(events, kind: str, g: int, start: int, end: int) -> bool:
-    return any(k == kind and x == g and start <= t < end for t, k, x in events)
-
-
-def _before(events, kind: str, g: int, start: int) -> bool:
-    return any(k == kind and x == g and t < start for t, k, x in events)
 
 
 def _carried(calls: list[Schedule], k: int, m: int) -> tuple[frozenset, ...]:

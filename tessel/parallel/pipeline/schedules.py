@@ -202,7 +202,8 @@ def align_receives(schedule: Schedule) -> Schedule:
     out: Schedule = []
     for r, actions in enumerate(schedule):
         rest = [a for a in actions if a.kind not in RECVS]
-        needed_at = {(a.kind[1], a.mb, a.peer): rest.index(Action(a.kind[1], a.mb, a.chunk)) for a in actions
+        position = {a: i for i, a in enumerate(rest) if a.kind in COMPUTE}
+        needed_at = {(a.kind[1], a.mb, a.peer): position[Action(a.kind[1], a.mb, a.chunk)] for a in actions
                      if a.kind in RECVS}
         recv_of = {(a.kind[1], a.mb, a.peer): a for a in actions if a.kind in RECVS}
         before: dict[int, list[Action]] = {}
@@ -229,38 +230,21 @@ def pair_for_rendezvous(schedule: Schedule, v: int, vshape: bool = False, carrie
     batch that sends to the other deadlock; each then posts its next receive
     from the other in that batch, as Megatron pairs send_forward with
     recv_backward. A receive only moves earlier, and the next one of its link,
-    so messages still match in order.
+    so messages still match in order. One replay finds and fixes them all.
     """
-    flat = [list(actions) for actions in schedule]
-    for _ in range(sum(map(len, flat))):
-        try:
-            simulate(flat, v, strict=True, vshape=vshape, carried=carried)
-            return flat
-        except ScheduleError as e:
-            if not e.stuck:
-                raise
-            items = [batches(actions) for actions in flat]
-            moved = False
-            for r, i in e.stuck.items():
-                for q in {a.peer for a in items[r][i] if a.kind in SENDS}:
-                    j = e.stuck.get(q)
-                    if j is not None and any(a.kind in SENDS and a.peer == r for a in items[q][j]):
-                        moved |= _pull_next_receive(items[r], i, q)
-            if not moved:
-                raise
-            flat = [[a for item in its for a in item] for its in items]
-    raise ScheduleError("pairing receives with sends did not converge")
+    _, items = _replay(schedule, v, 1.0, 2.0, True, None, vshape, carried, pair=True)
+    return [[a for item in its for a in item] for its in items]
 
 
-def _pull_next_receive(items: list[list[Action]], i: int, peer: int) -> bool:
+def _pull_next_receive(items: list[list[Action]], i: int, peer: int) -> Action | None:
     """Move the first receive from `peer` after item i into item i (a batch of communication)."""
     for later in items[i + 1:]:
         for a in later:
             if a.kind in RECVS and a.peer == peer:
                 later.remove(a)
                 items[i].append(a)
-                return True
-    return False
+                return a
+    return None
 
 
 def fuse_steady_state(actions: list[Action]) -> list[Action]:
@@ -350,6 +334,13 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
     carried[r]: the (kind, mb, chunk) computes rank r ran in an earlier step
     (an asynchronous pipeline's step continues the micro-batches of the last).
     """
+    return _replay(schedule, v, t_fwd, t_bwd, strict, cost, vshape, carried)[0]
+
+
+def _replay(schedule: Schedule, v: int, t_fwd: float, t_bwd: float, strict: bool, cost, vshape: bool,
+            carried: list[set] | None, pair: bool = False) -> tuple[list[list], list[list[list[Action]]]]:
+    """simulate's replay; with pair, a deadlock of two ranks sending to each other is fixed in place
+    (pair_for_rendezvous). Returns the timeline and the (fixed) batches."""
     p = len(schedule)
     split = any(a.kind == "W" for acts in schedule for a in acts)
     duration = {"F": t_fwd, "B": t_bwd / 2 if split else t_bwd, "W": t_bwd / 2}
@@ -367,6 +358,10 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
             if pc[r] == len(items[r]):
                 continue
             item = items[r][pc[r]]
+            if not item:  # a batch whose receives moved earlier (pair)
+                pc[r] += 1
+                moved = True
+                continue
             if item[0].kind in COMPUTE:
                 a = item[0]
                 recv = _check_inputs(a, r, p, v, vshape, incoming[r], done[r])
@@ -395,11 +390,33 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
                 moved = True
         if all(pc[r] == len(items[r]) for r in range(p)):
             _check_drained(sends, recvs)
-            return timeline
+            return timeline, items
+        if not moved and pair:
+            moved = _pair_stuck(items, pc, posted, incoming, clock, sends, recvs, vshape)
         if not moved:
             stuck = {r: items[r][pc[r]] for r in range(p) if pc[r] < len(items[r])}
             raise ScheduleError(f"deadlock: ranks wait at {stuck}",
                                 {r: pc[r] for r in range(p) if pc[r] < len(items[r])})
+
+
+def _pair_stuck(items, pc, posted, incoming, clock, sends, recvs, vshape: bool) -> bool:
+    """Each rank stuck in a batch that sends to a neighbour stuck sending to it posts, in that batch, its
+    next receive from that neighbour; False if there is no such pair (a real deadlock)."""
+    p = len(items)
+    waiting = {r: {o.action.peer for o in posted[r] if o.action.kind in SENDS and o.done is None}
+               for r in range(p) if pc[r] < len(items[r]) and posted[r] is not None}
+    moved = False
+    for r, peers in waiting.items():
+        for q in peers:
+            if r not in waiting.get(q, ()):
+                continue
+            a = _pull_next_receive(items[r], pc[r], q)
+            if a is not None:
+                op = _post(a, r, stage_of(p, r, a.chunk, vshape), clock[r], sends, recvs)
+                posted[r].append(op)
+                incoming[r][(a.kind, a.mb, a.chunk)] = op
+                moved = True
+    return moved
 
 
 def _post(a: Action, rank: int, stage: int, t: float, sends: dict, recvs: dict) -> _Op:
