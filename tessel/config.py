@@ -307,6 +307,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv"), "parallel.virtual_stages",
              "virtual_stages > 1 needs parallel.schedule = 'interleaved' or 'zbv'")
     _check_zbv(cfg)
+    _check_split_backward(cfg)
     _check_async(cfg)
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
@@ -385,6 +386,14 @@ def check_tokenizer(d: DataConfig) -> None:
         return
     _require(Path(d.tokenizer).is_file(), "data.tokenizer", f"no such file: {d.tokenizer} (a tokenizer.json of "
              "the tokenizers library, or 'stdlib-bpe-N')")
+
+
+def _check_split_backward(cfg: Config) -> None:
+    """A split backward (zero-bubble schedules, tessel.parallel.pipeline.split_backward) runs W as one autograd
+    call per weight group; each would rebuild a fully recomputed block again."""
+    p = cfg.parallel
+    _require(p.schedule not in ("zb-h1", "zb-h2", "zbv") or p.recompute != "full", "parallel.recompute",
+             f"the '{p.schedule}' schedule's W would recompute each block once per weight; use 'selective' or 'none'")
 
 
 def _check_zbv(cfg: Config) -> None:

@@ -226,6 +226,8 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zbv"', "--set",
       "parallel.virtual_stages=2", "--set", "parallel.micro_batches=2", "--set", "model.n_layer=4", "--set",
       "model.tie_embeddings=true"], "model.tie_embeddings"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="zb-h1"', "--set",
+      "parallel.recompute=true"], "parallel.recompute"),
     # train: asynchronous pipelines (tessel.config._check_async)
     (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
       "parallel.micro_batches=2"], "parallel.allow_async"),

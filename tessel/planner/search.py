@@ -87,8 +87,10 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int, schedules: tupl
                   for _ in range("zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp)]
     zeros = (0, 1, 2, 3) if base.batch_shards > 1 else (0,)
     sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
+    # a split backward's W would rebuild a fully recomputed block once per weight group: tessel.config
+    # refuses the pairing
     out = [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
-           for rc in RECOMPUTE]
+           for rc in RECOMPUTE if not (rc == "full" and p.schedule in ("zb-h1", "zb-h2", "zbv"))]
     if base.pp > 1 and base.tp == 1 and base.ep == 1 and chunks >= base.pp:
         # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, ep or recompute (tessel.config)
         out += [replace(base, m=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
