@@ -40,7 +40,7 @@ from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, 
                                    recompute_layer_bytes, unfused_attention_bytes, zero_state_bytes)
 from tessel.planner.model_spec import ModelSpec
 from tessel.planner.schedule import (NEW_SCHEDULES, captured_gradient_bytes, device_chunks, flush_time,
-                                     held_micro_batches, stashed_versions)
+                                     held_bytes, held_micro_batches, stashed_versions)
 from tessel.planner.network import NONE, Cost, collective
 from tessel.planner.traffic import (Call, bookkeeping_calls, dp_step_calls, ep_chunk_calls, merged, pp_calls,
                                     times, tp_chunk_calls, trainer_calls)
@@ -525,17 +525,25 @@ class CostModel:
         """A split backward's captured gradients, held from B to W (tessel.planner.schedule), and an
         asynchronous pipeline's stashed weight versions (fp32 copies of the stage's parameters)."""
         c = self.spec.cfg
-        held, between = held_micro_batches(lay.schedule, lay.pp, lay.m, stage, lay.v)
+        held = held_micro_batches(lay.schedule, lay.pp, lay.m, stage, lay.v)[0]
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         one = captured_gradient_bytes(c.d_model, c.kv_heads * self.spec.head_dim, c.ffn_dim, tokens, lay.tp,
                                       self.act_bytes)
         if len(all_chunks) - 1 in chunks:  # the head's: the logits' gradient
             one += tokens * c.vocab_size * self.act_bytes / lay.tp / layers_per_chunk
-        out = {"captured_grads": between * layers_per_chunk * one}
+        # what the captured gradients add at the moment the stage holds most (not at their own peak)
+        act = layers_per_chunk * self._mean_layer_bytes(chunks, all_chunks, lay, tokens)
+        joint = held_bytes(lay.schedule, lay.pp, lay.m, stage, lay.v, act, layers_per_chunk * one)
+        out = {"captured_grads": joint - held * act}
         versions = stashed_versions(lay.schedule, held)
         if versions:
             out["weight_versions"] = versions * 4 * params
         return out
+
+    def _mean_layer_bytes(self, chunks: list[int], all_chunks, lay: Layout, tokens: int) -> float:
+        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+                     for k in chunks for i in all_chunks[k]] or [0.0]
+        return sum(per_layer) / len(per_layer)
 
     def _weight_copies(self, lay: Layout, chunks: list[int], all_chunks, in_flight: int) -> float:
         """bf16 copies of fp32 weights that autocast makes on each forward and autograd keeps until that
@@ -574,6 +582,12 @@ class CostModel:
         return w.get("all_reduce", 0.0) * bucket
 
     # -- the whole step ----------------------------------------------------------------
+    def stage_memory(self, lay: Layout, stage: int) -> dict[str, float]:
+        """Bytes on pipeline rank `stage` (estimate() keeps the first and last stage's, or all when v > 1)."""
+        all_chunks = chunk_layers(self.spec.cfg.n_layer, lay.pp, lay.v)
+        return self._memory(stage, device_chunks(lay.schedule, lay.pp, lay.v, stage), lay, all_chunks,
+                            lay.mb * self.spec.seq_len)
+
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
         tokens = lay.mb * spec.seq_len

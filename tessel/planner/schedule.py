@@ -86,19 +86,33 @@ def held_micro_batches(schedule: str, p: int, m: int, stage: int, v: int = 1) ->
     the end of its backward (W where the backward is split), and from B to W (each keeps the gradients its B
     captured for W, tessel.parallel.pipeline.split_backward). An asynchronous pipeline's step starts with
     the previous step's micro-batches still held."""
+    return max(live for live, _ in _held_over_time(schedule, p, m, stage, v)), \
+        max(between for _, between in _held_over_time(schedule, p, m, stage, v))
+
+
+def held_bytes(schedule: str, p: int, m: int, stage: int, v: int, activation: float, captured: float) -> float:
+    """The most bytes rank `stage` holds for backward at once: each micro-batch-chunk from F to the end of
+    its backward holds `activation` bytes, each from B to W `captured` more (the two peaks need not meet)."""
+    return max(live * activation + between * captured
+               for live, between in _held_over_time(schedule, p, m, stage, v))
+
+
+@lru_cache(maxsize=1024)
+def _held_over_time(schedule: str, p: int, m: int, stage: int, v: int) -> tuple[tuple[int, int], ...]:
+    """After each compute of the rank (and at the step's start): (held from F, held from B to W)."""
     release = "W" if splits_backward(schedule) else "B"
     before = carried(schedule, p, m)
     done = before[stage] if before else frozenset()
     began = {(mb, c) for k, mb, c in done if k == "F"} - {(mb, c) for k, mb, c in done if k == release}
     captured = {(mb, c) for k, mb, c in done if k == "B"} - {(mb, c) for k, mb, c in done if k == "W"}
     live, between = len(began), len(captured) if splits_backward(schedule) else 0
-    peak, peak_between = live, between
+    out = [(live, between)]
     for a in stage_ops(schedule, p, m, stage, chunks_per_rank(schedule, v)):
         live += 1 if a.kind == "F" else -1 if a.kind == release else 0
         if splits_backward(schedule):
             between += {"B": 1, "W": -1}.get(a.kind, 0)
-        peak, peak_between = max(peak, live), max(peak_between, between)
-    return peak, peak_between
+        out.append((live, between))
+    return tuple(out)
 
 
 # ---- what the new schedules change in the cost model (tessel.planner.cost calls these) ------------------
