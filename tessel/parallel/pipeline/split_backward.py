@@ -59,6 +59,7 @@ class WeightGroup:
     nodes: list[Node]
     edges: list[Edge]  # their edges into the weight branches, each once
     grads: dict[Node, tuple] = field(default_factory=dict)  # node -> the gradients flowing into it
+    chained: bool = False  # one node may reach another: the captured gradient must replace the arrival
 
     def branch_grads(self) -> tuple:
         """The gradient flowing along each of `edges`: the nodes run again, for their weight edges only."""
@@ -73,7 +74,7 @@ class WeightGroup:
         # one node on the path to another of the group would send it a second gradient; the captured one
         # is the whole gradient, so it replaces whatever arrives
         hooks = [n.register_prehook(lambda _, n=n: self.grads[n]) for n in self.nodes if n in self.grads] \
-            if len(self.nodes) > 1 else []
+            if self.chained else []
         try:
             return torch.autograd.grad(roots, [GradientEdge(*e) for e in self.edges], seeds, allow_unused=True,
                                        retain_graph=True)
@@ -124,7 +125,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     parents = _parents(root)
     if in_node is None or in_node not in parents:  # nothing upstream needs a gradient
         return None, WeightWork(whole=(out, grad))
-    groups = _weight_groups(_ancestors(in_node, parents))
+    on_input_path = _ancestors(in_node, parents)
+    groups = _batched(_weight_groups(on_input_path), _depths(in_node, on_input_path, parents))
     hooks = [node.register_prehook(_capture(group, node)) for group in groups for node in group.nodes]
     try:
         (dx,) = torch.autograd.grad(out, inp, grad, retain_graph=True)  # W needs the graph
@@ -169,6 +171,43 @@ def _ancestors(node: Node, parents: dict[Node, list[Node]]) -> set[Node]:
                 seen.add(up)
                 todo.append(up)
     return seen
+
+
+def _depths(in_node: Node, on_input_path: set[Node], parents: dict[Node, list[Node]]) -> dict[Node, int]:
+    """The longest path from each input-path node down to the input: a node reaches only nodes of smaller
+    depth, so nodes of one depth never reach each other."""
+    below = {n: len({c for c, _ in n.next_functions if c in on_input_path}) for n in on_input_path}
+    depth = {n: 0 for n in on_input_path if below[n] == 0}
+    ready = list(depth)
+    while ready:
+        node = ready.pop()
+        for up in set(parents[node]):
+            below[up] -= 1
+            if below[up] == 0:
+                depth[up] = 1 + max(depth[c] for c, _ in up.next_functions if c in on_input_path)
+                ready.append(up)
+    return depth
+
+
+def _batched(groups: list[WeightGroup], depth: dict[Node, int]) -> list[WeightGroup]:
+    """Groups whose nodes share one depth run in one autograd call per depth (W's calls: one a level, not
+    one a weight): none of their nodes reaches another, so no activation gradient runs twice."""
+    by_depth: dict[int, WeightGroup] = {}
+    out = []
+    for group in groups:
+        levels = {depth[n] for n in group.nodes}
+        if len(levels) > 1:
+            group.chained = True
+            out.append(group)
+            continue
+        level = levels.pop()
+        if level in by_depth:
+            by_depth[level].nodes += group.nodes
+            by_depth[level].edges += group.edges
+        else:
+            by_depth[level] = group
+            out.append(group)
+    return out
 
 
 def _weight_groups(on_input_path: set[Node]) -> list[WeightGroup]:
