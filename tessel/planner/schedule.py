@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES, build_async, is_async
+from tessel.parallel.pipeline.async_schedules import build_async, is_async
 from tessel.parallel.pipeline.schedules import (COMPUTE, SPLIT_BACKWARD, Action, Schedule, build_schedule, is_vshape,
                                                 max_in_flight, simulate)
 from tessel.parallel.pipeline.schedules import bubble_fraction as idle_fraction

@@ -11,7 +11,7 @@ from tessel.config import ConfigError
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
-from tessel.planner.schedule import ASYNC_SCHEDULES
+from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)

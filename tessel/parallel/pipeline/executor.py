@@ -67,7 +67,6 @@ class ScheduleExecutor:
         self.has_aux = any(a.layers for a in self.aux)
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
         self.split = splits_backward(spec.schedule)  # B, then W later (split_backward.py)
-        self.chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in self.chunks]
         self.first_hidden: torch.Tensor | None = None  # the hidden states entering the first stage's blocks
         if self.split:
             self._watch_first_hidden()
@@ -161,8 +160,7 @@ class ScheduleExecutor:
         first = self.placement.is_first(a.chunk)
         if self.split:  # B: the input's gradient only; the weights' wait for W, with the graph
             inp = state.chunk_inputs[key]
-            dx, work = backward_input(out, received, inp if inp.is_floating_point() else None,
-                                      self.chunk_params[a.chunk])
+            dx, work = backward_input(out, received, inp if inp.is_floating_point() else None)
             if not first:
                 inp.grad = dx
             state.weight_work[key] = work

@@ -9,12 +9,15 @@ input's gradient alone (`torch.autograd.grad(..., inputs=stage input)`, which
 runs no weight branch), each hooked node hands over the gradient flowing into
 it. W runs each hooked node again for its weight edges only (its gradient
 into the weight branch, e.g. a matmul's dW; autograd.grad stops at those
-edges), then every weight branch from there in one backward. torch.distributed.
-pipelining splits a stage's backward along the same nodes (its `_backward.py`);
-this is written for tessel's executor, and W never walks back into the input's
-path, so no activation gradient is computed twice: any module's graph (the
-reference GPT's blocks, a Hugging Face decoder layer, checkpointed blocks, MoE
-aux losses) splits without a change to the model.
+edges), the nodes of one depth of the graph in one call (a node only reaches
+nodes of smaller depth, so none of them reaches another), then every weight
+branch from there in one backward. torch.distributed.pipelining splits a
+stage's backward along the same nodes (its `_backward.py`); this is written
+for tessel's executor, and W never walks back into the input's path, so no
+activation gradient is computed twice: any module's graph (the reference GPT's
+blocks, a Hugging Face decoder layer, MoE aux losses, selective recompute)
+splits without a change to the model. (A fully recomputed block would be
+rebuilt by each of W's calls: tessel.config refuses that pairing.)
 
 W's last backward starts from the weight branches and accumulates into
 `.grad` through autograd, so every post-accumulate hook fires inside one
@@ -114,12 +117,11 @@ class WeightWork:
             torch.autograd.backward(edges, grads)  # the weight branches alone: they reach no activation
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                   params: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, WeightWork]:
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None,
+                   inp: torch.Tensor | None) -> tuple[torch.Tensor | None, WeightWork]:
     """B: d(out)/d(inp) seeded with grad (None: out is a scalar loss), and the WeightWork W will run.
 
-    No weight's `.grad` changes here. `params` is accepted for symmetry with a whole
-    backward and not needed: the weight branches are found in the graph."""
+    No weight's `.grad` changes here: the weight branches, found in the graph, wait for W."""
     in_node = grad_node(inp) if inp is not None else None
     root = out.grad_fn
     parents = _parents(root)

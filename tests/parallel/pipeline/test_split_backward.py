@@ -29,7 +29,7 @@ def _compare(model, stage, x, seed_grad=None):
     want, want_dx = _grads(model), inp.grad
     model.zero_grad(set_to_none=True)
     inp = x.clone().requires_grad_(True)
-    dx, work = backward_input(stage(inp), seed_grad, inp, list(model.parameters()))
+    dx, work = backward_input(stage(inp), seed_grad, inp)
     assert all(p.grad is None for p in model.parameters())  # B leaves the weights alone
     assert work.nbytes > 0  # what W needs is held until then
     work.run()
@@ -81,7 +81,7 @@ def test_a_stage_without_an_input_gradient_runs_everything_in_w():
     torch.autograd.backward(model(idx), seed)
     want = _grads(model)
     model.zero_grad(set_to_none=True)
-    dx, work = backward_input(model(idx), seed, None, list(model.parameters()))
+    dx, work = backward_input(model(idx), seed, None)
     assert dx is None and all(p.grad is None for p in model.parameters())
     work.run()
     for name, g in want.items():
@@ -99,7 +99,7 @@ def test_w_fires_each_post_accumulate_hook_once_in_one_backward():
     h = x
     for layer in model.layers:
         h = layer(h, model.rope_cos, model.rope_sin)
-    _, work = backward_input(h, torch.ones_like(h), x, list(model.layers.parameters()))
+    _, work = backward_input(h, torch.ones_like(h), x)
     assert fired == []
     work.run()
     assert sorted(fired) == sorted(n for n, _ in model.layers.named_parameters(prefix="layers"))
@@ -116,7 +116,7 @@ def test_the_first_stage_cuts_at_its_blocks_input():
     model.zero_grad(set_to_none=True)
     hidden = []
     model.layers[0].register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
-    dx, work = backward_input(model(idx), seed, hidden[0], list(model.parameters()))
+    dx, work = backward_input(model(idx), seed, hidden[0])
     assert dx is not None and all(p.grad is None for p in model.parameters())
     work.run()
     assert set(_grads(model)) == set(want)
