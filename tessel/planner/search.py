@@ -8,10 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tessel.config import ConfigError
+from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
-from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
