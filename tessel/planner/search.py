@@ -7,9 +7,10 @@ from dataclasses import dataclass, replace
 from rich.console import Console
 from rich.table import Table
 
-from tessel.config import ConfigError
+from tessel.config import ConfigError, tp_grid_refusal
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
+from tessel.planner.grid_cost import grid_sizes
 from tessel.planner.layout import Layout
 from tessel.planner.simulate import simulate_pipeline
 
@@ -35,7 +36,9 @@ def tp_degrees(cfg, world: int) -> list[int]:
 def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
     `fixed` (tessel.planner.layout.parse_fix), only those with these fields."""
-    every = _all_layouts(cm, world, global_batch)
+    # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design)
+    tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
+    every = _all_layouts(cm, world, global_batch, tp_cap) + grid_layouts(cm, world, global_batch)
     if not fixed:
         return every
     if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
@@ -43,10 +46,10 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
-def _all_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
-    tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
+    tps = [t for t in tp_degrees(c, world) if t <= (tp_cap or cm.cluster.devices_per_node)]
     for tp in tps:
         for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
             rest = world // (tp * pp)
@@ -73,6 +76,26 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]
     sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
     return [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
             for rc in RECOMPUTE]
+
+
+def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+    """Layouts whose tp group is a 2D, 2.5D or 3D grid (tessel.parallel.tensor_nd), by tessel.config's rules:
+    the model's (tp_grid_refusal: the grid's sizes, what its side divides, each micro-batch over the grid's
+    batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3, experts: ep = 1)."""
+    c, seq = cm.spec.cfg, cm.spec.seq_len
+    out = []
+    for mode, tp, depth in grid_sizes(world):
+        for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_shard = global_batch // dp
+            for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
+                if tp_grid_refusal(c, mode, tp, depth, mb) is not None:
+                    continue
+                base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
+                out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq) if not lay.sp and lay.zero <= 2]
+    return out
 
 
 @dataclass

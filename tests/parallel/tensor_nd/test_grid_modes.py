@@ -6,6 +6,8 @@ tessel.parallelize, Trainer.train_step), the loss of each step, the gradients of
 the weights after 3 steps, gathered whole, compared with the same run on one process.
 """
 
+import collections
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,10 +19,15 @@ from tessel.parallel.tensor_nd.cube import STREAM, Cube, Linear3D
 from tessel.parallel.tensor_nd.grid import build_grid
 from tessel.parallel.tensor_nd.summa import Linear2D, Summa
 from tessel.parallel.tensor_nd.traffic import CollectiveRecorder
+from tessel.planner.cluster import get_cluster
+from tessel.planner.cost import CostModel
+from tessel.planner.layout import config_layout
+from tessel.planner.model_spec import from_config
 from tessel.planner.tp_grid import linear_bytes
 from tessel.spawn import spawn
 from tessel.train.checkpoint.read import read_model_tensors
 from tests.helpers import build_trainer, tiny_config
+from tests.planner.test_traffic_matches_runtime import Recorder
 
 STEPS = 5
 COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",
@@ -83,8 +90,8 @@ def _train(overrides: list[str]) -> dict:
 
     def capture(x, y):  # the gradients before clipping and the update zero them
         loss = forward_backward(x, y)
-        if cfg.parallel.zero_stage < 2:  # ZeRO-2 keeps gradients in its own flat shards, not in .grad
-            out.setdefault("grads", whole(grads=True))
+        if cfg.parallel.zero_stage < 2 and "grads" not in out:  # ZeRO-2 keeps its gradients in flat shards
+            out["grads"] = whole(grads=True)
         return loss
 
     runner.forward_backward = capture
@@ -93,7 +100,13 @@ def _train(overrides: list[str]) -> dict:
             block.register_forward_pre_hook(lambda m, args: out.__setitem__(
                 "stream_bytes", max(out.get("stream_bytes", 0), args[0].numel() * args[0].element_size())))
     for step in range(STEPS):
-        row = trainer.train_step(step)
+        if step == STEPS - 1:  # every collective of the last step, for the planner's call list (RECORDED)
+            with Recorder(mesh) as rec:
+                row = trainer.train_step(step)
+            out["calls"] = rec.calls
+            out["stage"] = mesh.local_rank_in("pp") if mesh.size("pp") > 1 else 0
+        else:
+            row = trainer.train_step(step)
         out["losses"].append(row["loss"])
         out["norms"].append(row["grad_norm"])
         trainer.state.step = step + 1
@@ -230,3 +243,39 @@ def test_saved_in_3d_resumes_in_2d(world8):
     for result in world8:
         assert len(result["resumed_2d"]) == 2
         assert_close(torch.tensor(result["resumed_2d"]), torch.tensor(result["saved_3d"][3:]), **LOSS_TOL)
+
+
+def _planned(overrides: list[str], stage: int) -> collections.Counter:
+    """The planner's calls of one step (CostModel.step_calls) for one rank of the layout, keyed as the
+    recorder keys the runtime's: a grid dimension's groups are no mesh axis, so both sides name them by size."""
+    cfg = tiny_config(*COMMON, *overrides)
+    lay = config_layout(cfg)
+    cost = CostModel(from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch), get_cluster("a100"),
+                     cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
+    dims = cost.grid_groups(lay)
+    out = collections.Counter()
+    for group, calls in cost.step_calls(lay, stage).items():
+        label = f"group{dims[int(group[3:])].n}" if group.startswith("tp.") else group
+        for c in calls:
+            assert c.count == int(c.count) and c.nbytes == int(c.nbytes), c
+            out[c.op, label, int(c.nbytes)] += int(c.count)
+    # the gradient norm's partial sum: listed once per sharding axis (traffic.bookkeeping_calls), summed by the
+    # runtime once over their joint group (4 bytes, latency either way)
+    axes = [a for a, on in (("pp", lay.pp > 1), ("dp", lay.zero >= 1), ("tp", True)) if on]
+    if len(axes) > 1:
+        out.subtract({("all_reduce", a, 4): 1 for a in axes})
+        out["all_reduce", "+".join(axes), 4] += 1
+    return +out
+
+
+@pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2"])
+def test_planner_lists_every_collective_of_a_step(world4, world8, layout):
+    """tessel plan prices a grid call by call (tessel.planner.grid_cost): the collectives of a real step, each
+    (op, group, bytes) as often as the runtime issues it: SUMMA's broadcasts and reductions along rows and
+    columns, Tesseract's depth all-reduce, the cube's gathers and reduce-scatters, the norms, the embedding,
+    the head and loss, recomputation, the pipeline's messages (the grid's shard) and the gradient traffic."""
+    world, overrides = (world4, LAYOUTS_4[layout]) if layout in LAYOUTS_4 else (world8, LAYOUTS_8[layout])
+    for rank, result in enumerate(world):
+        got = collections.Counter(tuple(c) for c in result[layout]["calls"])
+        want = _planned(overrides, result[layout]["stage"])
+        assert got == want, f"{layout}, rank {rank}: runtime only {dict(got - want)}, planner only {dict(want - got)}"
