@@ -110,6 +110,14 @@ class Layout:
                 "tp_mode": self.tp_mode, "tp_depth": self.tp_depth}
 
 
+def layout_text(lay: Layout) -> str:
+    """The --layout text of a layout (parse_layout's inverse): the fields that differ from the defaults."""
+    default = Layout()
+    keys = [k for k in ("dp", "tp", "pp", "ep", "mb", "m", "ga", "zero", "schedule", "v", "sp", "recompute",
+                        "param_dtype", "tp_mode", "tp_depth") if getattr(lay, k) != getattr(default, k)]
+    return ",".join(f"{k}={str(getattr(lay, k)).lower()}" for k in keys) or "dp=1"
+
+
 def parse_layout(text: str, global_batch: int | None = None) -> Layout:
     """'dp=2,tp=2,pp=2,mb=1' -> Layout. Missing micro-batch fields are derived from global_batch."""
     fields = _key_values(text, "--layout")

@@ -10,7 +10,7 @@ from rich.table import Table
 from tessel.config import ConfigError, tp_grid_refusal
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
-from tessel.planner.grid_cost import grid_sizes
+from tessel.planner.grid_cost import grid_of, grid_sizes
 from tessel.planner.layout import Layout
 from tessel.planner.simulate import simulate_pipeline
 
@@ -90,12 +90,20 @@ def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
             if global_batch % dp:
                 continue
             per_shard = global_batch // dp
-            for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
+            for mb in grid_micro_batches(per_shard, mode, tp, depth):
                 if tp_grid_refusal(c, mode, tp, depth, mb) is not None:
                     continue
                 base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
                 out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq) if not lay.sp and lay.zero <= 2]
     return out
+
+
+def grid_micro_batches(per_shard: int, mode: str, tp: int, depth: int) -> list[int]:
+    """Micro-batch sizes a grid can take: the search's, and 1, 2 or 4 sequences for each of the grid's batch
+    chunks (a 512-rank cube splits each micro-batch 64 ways)."""
+    chunks = grid_of(mode, tp, depth).batch_chunks
+    sizes = set(MICRO_BATCHES) | {chunks * b for b in (1, 2, 4)}
+    return sorted(b for b in sizes if per_shard % b == 0 and b % chunks == 0)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
 from tessel.parallel.tensor_nd.summa import MeanOverColumn, SumOverRow
 from tessel.sharding import mark_sharded, set_placement
 
@@ -92,8 +92,8 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, r = self.layout
         g = self.cube.groups
-        x = gather_cube(x, 0, g[s])  # (B/c, T, in/c)
-        w = gather_cube(self.weight, 0, g[0])  # [out/c, in/c]
+        x = gather_cube(to_compute_dtype(x), 0, g[s])  # (B/c, T, in/c)
+        w = gather_cube(to_compute_dtype(self.weight), 0, g[0])  # [out/c, in/c]
         return reduce_scatter_cube(F.linear(x, w), 0, g[r])  # (B/c^2, T, out/c), layout L(r, s)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
 from tessel.sharding import mark_replica, mark_sharded, set_placement
 
 
@@ -224,7 +224,8 @@ class Linear2D(nn.Module):
         self.weight = _param(block, s, linear.weight, 1, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = SummaMatmul.apply(x.flatten(0, -2), self.s.shared(self.weight).t(), self.s)  # (N, out/q)
+        x2d, w = to_compute_dtype(x.flatten(0, -2)), to_compute_dtype(self.s.shared(self.weight).t())
+        y = SummaMatmul.apply(x2d, w, self.s)  # (N, out/q)
         return y.view(*x.shape[:-1], -1)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from tessel.planner.tp_grid import linear_bytes
 from tessel.spawn import spawn
 from tessel.train.checkpoint.read import read_model_tensors
 from tests.helpers import build_trainer, tiny_config
-from tests.planner.test_traffic_matches_runtime import Recorder
+from tests.planner.test_traffic_matches_runtime import Recorder, record_step
 
 STEPS = 5
 COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",
@@ -120,8 +120,14 @@ def _fit(root: str, name: str, *overrides: str) -> list[float]:
     return build_trainer(cfg)[0].fit().losses
 
 
+# bf16 autocast: the grid's linear layers cast their panels before they communicate them (recorded calls only)
+BF16 = {"2d_bf16": [*LAYOUTS_4["2d"], "train.precision='bf16'"], "3d_bf16": ["parallel.tp=8", "parallel.tp_mode='3d'",
+                                                                           "train.precision='bf16'"]}
+
+
 def _world4(root: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_4.items()}
+    out["2d_bf16"] = record_step([*COMMON, *BF16["2d_bf16"]])
     out["traffic"] = {"2d": _traffic("2d", (2, 2))}
     # saved in 2D at step 3, resumed in 1D (tp4): the logical tensors, whatever the layout
     out["root"] = root
@@ -154,6 +160,7 @@ def _traffic(mode: str, shape: tuple[int, ...]) -> float:
 
 def _world8(root: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_8.items()}
+    out["3d_bf16"] = record_step([*COMMON, *BF16["3d_bf16"]])
     out["traffic"] = {"2.5d": _traffic("2.5d", (2, 2, 2)), "3d": _traffic("3d", (2, 2, 2))}
     # saved on the 3D cube at step 3, resumed as dp2 x 2D
     out["saved_3d"] = _fit(root, "saved_3d", *LAYOUTS_8["3d"])
@@ -268,13 +275,14 @@ def _planned(overrides: list[str], stage: int) -> collections.Counter:
     return +out
 
 
-@pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2"])
+@pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2", "2d_bf16", "3d_bf16"])
 def test_planner_lists_every_collective_of_a_step(world4, world8, layout):
     """tessel plan prices a grid call by call (tessel.planner.grid_cost): the collectives of a real step, each
     (op, group, bytes) as often as the runtime issues it: SUMMA's broadcasts and reductions along rows and
     columns, Tesseract's depth all-reduce, the cube's gathers and reduce-scatters, the norms, the embedding,
     the head and loss, recomputation, the pipeline's messages (the grid's shard) and the gradient traffic."""
-    world, overrides = (world4, LAYOUTS_4[layout]) if layout in LAYOUTS_4 else (world8, LAYOUTS_8[layout])
+    overrides = {**LAYOUTS_4, **LAYOUTS_8, **BF16}[layout]
+    world = world4 if layout in ("2d", "2d_bf16") else world8
     for rank, result in enumerate(world):
         got = collections.Counter(tuple(c) for c in result[layout]["calls"])
         want = _planned(overrides, result[layout]["stage"])
