@@ -67,6 +67,11 @@ BAD = [
     (["simulate", "--world", "-1"], "--world"),
     (["simulate", "--trace", UNWRITABLE + "/trace.json"], "--trace"),
     (["simulate", "--png", "{tmp}"], "--png"),
+    (["simulate", "--tp-modes", "1"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8,x"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8", "--layout", "dp=8"], "--tp-modes"),
+    (["plan", "--fix", "tp_mode=4d"], "--fix"),
+    (["plan", "--model", "gpt3-1.3b", "--world", "16", "--layout", "dp=4,tp=4,mb=8,tp_mode=2.5d"], "parallel.tp_depth"),
     # probe
     (["probe", "--world", "0"], "--world"),
     (["probe", "--size-mb", "0"], "--size-mb"),
