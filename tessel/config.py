@@ -463,7 +463,8 @@ def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch:
         return "train.global_batch", (f"each rank's micro-batch ({micro_batch}) must be divisible by "
                                       f"the {chunks} batch chunks of tp_mode '{mode}'")
     if m.hf_config is not None or m.n_experts:
-        return "parallel.tp_mode", f"'{mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) so far"
+        return "parallel.tp_mode", (f"'{mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) "
+                                    "so far")
     if m.tie_embeddings:
         return "model.tie_embeddings", f"tp_mode '{mode}' splits the embedding and the head differently; untie them"
     return None

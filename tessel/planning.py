@@ -381,8 +381,9 @@ def simulate_tp_modes(prob: Problem, sizes: list[int], as_json: bool) -> dict:
         print(json.dumps(report, indent=1))
         return report
     console = Console(width=max(Console().width, 150))
-    console.print(f"{prob.spec.name} on {prob.world} x {prob.cluster.name} (NVLink {prob.cluster.intra.bandwidth / 1e9:g} "
-                  f"GB/s, network {inter.bandwidth / 1e9:g} GB/s per GPU), global batch {prob.global_batch}: each "
+    console.print(f"{prob.spec.name} on {prob.world} x {prob.cluster.name} (NVLink "
+                  f"{prob.cluster.intra.bandwidth / 1e9:g} GB/s, network {inter.bandwidth / 1e9:g} GB/s per GPU), "
+                  f"global batch {prob.global_batch}: each "
                   "mode's fastest layout at each tp group size, its step simulated")
     table = Table()
     for col in ("tp", "mode", "simulated s", "analytic s", "tp comm", "memory GiB", "layout"):

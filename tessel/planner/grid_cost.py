@@ -138,7 +138,8 @@ def embedding_calls(g: Grid, vocab: int, d: int, param: int) -> tuple[Calls, Cal
     """The token table split over the hidden dim, this rank's hidden chunk gathered from its pieces."""
     if g.mode == "3d":
         c = g.side
-        return ([(2, Call("all_gather", vocab * (d // c ** 2) * param)), (0, Call("all_gather", vocab * (d // c) * param))],
+        return ([(2, Call("all_gather", vocab * (d // c ** 2) * param)),
+                 (0, Call("all_gather", vocab * (d // c) * param))],
                 [(0, Call("reduce_scatter", vocab * (d // c) * param)),
                  (2, Call("reduce_scatter", vocab * (d // c ** 2) * param))])
     q = g.side
