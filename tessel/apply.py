@@ -83,7 +83,7 @@ def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     p = cfg.parallel
     done = apply_grid_mode(plan.model, gpt_tp_plan([], cfg.model.n_layer), mesh, p.tp_mode, p.tp_depth,
                            cfg.model.vocab_size)
-    plan.loss_fn, plan.full_logits = done.loss_fn, done.full_logits
+    plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
     return plan
 
 

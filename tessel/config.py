@@ -438,7 +438,8 @@ def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
     return side if side >= 2 and side ** root * (depth if mode == "2.5d" else 1) == tp else None
 
 
-def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int) -> tuple[str, str] | None:
+def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int,
+                    pp: int = 1) -> tuple[str, str] | None:
     """(field, message) of the first rule a model breaks on a tp grid (tessel.parallel.tensor_nd), None if it
     keeps them all: the tp group must be a q x q grid (2d), a q x q x depth grid (2.5d) or a c x c x c cube (3d);
     the hidden size splits in q*q (c*c*c) pieces (embedding and norms), heads, kv heads, feed-forward and
@@ -465,8 +466,9 @@ def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch:
     if m.hf_config is not None or m.n_experts:
         return "parallel.tp_mode", (f"'{mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) "
                                     "so far")
-    if m.tie_embeddings:
-        return "model.tie_embeddings", f"tp_mode '{mode}' splits the embedding and the head differently; untie them"
+    if m.tie_embeddings and pp > 1:
+        return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
+                                        "built yet (the last stage's copy of the table); untie them or set pp = 1")
     return None
 
 
@@ -480,16 +482,15 @@ def _check_tp_grid(cfg: Config) -> None:
     if p.tp_mode == "1d" or p.tp == 1:
         return
     micro = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)
-    refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro)
+    refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro, p.pp)
     if refusal is not None:
         raise ConfigError(*refusal)
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
-             f"tp_mode '{p.tp_mode}' already splits activations over its grid")
+             f"means nothing under tp_mode '{p.tp_mode}': each rank already holds a batch chunk and a hidden chunk of "
+             "every activation, norms included, so nothing is replicated for it to split; set it to false")
     _require(p.zero_stage <= 2 and p.dp_arch == "allreduce", "parallel.tp_mode",
              f"'{p.tp_mode}' composes with dp, ZeRO-1/2 and pp so far (ZeRO-3 and the parameter server are not "
              "tested yet)")
-    _require(p.pp == 1 or t.sample_tokens == 0, "train.sample_tokens", f"sampling from a pipeline's last stage under "
-             f"tp_mode '{p.tp_mode}' is not built yet (its logits are split by batch and vocabulary); set it to 0")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
 

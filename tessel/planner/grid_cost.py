@@ -159,6 +159,27 @@ def loss_calls(g: Grid, tokens: int) -> Calls:
         [(a, Call("all_reduce", 4)) for a in batch_dims]
 
 
+def head_calls(g: Grid, spec: ModelSpec, tokens: int, act: int, param: int) -> tuple[Calls, Calls]:
+    """The output head: a linear layer on L(2, 1); tied to the embedding (model.tie_embeddings), the table
+    gathered again as the embedding gathers it, and multiplied without a weight gather (3D: TiedHead3D) or by
+    SUMMA's C = A B^T, whose row panels are the logits' (2D, 2.5D: TiedHead2D)."""
+    c = spec.cfg
+    d, vocab = c.d_model, c.vocab_size
+    if not c.tie_embeddings:
+        return linear_calls(g.mode, tokens, d, vocab, g.side, g.depth, act, STREAM)
+    fwd, bwd = embedding_calls(g, vocab, d, param)
+    if g.mode == "3d":
+        lf, lb = linear_calls(g.mode, tokens, d, vocab, g.side, g.depth, act, STREAM)
+        return fwd + [x for x in lf if x[0] != 0], bwd + [x for x in lb if x[0] != 0]  # no weight gather (dim 0)
+    q = g.side
+    y = tokens // (q * g.depth) * (vocab // q) * act  # a panel of the logits: (n / (q d), V / q)
+    w = (vocab // q) * (d // q) * act  # of the table's rows: (V / q, H / q)
+    fwd += [(g.col, Call("broadcast", w, q)), (g.row, Call("reduce", y, q))]
+    bwd += [(g.row, Call("broadcast", y, q)), (g.col, Call("broadcast", w, q)),  # dX = dY B
+            (g.row, Call("broadcast", y, q)), (g.col, Call("reduce", w, q))]  # dB = dY^T X
+    return fwd, bwd
+
+
 def block_calls(g: Grid, spec: ModelSpec, tokens: int, act: int, param: int, resid: int) -> tuple[Calls, Calls]:
     """(forward, backward) of one dense block: two norms and its linear layers; attention (split by heads over
     the grid's columns) and the SwiGLU are local. 3D: the layers that read the stream take L(2, 1), the output
@@ -190,7 +211,7 @@ def chunk_calls(g: Grid, spec: ModelSpec, tokens: int, act: int, param: int, res
         fwd, bwd = fwd + ef, bwd + eb
     if last:
         nf, nb = norm_calls(g, tokens, c.d_model, param, resid)
-        hf, hb = linear_calls(g.mode, tokens, c.d_model, c.vocab_size, g.side, g.depth, act, STREAM)
+        hf, hb = head_calls(g, spec, tokens, act, param)
         fwd, bwd = fwd + nf + hf + loss_calls(g, tokens), bwd + nb + hb
     return fwd, bwd
 

@@ -91,7 +91,7 @@ def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
                 continue
             per_shard = global_batch // dp
             for mb in grid_micro_batches(per_shard, mode, tp, depth):
-                if tp_grid_refusal(c, mode, tp, depth, mb) is not None:
+                if tp_grid_refusal(c, mode, tp, depth, mb, pp) is not None:
                     continue
                 base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
                 out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq) if not lay.sp and lay.zero <= 2]

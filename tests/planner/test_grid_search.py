@@ -74,15 +74,18 @@ def test_grids_of_a_world():
     assert not [s for s in grid_sizes(12) if s[0] != "2d"] and ("2d", 4, 1) in grid_sizes(12)
 
 
-def test_every_grid_layout_the_search_tries_is_a_valid_recipe():
-    """The search enumerates grids by tessel.config's own rules: each layout written as a recipe passes them."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_grid_layout_the_search_tries_is_a_valid_recipe(tied):
+    """The search enumerates grids by tessel.config's own rules: each layout written as a recipe (sampling on,
+    tied embeddings or not) passes them."""
     base = build_config({}, ["model.d_model=64", "model.n_head=8", "model.n_layer=4", "train.global_batch=32",
-                             "train.seq_len=32", "train.sample_tokens=0"])  # TODO-SAMPLING
+                             "train.seq_len=32", "train.sample_tokens=8", f"model.tie_embeddings={str(tied).lower()}"])
     spec = from_config(base.model, base.train.seq_len, base.train.global_batch)
     cm = CostModel(spec, get_cluster("a100", 16), "bf16")
     layouts = grid_layouts(cm, 16, 32)
     assert {lay.tp_mode for lay in layouts} == {"2d", "2.5d", "3d"}
     assert {lay.tp for lay in layouts} >= {4, 16, 8}
+    assert {lay.pp for lay in layouts} == ({1} if tied else {1, 2, 4})  # a tied head: no pipeline under a grid
     for lay in layouts:
         cfg = layout_config(base, lay)  # raises ConfigError on any rule broken
         assert (cfg.parallel.tp_mode, cfg.parallel.tp_depth) == (lay.tp_mode, lay.tp_depth)

@@ -134,6 +134,26 @@ class Embedding3D(nn.Module):
         return _full_hidden(t, self.cube)
 
 
+class TiedHead3D(nn.Module):
+    """The output head tied to the token embedding on the cube: the table's hidden chunk coord[1], gathered as
+    the embedding gathers it, holds the rows of the head's block [vocab chunk coord[2], hidden chunk coord[1]]
+    (a Linear3D head's on L(2, 1)): no further communication for the weight; the input gathered and the
+    output reduce-scattered as Linear3D does. No parameter of its own."""
+
+    def __init__(self, embedding: Embedding3D, cube: Cube):
+        super().__init__()
+        self.cube = cube
+        self._embedding = (embedding,)  # not a submodule: the table is the embedding's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, r = STREAM
+        cube, g = self.cube, self.cube.groups
+        table = _gather_hidden(self._embedding[0].weight, cube)  # (V, H/c)
+        w = table.chunk(cube.c, 0)[cube.coords[s]]  # (V/c, H/c)
+        x = gather_cube(to_compute_dtype(x), 0, g[s])  # (B/c, T, H/c)
+        return reduce_scatter_cube(F.linear(x, to_compute_dtype(w)), 0, g[r])  # (B/c^2, T, V/c), L(1, 2)
+
+
 class RMSNorm3D(nn.Module):
     """RMSNorm on the stream's layout: the sum of squares summed over axis 1 (the hidden chunks)."""
 

@@ -131,6 +131,25 @@ class SummaMatmul(torch.autograd.Function):
         return summa_abt(grad, w, ctx.summa), summa_atb(x, grad, ctx.summa), None
 
 
+class SummaMatmulTransposed(torch.autograd.Function):
+    """Y = X B^T on a q x q grid, B's block (i, j) being B[row chunk i, column chunk j] (Xu et al. 2021, section
+    3.2's C = A B^T, Colossal-AI's Matmul_ABT_2D, as the forward): the tied output head multiplies by the token
+    table this way, its rows (the vocabulary) split like the logits' columns. Backward: dX = dY B (SUMMA's
+    A B) and dB = dY^T X (A^T B)."""
+
+    @staticmethod
+    def forward(ctx, x, b, s: Summa):
+        ctx.save_for_backward(x, b)
+        ctx.summa = s
+        return summa_abt(x, b, s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        return summa_ab(grad, b, ctx.summa), summa_atb(grad, x, ctx.summa), None
+
+
 def gather_column(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather a parameter's q pieces down the grid's column (forward), reduce-scatter its gradient
     (backward): Colossal-AI's all_gather_tensor_2d / reduce_scatter_tensor_2d for the 2D embedding and
@@ -252,6 +271,25 @@ class Embedding2D(nn.Module):
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return gather_pieces(t, self.s, -1)
+
+
+class TiedHead2D(nn.Module):
+    """The output head tied to the token embedding (model.tie_embeddings): Y = X E^T. Rank (i, j) gathers the
+    table's hidden chunk j down its column, as the embedding does, and multiplies by its rows of vocabulary
+    chunk i (SummaMatmulTransposed): the logits come out as a Linear2D head's, [batch chunk i, vocab chunk j].
+    No parameter of its own: the gradient reaches the embedding's pieces through the gather's reduce-scatter."""
+
+    def __init__(self, embedding: Embedding2D, s: Summa):
+        super().__init__()
+        self.s = s
+        self._embedding = (embedding,)  # not a submodule: the table is the embedding's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        table = gather_column(s.shared(self._embedding[0].weight), -1, s.col_group)  # (V, H/q)
+        rows = table.chunk(s.q, 0)[s.i]  # (V/q, H/q): vocabulary chunk i of hidden chunk j
+        y = SummaMatmulTransposed.apply(to_compute_dtype(x.flatten(0, -2)), to_compute_dtype(rows), s)  # (N, V/q)
+        return y.view(*x.shape[:-1], -1)
 
 
 class RMSNorm2D(nn.Module):

@@ -32,7 +32,8 @@ from tests.planner.test_traffic_matches_runtime import Recorder, record_step
 STEPS = 5
 COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",
           f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4")
-LAYOUTS_4 = {"2d": ["parallel.tp=4", "parallel.tp_mode='2d'"]}
+LAYOUTS_4 = {"2d": ["parallel.tp=4", "parallel.tp_mode='2d'"],
+             "2d_tied": ["parallel.tp=4", "parallel.tp_mode='2d'", "model.tie_embeddings=true"]}
 LAYOUTS_8 = {
     "2.5d": ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2",  # 2 x 2 x depth 2
              "parallel.recompute='selective'"],
@@ -42,7 +43,10 @@ LAYOUTS_8 = {
                "parallel.recompute='full'"],
     "dp2_2d_zero1": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.zero_stage=1"],
     "dp2_2d_zero2": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.zero_stage=2"],
+    "3d_tied": ["parallel.tp=8", "parallel.tp_mode='3d'", "model.tie_embeddings=true"],
 }
+TIED = ["model.tie_embeddings=true"]  # the one-process reference of the *_tied layouts
+PROMPT = [[1, 2, 3, 4]]  # sampled from after the 5 steps: 6 tokens, seed 3
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
 # 2x2: loss <= 4.8e-7, gradients <= 1.5e-8 absolute (the largest ~1e-2), weights after 3 steps <= 9e-8;
@@ -59,9 +63,11 @@ NORM_TOL = dict(rtol=1e-5, atol=0.0)  # a sum of squares in another order: fp32 
 # (2.5D, Tesseract), 1/c^3 (3D); the tiny model divides evenly, so the bytes are exact
 TRAFFIC = {"batch": 8, "seq": 4, "k": 16, "m": 32}  # one linear layer, X (batch*seq, k) x W (k, m)
 # the residual stream's share per rank: batch chunks x hidden chunks = q*q (2D), d*q*q (2.5D), c*c*c (3D)
-STREAM_SHARE = {"2d": 4, "2.5d": 8, "3d": 8, "dp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4}
+STREAM_SHARE = {"2d": 4, "2.5d": 8, "3d": 8, "dp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4, "2d_tied": 4,
+                "3d_tied": 8}
 # (pp2: its stages' shares summed)
-PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4}
+PARAM_SHARE = {"2d": 4, "2.5d": 4, "3d": 8, "dp2_2d": 4, "pp2_2d": 4, "dp2_2d_zero1": 4, "dp2_2d_zero2": 4,
+               "2d_tied": 4, "3d_tied": 8}
 
 
 def _whole(model, runner, mesh, grads: bool) -> dict[str, torch.Tensor]:
@@ -112,6 +118,8 @@ def _train(overrides: list[str]) -> dict:
         trainer.state.step = step + 1
         if step == 2:
             out["weights"] = whole()
+    # sampling: the grid's logits gathered (a pipeline's last stage: split by batch and vocabulary)
+    out["sample"] = runner.generate(torch.tensor(PROMPT), 6, seed=3).tolist()
     return out
 
 
@@ -184,6 +192,11 @@ def reference():
     return _train([])
 
 
+@pytest.fixture(scope="module")
+def reference_tied():
+    return _train(TIED)
+
+
 def _check_stream(got: dict, ref: dict, layout: str) -> None:
     """Activation bytes: a block's input on one rank is the one-process batch's / (dp x the grid's share)."""
     if layout in STREAM_SHARE:
@@ -196,6 +209,7 @@ def _compare(got: dict, ref: dict) -> None:
     # the norm counts each block once: 2.5D's depth copies are replicas (a doubled count would be O(1) off)
     assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), **NORM_TOL)
     assert got["weights"].keys() == ref["weights"].keys()
+    assert got["sample"] == ref["sample"]
     for name in ref["grads"]:
         if "grads" in got:
             assert_close(got["grads"][name], ref["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}")
@@ -211,13 +225,13 @@ def _check_ranks(results: list[dict], reference: dict, layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_parity_world4(world4, reference, layout):
-    _check_ranks(world4, reference, layout)
+def test_parity_world4(world4, reference, reference_tied, layout):
+    _check_ranks(world4, reference_tied if layout.endswith("_tied") else reference, layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
-def test_parity_world8(world8, reference, layout):
-    _check_ranks(world8, reference, layout)
+def test_parity_world8(world8, reference, reference_tied, layout):
+    _check_ranks(world8, reference_tied if layout.endswith("_tied") else reference, layout)
 
 
 def test_bytes_sent_per_layer_match_theory(world4, world8):
@@ -275,14 +289,15 @@ def _planned(overrides: list[str], stage: int) -> collections.Counter:
     return +out
 
 
-@pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2", "2d_bf16", "3d_bf16"])
+@pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2", "2d_bf16", "3d_bf16",
+                                    "2d_tied", "3d_tied"])
 def test_planner_lists_every_collective_of_a_step(world4, world8, layout):
     """tessel plan prices a grid call by call (tessel.planner.grid_cost): the collectives of a real step, each
     (op, group, bytes) as often as the runtime issues it: SUMMA's broadcasts and reductions along rows and
     columns, Tesseract's depth all-reduce, the cube's gathers and reduce-scatters, the norms, the embedding,
     the head and loss, recomputation, the pipeline's messages (the grid's shard) and the gradient traffic."""
     overrides = {**LAYOUTS_4, **LAYOUTS_8, **BF16}[layout]
-    world = world4 if layout in ("2d", "2d_bf16") else world8
+    world = world4 if layout in ("2d", "2d_bf16", "2d_tied") else world8
     for rank, result in enumerate(world):
         got = collections.Counter(tuple(c) for c in result[layout]["calls"])
         want = _planned(overrides, result[layout]["stage"])
