@@ -136,8 +136,8 @@ BAD = [
       "--set", "train.global_batch=2"], "train.global_batch"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
       "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),  # tied under a grid: without a pipeline
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
-      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D: not tested yet
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
+      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D x pp: not tested yet
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
       "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # nothing replicated to split
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),

@@ -566,7 +566,7 @@ class CostModel:
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
             transient = pb * (dense + expert)
         elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
-            transient = 2 * pb / 4 * self._largest_block_bytes(lay.tp)
+            transient = 2 * pb / 4 * self._largest_block_bytes(grid_cost.weight_shards(lay))
         elif lay.zero == 2:  # one bucket in flight, never more than the gradients it holds
             transient = min(self.bucket_bytes, self._reduce_bytes(lay) * (dense + expert))
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
@@ -585,7 +585,7 @@ class CostModel:
             return 2 * max(matrices)
         return 2 * in_flight * sum(matrices) / len(chunks)
 
-    def _largest_block_bytes(self, tp: int) -> float:
+    def _largest_block_bytes(self, tp: int) -> float:  # tp: the pieces a weight is split into
         """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
         return 4 * max(sum(p) for p in self.layer_params) / tp
 
@@ -606,7 +606,7 @@ class CostModel:
             per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
             return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
         if lay.zero >= 3:
-            block = self._largest_block_bytes(lay.tp)
+            block = self._largest_block_bytes(grid_cost.weight_shards(lay))
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
 
@@ -786,7 +786,7 @@ class CostModel:
         """(per micro-batch, per step) dp x ep calls of a rank holding `chunks`, `grad_bytes` of whole
         fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest. Under
         bf16 storage the gathers move bf16 parameters and the reductions the reduce dtype's gradients."""
-        units = [4 * sum(self.layer_params[i]) / lay.tp for i in all_chunks[chunks[0]]]
+        units = [4 * sum(self.layer_params[i]) / grid_cost.weight_shards(lay) for i in all_chunks[chunks[0]]]
         root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
         per_mb, per_step = dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root,
                                          whole_step=lay.pp > 1)

@@ -81,7 +81,7 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]
 def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
     """Layouts whose tp group is a 2D, 2.5D or 3D grid (tessel.parallel.tensor_nd), by tessel.config's rules:
     the model's (tp_grid_refusal: the grid's sizes, what its side divides, each micro-batch over the grid's
-    batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3, experts: ep = 1)."""
+    batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3 with a pipeline, experts: ep = 1)."""
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
     for mode, tp, depth in grid_sizes(world):
@@ -94,7 +94,8 @@ def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
                 if tp_grid_refusal(c, mode, tp, depth, mb, pp) is not None:
                     continue
                 base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
-                out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq) if not lay.sp and lay.zero <= 2]
+                out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq)
+                        if not lay.sp and (lay.zero <= 2 or lay.pp == 1)]
     return out
 
 
