@@ -7,6 +7,7 @@ so a bad recipe fails in a second with a message that names the field.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -463,12 +464,27 @@ def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch:
     if micro_batch % chunks:
         return "train.global_batch", (f"each rank's micro-batch ({micro_batch}) must be divisible by "
                                       f"the {chunks} batch chunks of tp_mode '{mode}'")
-    if m.hf_config is not None or m.n_experts:
-        return "parallel.tp_mode", (f"'{mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) "
-                                    "so far")
+    if m.n_experts:
+        return "parallel.tp_mode", f"'{mode}' splits dense models only (no MoE) so far"
+    if m.hf_config is not None and _grid_hf_problem(m.hf_config):
+        return "model.hf_config", f"tp_mode '{mode}': {_grid_hf_problem(m.hf_config)}"
+    if m.hf_config is not None and pp > 1:
+        return "parallel.pp", f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; set pp = 1"
     if m.tie_embeddings and pp > 1:
         return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
                                         "built yet (the last stage's copy of the table); untie them or set pp = 1")
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_hf_problem(hf_config: str) -> str | None:
+    """Why a Hugging Face architecture cannot be split on a grid, or None: the Llama family's own model
+    (tessel.parallel.tensor_nd maps its plan), without biases (the grid's linear layers take none)."""
+    doc = read_config(hf_config)
+    if doc["model_type"] != "llama":
+        return f"splits the reference GPT and Hugging Face Llama so far, not a '{doc['model_type']}' model"
+    if doc.get("attention_bias") or doc.get("mlp_bias"):
+        return "splits bias-free linear layers; this Llama config has attention_bias or mlp_bias"
     return None
 
 

@@ -140,6 +140,8 @@ BAD = [
       "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D x pp: not tested yet
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
       "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # nothing replicated to split
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", 'parallel.tp_mode="2d"',
+      "--set", "parallel.tp=4", "--set", "parallel.pp=2", "--set", "parallel.dp=1"], "parallel.pp"),  # HF x grid x pp
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""', "--set", "train.sample_tokens=8"],

@@ -59,6 +59,17 @@ def grid_shape(mode: str, tp: int, depth: int = 1) -> tuple[int, ...]:
 
 
 Layers = dict[str, Callable[[nn.Module], nn.Module]]
+# a Hugging Face plan's styles (tessel.models.hf.tp_plan) as the grid reads them: the embedding's output, the
+# first layer's input and the final norm's output need nothing on a grid (nothing is replicated to split)
+HF_STYLES = {"vocab_embedding_whole": "vocab_embedding", "vocab_head_entered": "vocab_head",
+             "final_norm": "sequence_norm", "split_sequence": "enter"}
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """A norm's epsilon: torch's RMSNorm's (None: its dtype's), or a Hugging Face RMSNorm's variance_epsilon."""
+    if isinstance(norm, nn.RMSNorm):
+        return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+    return float(norm.variance_epsilon)
 
 
 def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
@@ -78,7 +89,7 @@ def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> M
     linear = lambda m: Linear2D(m, s)  # noqa: E731
     layers = {"colwise": linear, "rowwise": linear, "vocab_head": linear,
               "vocab_embedding": lambda m: Embedding2D(m, s), "tied_head": lambda emb: TiedHead2D(emb, s),
-              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden), "enter": lambda m: m}
+              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), "enter": lambda m: m}
     return layers, Loss2D(s, vocab_size), FullLogits2D(model, s), GatherVocab(s.row_group)
 
 
@@ -88,7 +99,7 @@ def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mo
     layers = {"colwise": lambda m: Linear3D(m, cube, STREAM), "vocab_head": lambda m: Linear3D(m, cube, STREAM),
               "rowwise": lambda m: Linear3D(m, cube, MIXED),
               "vocab_embedding": lambda m: Embedding3D(m, cube), "tied_head": lambda emb: TiedHead3D(emb, cube),
-              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden), "enter": lambda m: m}
+              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)), "enter": lambda m: m}
     return layers, Loss3D(cube, vocab_size), FullLogits3D(model, cube), GatherVocab(cube.groups[MIXED[1]])
 
 
@@ -96,12 +107,14 @@ MODES = {"2d": _summa_mode, "2.5d": _summa_mode, "3d": _cube_mode}
 
 
 def apply_grid_mode(model: nn.Module, plan: dict[str, str], mesh: Mesh, mode: str, depth: int,
-                    vocab_size: int) -> GridModel:
-    """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups)."""
+                    vocab_size: int, hidden: int) -> GridModel:
+    """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups).
+    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face Llama's (tessel.models.hf.tp_plan)."""
     grid = build_grid(mesh, grid_shape(mode, mesh.size("tp"), depth))
-    layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, model.cfg.d_model, vocab_size, model)
+    layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model)
     embeddings = {}  # id of a table -> its grid embedding: a head with the same weight is tied to it
     for name, style in match_plan(model, plan).items():  # parents before children, the embedding before the head
+        style = HF_STYLES.get(style, style)
         if style not in layers:
             raise ValueError(f"tp_mode {mode!r} cannot place {name!r} as {style!r}")
         old = model.get_submodule(name)

@@ -123,12 +123,12 @@ class Embedding3D(nn.Module):
 
     def __init__(self, emb: nn.Embedding, cube: Cube):
         super().__init__()
-        self.cube = cube
+        self.cube, self.padding_idx = cube, emb.padding_idx  # a padding row gets no gradient
         self.weight = _param(_hidden_piece(emb.weight, cube), cube, emb.weight, HIDDEN_ORDER, (1, 1, 1))  # (V, H/c^3)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mine = idx.chunk(self.cube.c ** 2, dim=0)[self.cube.batch_chunk(STREAM)]
-        return F.embedding(mine, _gather_hidden(self.weight, self.cube))  # (B/c^2, T, H/c)
+        return F.embedding(mine, _gather_hidden(self.weight, self.cube), self.padding_idx)  # (B/c^2, T, H/c)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return _full_hidden(t, self.cube)
@@ -157,10 +157,9 @@ class TiedHead3D(nn.Module):
 class RMSNorm3D(nn.Module):
     """RMSNorm on the stream's layout: the sum of squares summed over axis 1 (the hidden chunks)."""
 
-    def __init__(self, norm: nn.RMSNorm, cube: Cube, hidden: int):
+    def __init__(self, norm: nn.Module, cube: Cube, hidden: int, eps: float):
         super().__init__()
-        self.cube, self.hidden = cube, hidden
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        self.cube, self.hidden, self.eps = cube, hidden, eps
         self.weight = _param(_hidden_piece(norm.weight, cube), cube, norm.weight, HIDDEN_ORDER, (0, 0, 0))  # (H/c^3,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

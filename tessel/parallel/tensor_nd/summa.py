@@ -261,13 +261,13 @@ class Embedding2D(nn.Module):
 
     def __init__(self, emb: nn.Embedding, s: Summa):
         super().__init__()
-        self.s = s
+        self.s, self.padding_idx = s, emb.padding_idx  # a padding row gets no gradient (Hugging Face Llama's)
         self.weight = _param(hidden_piece(emb.weight, s), s, emb.weight, 1, 1, j_outer=True)  # (V, H/q^2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         table = gather_column(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
         mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
-        return F.embedding(mine, table)  # (B/q, T, H/q)
+        return F.embedding(mine, table, self.padding_idx)  # (B/q, T, H/q)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return gather_pieces(t, self.s, -1)
@@ -293,12 +293,12 @@ class TiedHead2D(nn.Module):
 
 
 class RMSNorm2D(nn.Module):
-    """RMSNorm over hidden chunks: the sum of squares is summed along the row (SumOverRow)."""
+    """RMSNorm over hidden chunks: the sum of squares is summed along the row (SumOverRow). Any RMSNorm whose
+    weight scales the normalised input (torch's, Hugging Face Llama's), its epsilon given."""
 
-    def __init__(self, norm: nn.RMSNorm, s: Summa, hidden: int):
+    def __init__(self, norm: nn.Module, s: Summa, hidden: int, eps: float):
         super().__init__()
-        self.s, self.hidden = s, hidden
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        self.s, self.hidden, self.eps = s, hidden, eps
         self.weight = _param(hidden_piece(norm.weight, s), s, norm.weight, 0, 0, j_outer=True)  # (H/q^2,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ the weights after 3 steps, gathered whole, compared with the same run on one pro
 
 import collections
 import contextlib
+import json
 
 import pytest
 import torch
@@ -48,6 +49,15 @@ LAYOUTS_8 = {
     "dp2_2d_zero3": ["parallel.dp=2", "parallel.tp=4", "parallel.tp_mode='2d'", "parallel.zero_stage=3"],
 }
 TIED = ["model.tie_embeddings=true"]  # the one-process reference of the *_tied layouts
+# a tiny Hugging Face Llama, transformers' own model: grouped-query attention (4 heads, 2 kv heads: one a column
+# of the 2 x 2 grid) and a padding row (pad_token_id: no gradient); its reference is the unmodified model
+HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _hf(path: str, *overrides: str) -> list[str]:
+    return [f'model.hf_config="{path}"', f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4", *overrides]
 PROMPT = [[1, 2, 3, 4]]  # sampled from after the 5 steps: 6 tokens, seed 3
 # fp32 throughout. SUMMA adds the q partial products of each matmul in its own order and the norm's
 # sum of squares and the loss's softmax sums are split over ranks: fp32 rounding only. Measured on
@@ -84,9 +94,9 @@ def _whole(model, runner, mesh, grads: bool, gathered=contextlib.nullcontext) ->
     return {name: t for stage in stages for name, t in stage.items()}
 
 
-def _train(overrides: list[str]) -> dict:
+def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
     """5 trainer steps; the loss of each, the first step's gradients and the weights after 3, whole."""
-    cfg = tiny_config(*COMMON, *overrides)
+    cfg = tiny_config(*common, *overrides)
     trainer, model, runner, mesh = build_trainer(cfg)
     grid = cfg.parallel.tp_mode != "1d"
     gathered = runner.model.gathered if cfg.parallel.zero_stage == 3 else contextlib.nullcontext
@@ -106,7 +116,7 @@ def _train(overrides: list[str]) -> dict:
 
     runner.forward_backward = capture
     if mesh.size("pp") == 1:  # the residual stream each block reads: this rank's share of it
-        for block in model.layers:
+        for block in model.layers if cfg.model.hf_config is None else model.model.layers:
             block.register_forward_pre_hook(lambda m, args: out.__setitem__(
                 "stream_bytes", max(out.get("stream_bytes", 0), args[0].numel() * args[0].element_size())))
     for step in range(STEPS):
@@ -137,8 +147,9 @@ BF16 = {"2d_bf16": [*LAYOUTS_4["2d"], "train.precision='bf16'"], "3d_bf16": ["pa
                                                                            "train.precision='bf16'"]}
 
 
-def _world4(root: str) -> dict:
+def _world4(root: str, hf_config: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_4.items()}
+    out["hf_llama_2d"] = _train(_hf(hf_config, *LAYOUTS_4["2d"]), common=())
     out["2d_bf16"] = record_step([*COMMON, *BF16["2d_bf16"]])
     out["traffic"] = {"2d": _traffic("2d", (2, 2))}
     # saved in 2D at step 3, resumed in 1D (tp4): the logical tensors, whatever the layout
@@ -187,8 +198,15 @@ def world8(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return spawn(_world4, 4, str(tmp_path_factory.mktemp("grid")), timeout=240)
+def hf_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hf") / "config.json"
+    path.write_text(json.dumps(HF_LLAMA))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, hf_llama):
+    return spawn(_world4, 4, str(tmp_path_factory.mktemp("grid")), hf_llama, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +217,11 @@ def reference():
 @pytest.fixture(scope="module")
 def reference_tied():
     return _train(TIED)
+
+
+@pytest.fixture(scope="module")
+def reference_hf(hf_llama):
+    return _train(_hf(hf_llama), common=())  # transformers' model as it built it, on one process
 
 
 def _check_stream(got: dict, ref: dict, layout: str) -> None:
@@ -239,6 +262,17 @@ def test_parity_world8(world8, reference, reference_tied, layout):
     _check_ranks(world8, reference_tied if layout.endswith("_tied") else reference, layout)
 
 
+def test_hugging_face_llama_on_a_2x2_grid(world4, reference_hf):
+    """transformers' Llama, unmodified but for its linear layers, norms, embedding and head made grid layers from
+    its own tensor-parallel plan (tessel.models.hf.tp_plan): losses, gradients, weights and sampled tokens of
+    the unmodified model trained on one process; its parameters and residual stream split 4 ways."""
+    for result in world4:
+        got = result["hf_llama_2d"]
+        _compare(got, reference_hf)
+        assert got["stream_bytes"] * 4 == reference_hf["stream_bytes"]
+        assert got["param_bytes"] * 4 == reference_hf["param_bytes"]
+
+
 def test_bytes_sent_per_layer_match_theory(world4, world8):
     """Every rank of each grid sends what the planner's tessel.planner.tp_grid.linear_bytes says, to the byte."""
     n, k, m = TRAFFIC["batch"] * TRAFFIC["seq"], TRAFFIC["k"], TRAFFIC["m"]
@@ -271,10 +305,10 @@ def test_saved_in_3d_resumes_in_2d(world8):
         assert_close(torch.tensor(result["resumed_2d"]), torch.tensor(result["saved_3d"][3:]), **LOSS_TOL)
 
 
-def _planned(overrides: list[str], stage: int) -> collections.Counter:
+def _planned(overrides: list[str], stage: int, common: tuple[str, ...] = COMMON) -> collections.Counter:
     """The planner's calls of one step (CostModel.step_calls) for one rank of the layout, keyed as the
     recorder keys the runtime's: a grid dimension's groups are no mesh axis, so both sides name them by size."""
-    cfg = tiny_config(*COMMON, *overrides)
+    cfg = tiny_config(*common, *overrides)
     lay = config_layout(cfg)
     cost = CostModel(from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch), get_cluster("a100"),
                      cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
@@ -295,15 +329,15 @@ def _planned(overrides: list[str], stage: int) -> collections.Counter:
 
 
 @pytest.mark.parametrize("layout", ["2d", "2.5d", "3d", "dp2_2d", "pp2_2d", "dp2_2d_zero2", "2d_bf16", "3d_bf16",
-                                    "2d_tied", "3d_tied", "dp2_2d_zero3"])
-def test_planner_lists_every_collective_of_a_step(world4, world8, layout):
+                                    "2d_tied", "3d_tied", "dp2_2d_zero3", "hf_llama_2d"])
+def test_planner_lists_every_collective_of_a_step(world4, world8, hf_llama, layout):
     """tessel plan prices a grid call by call (tessel.planner.grid_cost): the collectives of a real step, each
     (op, group, bytes) as often as the runtime issues it: SUMMA's broadcasts and reductions along rows and
     columns, Tesseract's depth all-reduce, the cube's gathers and reduce-scatters, the norms, the embedding,
     the head and loss, recomputation, the pipeline's messages (the grid's shard) and the gradient traffic."""
-    overrides = {**LAYOUTS_4, **LAYOUTS_8, **BF16}[layout]
-    world = world4 if layout in ("2d", "2d_bf16", "2d_tied") else world8
+    overrides = {**LAYOUTS_4, **LAYOUTS_8, **BF16, "hf_llama_2d": _hf(hf_llama, *LAYOUTS_4["2d"])}[layout]
+    world = world4 if layout in ("2d", "2d_bf16", "2d_tied", "hf_llama_2d") else world8
     for rank, result in enumerate(world):
         got = collections.Counter(tuple(c) for c in result[layout]["calls"])
-        want = _planned(overrides, result[layout]["stage"])
+        want = _planned(overrides, result[layout]["stage"], () if layout.startswith("hf") else COMMON)
         assert got == want, f"{layout}, rank {rank}: runtime only {dict(got - want)}, planner only {dict(want - got)}"
