@@ -120,14 +120,18 @@ def test_a_grid_wins_a_large_tp_group():
 
 
 def test_the_search_picks_a_grid_unpinned():
-    """GPT-3 6.7B on 1,024 A100s whose nodes have no rails (the dp rings cross one NIC per node): the cube
-    splits every activation, so tp8 fits without ZeRO-3's gathers over the NICs; 1D's best needs them."""
+    """GPT-3 6.7B on 1,024 A100s whose nodes have no rails (the dp rings cross one NIC per node), pp = 1: the
+    search's winner is the cube on 8 ranks. Against 1D's best at the same tp8 ZeRO-3, each rank computes an
+    eighth of every op (1D's ranks cast and normalise whole activations) and moves a fifth fewer tp bytes."""
     spec = preset("gpt3-6.7b")
     cm = CostModel(spec, replace(get_cluster("a100", 1024), rails=False), "bf16")
     result = search(cm, 1024, spec.global_batch, {"pp": 1})
-    assert result.best.layout.tp_mode == "3d", result.best.layout.describe()
+    best = result.best
+    assert (best.layout.tp_mode, best.layout.tp) == ("3d", 8), best.layout.describe()
     one_d = next(e for e in result.ranked if e.layout.tp_mode == "1d")
-    assert one_d.layout.zero == 3 and result.best.layout.zero < 3
+    assert (one_d.layout.tp, one_d.layout.zero, best.layout.zero) == (8, 3, 3), one_d.layout.describe()
+    assert best.comm_bytes["tp"] < 0.85 * one_d.comm_bytes["tp"]
+    assert best.time["compute"] < 0.9 * one_d.time["compute"] and best.step_s < 0.9 * one_d.step_s
 
 
 def test_1d_wins_small_layers_inside_a_node():
