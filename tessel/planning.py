@@ -134,6 +134,13 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     return Problem(base, spec, cl, world, gb, cm, lay, fixed or {})
 
 
+def recipe_allows(base: Config):
+    """What a recipe rules out beyond the model: a grid (tp_mode) under ZeRO writes no checkpoints yet
+    (tessel.config), so a recipe that saves or resumes them keeps the search to the other layouts."""
+    saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
+    return lambda lay: not (saves and lay.tp_mode != "1d" and lay.zero > 0)
+
+
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
     """A preset by name (sized to `world` devices), or "this": this machine at `world` ranks, probed
     by tessel.calibrate (cached; refresh re-measures)."""
@@ -185,7 +192,7 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed)
+        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed, allow=recipe_allows(prob.base))
         ranked, lines = result.ranked[:top], explain(result, top)
         if not ranked:
             raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
@@ -288,7 +295,7 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
     if prob.layout is not None:
         est = prob.cost.estimate(prob.layout)
     else:
-        best = search(prob.cost, prob.world, prob.global_batch).best
+        best = search(prob.cost, prob.world, prob.global_batch, allow=recipe_allows(prob.base)).best
         if best is None:
             raise ConfigError("--world", "no layout fits in memory; give one with --layout")
         est = best
@@ -339,7 +346,8 @@ def tp_mode_rows(prob: Problem, sizes: list[int]) -> list[dict]:
         for mode in TP_MODES:
             row = {"tp": size, "mode": mode}
             try:
-                best = search(prob.cost, prob.world, prob.global_batch, {"tp": size, "tp_mode": mode}).best
+                best = search(prob.cost, prob.world, prob.global_batch, {"tp": size, "tp_mode": mode},
+                              allow=recipe_allows(prob.base)).best
             except ConfigError:
                 rows.append({**row, "why": _no_layout(prob.spec.cfg, mode, size)})
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -33,12 +34,16 @@ def tp_degrees(cfg, world: int) -> list[int]:
             if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
-def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None) -> list[Layout]:
+def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
+                      allow: Callable[[Layout], bool] | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
-    `fixed` (tessel.planner.layout.parse_fix), only those with these fields."""
+    `fixed` (tessel.planner.layout.parse_fix), only those with these fields; with `allow`, only those it
+    allows (a recipe's own rules: tessel.planning.recipe_allows)."""
     # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design)
     tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
     every = _all_layouts(cm, world, global_batch, tp_cap) + grid_layouts(cm, world, global_batch)
+    if allow is not None:
+        every = [lay for lay in every if allow(lay)]
     if not fixed:
         return every
     if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
@@ -119,10 +124,10 @@ class SearchResult:
 
 
 def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-           simulate_top: int = SIMULATE_TOP) -> SearchResult:
+           simulate_top: int = SIMULATE_TOP, allow: Callable[[Layout], bool] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
     re-priced by the event simulator (one pricing of schedules: the runtime's own action lists)."""
-    layouts = candidate_layouts(cm, world, global_batch, fixed)
+    layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"

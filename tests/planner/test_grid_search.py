@@ -21,6 +21,7 @@ from tessel.planner.layout import Layout, layout_config, layout_text, parse_layo
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import grid_layouts, search
 from tessel.planner.tp_grid import MIXED, STREAM, linear_bytes, linear_calls
+from tessel.planning import recipe_allows
 
 
 def _sent(calls, dims) -> float:
@@ -166,3 +167,16 @@ def test_simulate_tp_modes_marks_a_winner_per_group_size():
         assert sum(r.get("wins", False) for r in timed) == 1
         assert min(timed, key=lambda r: r["simulated_step_s"]).get("wins")
     assert next(r for r in rows if (r["tp"], r["mode"]) == (8, "2d"))["why"] == "8 is no q x q grid"
+
+
+def test_a_recipe_that_checkpoints_keeps_grids_off_zero():
+    """A grid under ZeRO writes no checkpoints yet (tessel.config): planning a recipe that saves them, the
+    search leaves those layouts out, and the recipe it writes is one `tessel train` accepts."""
+    base = build_config({}, ["model.d_model=64", "model.n_head=8", "model.n_layer=4", "train.global_batch=32",
+                             "train.seq_len=32", "checkpoint.every=10"])
+    cm = CostModel(from_config(base.model, base.train.seq_len, base.train.global_batch), get_cluster("a100", 8),
+                   "bf16")
+    every = search(cm, 8, 32, {"tp_mode": "2d"}).ranked
+    allowed = search(cm, 8, 32, {"tp_mode": "2d"}, allow=recipe_allows(base)).ranked
+    assert any(e.layout.zero for e in every) and not any(e.layout.zero for e in allowed)
+    check_layout(layout_config(base, allowed[0].layout), world_size=8)
