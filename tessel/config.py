@@ -469,7 +469,8 @@ def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch:
     if m.hf_config is not None and _grid_hf_problem(m.hf_config):
         return "model.hf_config", f"tp_mode '{mode}': {_grid_hf_problem(m.hf_config)}"
     if m.hf_config is not None and pp > 1:
-        return "parallel.pp", f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; set pp = 1"
+        return "parallel.pp", (f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; "
+                               "set pp = 1")
     if m.tie_embeddings and pp > 1:
         return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
                                         "built yet (the last stage's copy of the table); untie them or set pp = 1")
