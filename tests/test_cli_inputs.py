@@ -215,6 +215,30 @@ BAD = [
       "--val-fraction", "1"], "--val-fraction"),
     (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
       "--workers", "0"], "--workers"),
+    # launch slurm (the tiny recipe's layout is dp=2)
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "2", "--set", "checkpoint.every=5"],
+     "--nodes"),  # 4 ranks for a layout of 2
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "0", "--procs-per-node", "2"], "--nodes"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2"], "--gpus-per-node"),  # neither GPUs nor processes
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--procs-per-node", "1"],
+     "--gpus-per-node"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1"], "checkpoint.every"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'runtime.device="cuda"'], "runtime.device"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "1:2:3:4"], "--time"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "2", "--grace", "120"], "--grace"),  # the stop would come before the start
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--job-name", "my job"], "--job-name"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--port", "80"], "--port"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--sbatch-arg", "qos=high"], "--sbatch-arg"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--out", "{tmp}"], "--out"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'], "data.path"),
 ]
 
 
