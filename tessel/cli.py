@@ -11,6 +11,8 @@ import typer
 
 from tessel import launch
 from tessel.config import Config, ConfigError, load_config
+from tessel.launchers import commands as launch_commands
+from tessel.launchers.slurm import SlurmOptions
 from tessel.planner.layout import KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
@@ -234,11 +236,9 @@ def launch_slurm(
     submit: bool = typer.Option(False, "--submit", help="submit it with sbatch"),
 ) -> None:
     """Write an sbatch script: one torchrun per node, c10d rendezvous, requeue with --resume auto."""
-    from tessel.launchers import commands  # deferred: torch, for the data check
-    from tessel.launchers.slurm import SlurmOptions
     opts = SlurmOptions(job_name, partition, time, account, cpus_per_task, port, not no_requeue, list(sbatch_arg))
     try:
-        commands.slurm(recipe, set_, nodes, gpus, procs, grace, opts, out, submit)
+        launch_commands.slurm(recipe, set_, nodes, gpus, procs, grace, opts, out, submit)
     except ConfigError as err:
         fail(err)
 
