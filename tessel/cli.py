@@ -243,6 +243,31 @@ def launch_slurm(
         fail(err)
 
 
+@launch_app.command("k8s")
+def launch_k8s(
+    recipe: str = typer.Argument(..., help="TOML recipe"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    nodes: int = _JOB_OPTS["nodes"], gpus: Optional[int] = _JOB_OPTS["gpus"],
+    procs: Optional[int] = _JOB_OPTS["procs"], grace: int = _JOB_OPTS["grace"],
+    no_requeue: bool = _JOB_OPTS["no_requeue"],
+    image: str = typer.Option(..., "--image", help="a container image with tessel and its torch"),
+    name: str = typer.Option("tessel", "--name", help="the PyTorchJob's name (its pods: <name>-master-0, ...)"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes namespace"),
+    storage: str = typer.Option("100Gi", "--storage", help="size of the checkpoint volume claim"),
+    storage_class: Optional[str] = typer.Option(None, "--storage-class", help="its storage class (ReadWriteMany)"),
+    pvc: Optional[str] = typer.Option(None, "--pvc", help="use this existing claim instead of creating one"),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="pod restarts (runPolicy.backoffLimit)"),
+    out: Optional[str] = typer.Option(None, "--out", help="the YAML to write (default: print it)"),
+) -> None:
+    """Write a Kubeflow PyTorchJob (with its recipe ConfigMap and checkpoint volume): one torchrun per pod."""
+    try:
+        launch_commands.k8s(recipe, set_, nodes, gpus, procs, grace, not no_requeue,
+                            launch_commands.K8sOptions(image, name, namespace, storage, storage_class, pvc,
+                                                       max_restarts), out)
+    except ConfigError as err:
+        fail(err)
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
 app.add_typer(bench_app, name="bench")
 

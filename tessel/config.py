@@ -560,10 +560,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return build_config(raw, overrides)
 
 
-def to_toml(cfg: Config) -> str:
-    """Write a config back as a recipe (used by `tessel plan --out`)."""
+def to_toml(cfg: Config, exclude_defaults: bool = False) -> str:
+    """Write a config back as a recipe (used by `tessel plan --out`); exclude_defaults: only the fields that
+    differ from their defaults (`tessel launch`'s frozen recipes)."""
     lines = []
-    for section, body in cfg.model_dump(exclude_none=True).items():
+    for section, body in cfg.model_dump(exclude_none=True, exclude_defaults=exclude_defaults).items():
         lines.append(f"[{section}]")
         for key, value in body.items():
             lines.append(f"{key} = {_toml_value(value)}")

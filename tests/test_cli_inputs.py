@@ -239,6 +239,23 @@ BAD = [
       "--out", "{tmp}"], "--out"),
     (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
       "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'], "data.path"),
+    # launch k8s
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "2", "--image", "img",
+      "--set", "checkpoint.every=5"], "--nodes"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--set", "checkpoint.every=5"],
+     "--image"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img"],
+     "checkpoint.every"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--name", "Tiny_Run"], "--name"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--storage", "lots"], "--storage"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--pvc", "Runs!"], "--pvc"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--max-restarts", "-1"], "--max-restarts"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--out", "{tmp}"], "--out"),
 ]
 
 
@@ -334,7 +351,8 @@ def test_bad_input_is_refused_in_one_line(argv, field, tmp, assets, no_spawn, ca
 
 def test_the_table_covers_every_command():
     assert len(BAD) >= 30
-    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data"}
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data",
+                                      "launch"}
 
 
 REAL = [  # the installed entry point, in a process of its own

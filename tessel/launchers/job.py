@@ -29,8 +29,9 @@ class ClusterJob:
         return self.nodes * self.per_node
 
     def recipe_toml(self) -> str:
-        """The recipe the ranks run: every field, checked, without a resume (the job passes --resume auto)."""
-        return to_toml(self.cfg)
+        """The recipe the ranks run, checked, without a resume (the job passes --resume auto): the fields that
+        differ from their defaults, so that it reads like the recipe it came from."""
+        return to_toml(self.cfg, exclude_defaults=True)
 
 
 def check_job(cfg: Config, nodes: int, gpus_per_node: int | None, procs_per_node: int | None,
