@@ -239,6 +239,12 @@ BAD = [
       "--out", "{tmp}"], "--out"),
     (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
       "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'], "data.path"),
+    # logging.trackers
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["neptune"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["mlflow", "mlflow"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", "logging.tensorboard=false", "--set", 'logging.trackers=["tensorboard"]'],
+     "logging.tensorboard"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.wandb_mode="cloud"'], "logging.wandb_mode"),
     # launch k8s
     (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "2", "--image", "img",
       "--set", "checkpoint.every=5"], "--nodes"),

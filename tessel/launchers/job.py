@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from tessel.config import Config, ConfigError, at_least, check_layout, to_toml
+from tessel.observe.trackers import check_installed
 
 
 @dataclass
@@ -65,9 +66,11 @@ def check_job(cfg: Config, nodes: int, gpus_per_node: int | None, procs_per_node
 
 
 def check_inputs(cfg: Config) -> None:
-    """The inputs the ranks read that can be checked from here (a shared filesystem): data, initial weights."""
+    """What the ranks need that can be checked from here (a shared filesystem, the same environment): the
+    trackers' packages, the data, the initial weights."""
     from tessel.models.build import check_init_from  # deferred: loads torch (the model on the meta device)
     from tessel.train.data import validate_data  # deferred: loads torch
+    check_installed(cfg)
     validate_data(cfg)
     check_init_from(cfg.model)
 
