@@ -155,6 +155,16 @@ class LocalSlurm:
             time.sleep(0.2)
         raise TimeoutError(f"job {job} is {state}, not {states}, after {timeout:.0f} s:\n{self.logs()}")
 
+    def release(self, job: str) -> None:
+        """Start a requeued job now rather than after Slurm's two-minute BeginTime.
+
+        That delay lets the nodes finish with the attempt before: a relaunch whose credential is not
+        newer (to the second) than the revocation of the old one is refused ("Job credential revoked")
+        and the job fails. So: wait for both nodes to be idle again, then a second more."""
+        self._wait_for(self._nodes_idle, "the nodes to finish the job's last attempt")
+        time.sleep(1.5)
+        self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
     def logs(self) -> str:
         files = [*self.dir.glob("*.out"), self.dir / "munge" / "log", *sorted((self.dir / "log").glob("*.log"))]
         return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}" for f in files if f.is_file())

@@ -39,6 +39,27 @@ def test_two_node_job_is_requeued_twice_and_resumes_on_the_same_trajectory(tmp_p
                           "checkpoint.every=1000", "fault.heartbeat_s=0")
     out = tmp_path / "run"
     script = tmp_path / "job" / "tslm.sbatch"
+    ref = tmp_path / "ref"  # the uninterrupted run, beside the job: most of the job's time is waiting
+    uninterrupted = subprocess.Popen([sys.executable, "-m", "tessel", "train", str(recipe), "--set",
+                                      f'logging.out_dir="{ref}"'], env=cli_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+    try:
+        _requeued_twice(recipe, out, script, tmp_path)
+        log, _ = uninterrupted.communicate(timeout=240)
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+            uninterrupted.wait()
+    assert uninterrupted.returncode == 0, log[-3000:]
+    got, want = _losses(out), _losses(ref)
+    assert sorted(got) == list(range(STEPS))
+    # the same arithmetic in the same order: dp=2 all-reduces two numbers, whichever machine adds them
+    assert all(got[s] == want[s] for s in range(STEPS)), [(s, got[s], want[s]) for s in range(STEPS)
+                                                         if got[s] != want[s]][:5]
+
+
+def _requeued_twice(recipe: Path, out: Path, script: Path, tmp_path: Path) -> None:
+    """Submit, requeue (Slurm's preemption path), stop near the time limit (the script's path), finish."""
     with LocalSlurm(nodes=2) as slurm:
         env = cli_env(SLURM_CONF=str(slurm.conf))
         launch = subprocess.run(
@@ -57,8 +78,7 @@ def test_two_node_job_is_requeued_twice_and_resumes_on_the_same_trajectory(tmp_p
         assert slurm.wait_state(job, {"PENDING"}) == "PENDING"
         first = max(_losses(out))
         assert first < STEPS - 1, "the run ended before the requeue reached it"
-        # a requeued job waits two minutes (BeginTime) by Slurm's rule; start it now
-        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        slurm.release(job)  # a requeued job waits two minutes (BeginTime) by Slurm's rule
 
         # 2. the time limit's path: USR1 to the script, which stops the ranks and requeues the job itself
         _wait_for_step(out, first + 4, slurm, job)
@@ -68,7 +88,7 @@ def test_two_node_job_is_requeued_twice_and_resumes_on_the_same_trajectory(tmp_p
             time.sleep(0.1)
         second = max(_losses(out))
         assert first + 4 <= second < STEPS - 1
-        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        slurm.release(job)
         assert slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180) == "COMPLETED", slurm.logs()
         info = slurm.run("scontrol", "show", "job", job, "-o").stdout
         assert "Restarts=2" in info and "ExitCode=0:0" in info, info
@@ -85,13 +105,3 @@ def test_two_node_job_is_requeued_twice_and_resumes_on_the_same_trajectory(tmp_p
     for step in (first + 1, second + 1):  # each attempt saved after the step it stopped at
         assert f"stopped by SIGTERM after step {step}" in ranks, ranks[-3000:]
     assert all("[tessel] rank" in n for n in nodes)  # both nodes' ranks got the signal
-
-    ref = tmp_path / "ref"
-    done = subprocess.run([sys.executable, "-m", "tessel", "train", str(recipe), "--set", f'logging.out_dir="{ref}"'],
-                          env=cli_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got, want = _losses(out), _losses(ref)
-    assert sorted(got) == list(range(STEPS))
-    # the same arithmetic in the same order: dp=2 all-reduces two numbers, whichever machine adds them
-    assert all(got[s] == want[s] for s in range(STEPS)), [(s, got[s], want[s]) for s in range(STEPS)
-                                                         if got[s] != want[s]][:5]
