@@ -49,8 +49,9 @@ def check_job(cfg: Config, nodes: int, gpus_per_node: int | None, procs_per_node
     flag = "--gpus-per-node" if gpus_per_node else "--procs-per-node"
     world = cfg.parallel.world_size
     if world != nodes * per_node:
+        terms = "pp*dp*ep*tp" + (" + ps_servers" if cfg.parallel.dp_arch == "ps" else "")
         raise ConfigError("--nodes", f"--nodes {nodes} x {flag} {per_node} = {nodes * per_node} ranks, but the "
-                          f"recipe's layout needs {world} (pp*dp*ep*tp{' + ps_servers' if cfg.parallel.dp_arch == 'ps' else ''})")
+                          f"recipe's layout needs {world} ({terms})")
     r = cfg.runtime
     if gpus_per_node is None and (r.device == "cuda" or r.backend == "nccl"):
         field = "runtime.device" if r.device == "cuda" else "runtime.backend"

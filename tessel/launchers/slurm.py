@@ -111,7 +111,7 @@ def sbatch_script(job: ClusterJob, opts: SlurmOptions, recipe: Path, log_dir: Pa
     directives += ["--open-mode=append", f"--output={log_dir}/%x-%j.out", f"--chdir={workdir}", *opts.extra]
     # placeholders shlex leaves unquoted, filled by the shell at run time: the first node's address, the job id
     node = torchrun_argv(job, str(recipe), "@ENDPOINT@", "@JOB@")
-    node_line = " ".join(shlex.quote(a) for a in node).replace("@ENDPOINT@", "$rdzv_endpoint").replace(
+    node_line = _wrapped([shlex.quote(a) for a in node]).replace("@ENDPOINT@", "$rdzv_endpoint").replace(
         "@JOB@", "$SLURM_JOB_ID")
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 --open-mode=append "
             f"--output={shlex.quote(str(log_dir))}/%x-%j-node%n.out \\\n    {node_line} &")
@@ -120,6 +120,18 @@ def sbatch_script(job: ClusterJob, opts: SlurmOptions, recipe: Path, log_dir: Pa
         directives="\n".join(f"#SBATCH {d}" for d in directives), port=opts.port, span=PORT_SPAN,
         threads=cfg.runtime.threads_per_rank, srun=srun, grace=job.grace_s,
         requeue_self=_REQUEUE_SELF.replace("GRACE", str(job.grace_s)) if timed and opts.requeue else "")
+
+
+def _wrapped(words: list[str], width: int = 100) -> str:
+    """Shell words over continuation lines of at most `width` characters."""
+    lines, line = [], ""
+    for w in words:
+        if line and len(line) + 1 + len(w) > width:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}" if line else w
+    return " \\\n      ".join([*lines, line])
 
 
 _TEMPLATE = """#!/bin/bash

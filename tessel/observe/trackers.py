@@ -31,9 +31,12 @@ PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")} 
 
 
 class Tracker(Protocol):
+    """Where a run's metrics rows go beside metrics.jsonl."""
+
     def log(self, step: int, row: dict) -> None: ...
 
-    def finish(self, summary: dict | None) -> None: ...
+    def finish(self, summary: dict | None) -> None:
+        """The run's summary; None when it stopped early (a signal) and a resume will continue it."""
 
 
 def check_installed(cfg: Config) -> None:
@@ -117,7 +120,8 @@ class MlflowTracker:
     def finish(self, summary: dict | None) -> None:
         if summary:
             self.client.log_dict(self.run_id, summary, "summary.json")
-        self.client.set_terminated(self.run_id, status="FINISHED" if summary else "KILLED")
+        # None: stopped early (a resume goes on with this run); {}: finished with nothing new to add
+        self.client.set_terminated(self.run_id, status="KILLED" if summary is None else "FINISHED")
 
 
 def _flatten(config: dict, prefix: str = "") -> dict:

@@ -213,7 +213,7 @@ class Trainer:
     def _summary(self, val_loss: float | None) -> Summary:
         if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run
             if self.log is not None:
-                self.log.close()
+                self.log.close({})  # finished, nothing new for the trackers
             return summary_from_metrics(self.cfg)
         # collective: every rank hands in its events
         files = dict(self.runner.write_timeline(self.cfg.logging.out_dir))

@@ -31,10 +31,11 @@ def test_gpu_script_asks_for_the_allocation_and_checkpoints_before_the_time_limi
                  f"--output={tmp_path}/job/logs/%x-%j.out", f"--chdir={tmp_path}"):
         assert f"#SBATCH {line}\n" in text
     assert "--cpus-per-task" not in text  # a GPU node's CPUs are the site's to give
-    assert "--rdzv-endpoint=$rdzv_endpoint --rdzv-id=$SLURM_JOB_ID" in text
-    assert f"-m tessel train {tmp_path}/job/big.toml --resume auto" in text
+    flat = text.replace(" \\\n      ", " ")  # the torchrun line, unwrapped
+    assert "--rdzv-endpoint=$rdzv_endpoint --rdzv-id=$SLURM_JOB_ID" in flat
+    assert f"-m tessel train {tmp_path}/job/big.toml --resume auto &" in flat
     assert "--output=" + str(tmp_path / "job" / "logs") + "/%x-%j-node%n.out" in text
-    assert "--nnodes=2 --nproc-per-node=4" in text and "--shutdown-timeout=90" in text
+    assert "--nnodes=2 --nproc-per-node=4" in flat and "--shutdown-timeout=90" in flat
     assert "scancel --signal=TERM" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0  # it parses
     frozen = (tmp_path / "job" / "big.toml").read_text()
