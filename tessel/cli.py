@@ -11,8 +11,6 @@ import typer
 
 from tessel import launch
 from tessel.config import Config, ConfigError, load_config
-from tessel.launchers import commands as launch_commands
-from tessel.launchers.slurm import SlurmOptions
 from tessel.planner.layout import KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
@@ -236,6 +234,8 @@ def launch_slurm(
     submit: bool = typer.Option(False, "--submit", help="submit it with sbatch"),
 ) -> None:
     """Write an sbatch script: one torchrun per node, c10d rendezvous, requeue with --resume auto."""
+    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.launchers.slurm import SlurmOptions  # deferred: as above
     opts = SlurmOptions(job_name, partition, time, account, cpus_per_task, port, not no_requeue, list(sbatch_arg))
     try:
         launch_commands.slurm(recipe, set_, nodes, gpus, procs, grace, opts, out, submit)
@@ -260,6 +260,7 @@ def launch_k8s(
     out: Optional[str] = typer.Option(None, "--out", help="the YAML to write (default: print it)"),
 ) -> None:
     """Write a Kubeflow PyTorchJob (with its recipe ConfigMap and checkpoint volume): one torchrun per pod."""
+    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
     try:
         launch_commands.k8s(recipe, set_, nodes, gpus, procs, grace, not no_requeue,
                             launch_commands.K8sOptions(image, name, namespace, storage, storage_class, pvc,
