@@ -87,6 +87,8 @@ class SlurmOptions:
             if not arg.startswith("--") or "\n" in arg:
                 raise ConfigError("--sbatch-arg", f"'{arg}' is not one sbatch flag (--name=value)")
         limit = time_limit_s(self.time) if self.time is not None else None
+        if limit is not None and grace_s > 65535:  # sbatch --signal's own bound
+            raise ConfigError("--grace", f"{grace_s} s is more than sbatch's --signal takes (65535 s)")
         if limit is not None and limit <= grace_s:
             raise ConfigError("--grace", f"{grace_s} s is not shorter than --time {self.time} ({limit} s): the "
                               "run would be told to stop before it started")
@@ -118,7 +120,7 @@ def sbatch_script(job: ClusterJob, opts: SlurmOptions, recipe: Path, log_dir: Pa
     return _TEMPLATE.format(
         nodes=job.nodes, per_node=job.per_node, world=job.world, what="GPUs" if job.gpus else "CPU ranks",
         directives="\n".join(f"#SBATCH {d}" for d in directives), port=opts.port, span=PORT_SPAN,
-        threads=cfg.runtime.threads_per_rank, srun=srun, grace=job.grace_s,
+        threads=cfg.runtime.threads_per_rank, srun=srun,
         requeue_self=_REQUEUE_SELF.replace("GRACE", str(job.grace_s)) if timed and opts.requeue else "")
 
 
