@@ -16,10 +16,11 @@ temporaries). The median over the 8 ranks is printed (the max too). Not counted:
 buffers and the Python heap, which are outside torch's allocator; the process's RSS is not used because all
 layouts share each rank's process.
 
-Measured here (2 shared CPU cores, 8 gloo ranks, d_model 256, 4 layers, batch 16 x 64, 6 steps):
-1d tp8 650 ms, 2.5d 841 ms (1.29x), 3d 784 ms (1.21x); dp2 x 1d tp4 406 ms, dp2 x 2d 747 ms (1.84x);
-the residual stream per rank 0.12x (2.5D, 3D) and 0.25x (2D) of 1D's, parameters 1.00x (3D, 2D) and 1.99x
-(2.5D keeps a copy per depth layer).
+Measured here (2 CPU cores shared with other work, load 10-15, 8 gloo ranks, d_model 256, 4 layers, batch
+16 x 64, 8 timed steps): 1d tp8 851 ms, 2.5d 1118 ms (1.31x), 3d 957 ms (1.12x); dp2 x 1d tp4 495 ms, dp2 x 2d
+1000 ms (2.02x). Peak step memory per rank (median of 8): 1d tp8 44.5 MiB, 2.5d 26.6 MiB (0.60x), 3d 30.7 MiB
+(0.69x); dp2 x 1d tp4 38.0 MiB, dp2 x 2d 27.5 MiB (0.73x). The residual stream per rank 0.12x (2.5D, 3D) and
+0.25x (2D) of 1D's, parameters 1.00x (3D, 2D) and 1.99x (2.5D keeps a copy per depth layer).
 
 On CPU (gloo) this measures the algorithms' message counts and sizes on shared memory, not a GPU fabric:
 SUMMA's q broadcasts per matmul cost latency that 1D's one all-reduce does not; the bytes per rank are what

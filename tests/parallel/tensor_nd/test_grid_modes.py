@@ -1,9 +1,12 @@
 """2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against one process, through the trainer's step.
 
-Two spawns: 4 ranks (2D on a 2 x 2 grid) and 8 ranks (2.5D on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube,
-dp2 x 2D), each layout 5 steps of the real trainer path (tests.helpers.build_trainer,
-tessel.parallelize, Trainer.train_step), the loss of each step, the gradients of the first step and
-the weights after 3 steps, gathered whole, compared with the same run on one process.
+Two spawns: 4 ranks (2D on a 2 x 2 grid, with tied embeddings, and a Hugging Face Llama) and 8 ranks (2.5D
+on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube and tied, dp2 x 2D plain and under ZeRO-1/2/3, pp2 x 2D), each
+layout 5 steps of the real trainer path (tests.helpers.build_trainer, tessel.parallelize,
+Trainer.train_step), the loss of each step, the gradients of the first step, the weights after 3 steps,
+gathered whole, and the tokens sampled after the 5, compared with the same run on one process (for the
+Llama: transformers' unmodified model). The last step's collectives are recorded and compared, call by
+call, with the planner's list for the layout (CostModel.step_calls, tessel.planner.grid_cost).
 """
 
 import collections
