@@ -276,17 +276,20 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, g: Grid, precision: str
 
     2D and 2.5D: each is a block of the whole, 1/tp of it (SUMMA saves its own panels of X and W). 3D: each
     linear layer saves the input it gathered over one side of the cube (c times its block; q, k, v, gate and up
-    each gather their own) and the weight it gathered (out/c x in/c): Bian et al.'s memory for speed.
+    each gather their own) and the weight it gathered (out/c x in/c): Bian et al.'s memory for speed. Either
+    way each norm keeps the weight it gathered (a hidden chunk, fp32), and its rms once per row of its batch
+    chunk (every hidden chunk of the row needs it). tests/parallel/tensor_nd measures it, to the byte.
     """
     c = spec.cfg
     a = 2 if precision == "bf16" else 4
     qw = c.n_head * spec.head_dim
-    stream = 4 * c.d_model * 4 + 2 * 4
+    stream = 4 * c.d_model * 4
     split = (5 * qw + 4 * c.ffn_dim) * a + c.n_head * 4
+    norms = tokens * 2 * 4 / g.batch_chunks + 2 * c.d_model / g.side * 4  # the rms per row, the gathered weights
     if g.mode != "3d":
         casts = 5 * c.d_model * 2 if precision == "bf16" else 2 * c.d_model * 4
-        return tokens * (stream + casts + split) / g.size
+        return tokens * (stream + casts + split) / g.size + norms
     side = g.side
     inputs = 5 * c.d_model * a * side + (qw + c.ffn_dim) * a * (side - 1)  # gathered; wo's and down's replace theirs
     weights = (spec.attn_matrix_params + spec.mlp_matrix_params) / side ** 2 * a
-    return tokens * (stream + inputs + split) / g.size + weights
+    return tokens * (stream + inputs + split) / g.size + weights + norms

@@ -26,7 +26,9 @@ from tessel.parallel.tensor_nd.summa import Linear2D, Summa
 from tessel.parallel.tensor_nd.traffic import CollectiveRecorder
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
+from tessel.planner.grid_cost import grid_of, layer_activation_bytes
 from tessel.planner.layout import config_layout
+from tessel.planner.memory import attention_core_bytes
 from tessel.planner.model_spec import from_config
 from tessel.planner.tp_grid import linear_bytes
 from tessel.spawn import spawn
@@ -118,6 +120,9 @@ def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
         return loss
 
     runner.forward_backward = capture
+    # (ZeRO-3's gathered blocks are the planner's buffers, not a block's activations: not measured)
+    if grid and mesh.size("pp") == 1 and cfg.model.hf_config is None and cfg.parallel.zero_stage < 3:
+        _measure_saved(model, out)
     if mesh.size("pp") == 1:  # the residual stream each block reads: this rank's share of it
         for block in model.layers if cfg.model.hf_config is None else model.model.layers:
             block.register_forward_pre_hook(lambda m, args: out.__setitem__(
@@ -138,6 +143,45 @@ def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
     # sampling: the grid's logits gathered (a pipeline's last stage: split by batch and vocabulary)
     out["sample"] = runner.generate(torch.tensor(PROMPT), 6, seed=3).tolist()
     return out
+
+
+def _measure_saved(model, out: dict) -> None:
+    """Bytes of the storages the first block's first forward saves for backward (each once; parameters and
+    the rotary tables left out, as the planner counts them apart): out["saved_bytes"]."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope_cos, model.rope_sin]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block = model.layers[0]
+
+    def enter(module, args):
+        if "saved_bytes" not in out:
+            hooks.__enter__()
+
+    def leave(module, args, output):
+        if "saved_bytes" not in out:
+            hooks.__exit__(None, None, None)
+            out["saved_bytes"] = sum(seen.values())
+
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(leave)
+
+
+def _planned_saved(overrides: list[str]) -> float:
+    """What the planner says block 0 keeps on one rank (tessel.planner.grid_cost.layer_activation_bytes)."""
+    cfg = tiny_config(*COMMON, *overrides)
+    p, spec = cfg.parallel, from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch)
+    tokens = cfg.train.global_batch // p.dp * cfg.train.seq_len
+    grid = grid_of(p.tp_mode, p.tp, p.tp_depth)
+    kept = layer_activation_bytes(spec, tokens, grid, cfg.train.precision)
+    if p.recompute == "selective":  # the attention core's tensors give way to its inputs
+        kept -= attention_core_bytes(spec, tokens, p.tp, cfg.train.precision)
+    return kept
 
 
 def _fit(root: str, name: str, *overrides: str) -> list[float]:
@@ -251,6 +295,8 @@ def _check_ranks(results: list[dict], reference: dict, layout: str) -> None:
     for rank, result in enumerate(results):
         _compare(result[layout], reference)
         _check_stream(result[layout], reference, layout)
+        if "saved_bytes" in result[layout]:  # what a block keeps for backward, as the planner counts it
+            assert result[layout]["saved_bytes"] == _planned_saved({**LAYOUTS_4, **LAYOUTS_8}[layout]), layout
         if layout in PARAM_SHARE:  # not ZeRO-3, whose ranks hold flat shards of the grid's blocks
             assert result[layout]["param_bytes"] * PARAM_SHARE[layout] == reference["param_bytes"], rank
 
