@@ -238,6 +238,9 @@ class RuntimeConfig(Strict):
     topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
     elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
+    emulate_flops: float | None = Field(None, gt=0, description="drills and tests: run every block of the reference "
+                                        "GPT on an emulated accelerator of this many FLOP/s (it waits its matmul "
+                                        "FLOPs / this in time.sleep; tessel.models.emulated)")
 
 
 class CheckpointConfig(Strict):
@@ -257,6 +260,10 @@ class FaultConfig(Strict):
     straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
     straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
     straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
+    replan: Literal["dp-only", "full"] = Field(
+        "dp-only", description="a run that resumes on another world size (runtime.elastic): keep tp, pp and ep and "
+                               "re-divide dp (dp-only), or probe the links, profile the model and let the planner "
+                               "choose the whole layout for the new world (full; tessel.replan)")
 
 
 class Config(Strict):
@@ -344,7 +351,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
     if r.topology is not None:
         _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
+    _require(r.emulate_flops is None or m.hf_config is None, "runtime.emulate_flops",
+             "emulates the reference GPT's blocks; not a Hugging Face model")
     f = cfg.fault
+    _require(f.replan == "dp-only" or p.dp_arch == "allreduce", "fault.replan",
+             "'full' re-plans a device mesh; the parameter server (dp_arch = 'ps') keeps its layout")
     _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:

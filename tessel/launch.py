@@ -316,6 +316,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     import torch.distributed as dist
 
     from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
+    from tessel.models.emulated import emulate_device  # deferred: loads torch
     from tessel.models.build import build_model  # deferred: loads torch
     from tessel.apply import parallelize  # deferred: loads torch and every strategy
     from tessel.parallel.tensor_nd.apply import describe_mode  # deferred: loads torch
@@ -327,8 +328,9 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     if stop is not None:  # the ranks stop after their step on SIGINT, SIGTERM, SIGHUP
         stop.install()
     device = init_distributed(r.device, r.backend, r.threads_per_rank, r.timeout_s)
+    replanned = None
     if r.elastic:
-        cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
+        cfg, replanned = relayout(cfg, device, run_id)
     check_layout(cfg, world_size=dist.get_world_size())
     if cfg.parallel.dp_arch == "ps":  # no mesh over the world: the servers are ranks outside the dp layout
         return train_rank_ps(cfg, device, run_id, stop)
@@ -347,5 +349,23 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
     model = build_model(cfg.model).to(device)
+    if r.emulate_flops is not None:  # drills and tests: an emulated accelerator (tessel.models.emulated)
+        emulate_device(model, r.emulate_flops)
     runner = parallelize(model, mesh, cfg)
-    return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop).fit()
+    return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop, replanned=replanned).fit()
+
+
+def relayout(cfg: Config, device, run_id: str | None):
+    """An elastic run's config for the world it found, and the re-plan's report (None when the recipe's
+    layout fits): dp re-divided (fault.replan = "dp-only"), or the whole layout chosen again (tessel.replan)."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if cfg.parallel.world_size == world:
+        return cfg, None
+    if cfg.fault.replan == "full":
+        from tessel.replan import full_replan  # deferred: loads the probe, the profiler and the planner
+        new, report = full_replan(cfg, device, run_id)
+        if rank == 0:
+            print("\n".join(report.lines()), flush=True)
+        return new, report
+    return replan_for_world(cfg, world, rank, run_id)

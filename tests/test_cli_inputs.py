@@ -215,6 +215,10 @@ BAD = [
       "--val-fraction", "1"], "--val-fraction"),
     (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
       "--workers", "0"], "--workers"),
+    # train: re-planning and emulated devices (tessel.replan, tessel.models.emulated)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.emulate_flops=0"], "runtime.emulate_flops"),
 ]
 
 

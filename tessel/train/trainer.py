@@ -29,6 +29,7 @@ from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort
 from tessel.train.data import BatchSampler, load_tokens, text_codec
+from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.guard import Guard, checkpoint_root
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
@@ -99,8 +100,9 @@ class Trainer:
     cohort: None for every rank of `mesh` (MeshCohort); a parameter server's workers bring theirs."""
 
     def __init__(self, cfg: Config, mesh: Mesh, runner: Runner, rank: int = 0, run_id: str | None = None,
-                 stop: StopRequest | None = None, cohort: Cohort | None = None):
+                 stop: StopRequest | None = None, cohort: Cohort | None = None, replanned: Replanned | None = None):
         self.cfg, self.runner, self.rank = cfg, runner, rank
+        self.replanned = replanned  # the layout was re-planned for this world: its step time is reported
         self.cohort = cohort or MeshCohort(mesh, cfg.train.grad_clip)
         self.stop = stop or StopRequest()  # the launcher's ranks install its signal handlers
         self.stop_signal = 0  # set when every rank has agreed to stop after the current step
@@ -179,7 +181,7 @@ class Trainer:
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
         # resumes from a checkpoint when asked (state.step); checkpoints, heartbeat, rollback
-        guard = Guard(self.cfg, state, self.cohort, self.faults)
+        guard = Guard(self.cfg, state, self.cohort, self.faults, self.replanned)
         with progress:
             while state.step < t.steps and not self.stop_signal:
                 step = state.step

@@ -30,6 +30,7 @@ from tessel.config import Config
 from tessel.heartbeat import log
 from tessel.train.checkpoint.manager import run_model
 from tessel.train.cohort import Cohort
+from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.stragglers import ForwardTimer, straggler_report
 from tessel.train.state import TrainState
@@ -40,8 +41,10 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 class Guard:
-    def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector):
+    def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector,
+                 replanned: Replanned | None = None):
         self.cfg, self.state, self.cohort, self.injector = cfg, state, cohort, injector
+        self.replanned = replanned  # a re-planned layout: rank 0 reports its measured step time
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # the run id: pruning and --resume auto touch only this run's checkpoints
@@ -86,6 +89,8 @@ class Guard:
     def end_step(self, step: int, row: dict) -> int:
         self.heartbeat.set(step, "step-end")
         self.ckpt.poll()
+        if self.replanned is not None and self.rank == 0:
+            self.replanned.observe(step, row)
         f = self.cfg.fault
         if f.straggler_every and step % f.straggler_every == 0:
             self._stragglers(step, row)
@@ -165,5 +170,7 @@ class Guard:
         self.close()
 
     def close(self) -> None:
+        if self.replanned is not None and self.rank == 0:
+            self.replanned.finish()
         self.ckpt.wait()
         self.heartbeat.stop()
