@@ -317,6 +317,7 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
 
     from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
     from tessel.models.emulated import emulate_device  # deferred: loads torch
+    from tessel.calibrate.speeds import resolve as resolve_speeds  # deferred: loads torch (it times the model)
     from tessel.models.build import build_model  # deferred: loads torch
     from tessel.apply import parallelize  # deferred: loads torch and every strategy
     from tessel.parallel.tensor_nd.apply import describe_mode  # deferred: loads torch
@@ -331,6 +332,8 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
     replanned = None
     if r.elastic:
         cfg, replanned = relayout(cfg, device, run_id)
+    flops = emulated_flops(cfg, dist.get_rank(), dist.get_world_size())
+    cfg = resolve_speeds(cfg, device, flops)  # dp_split / pp_balance "speed": the shares for these devices
     check_layout(cfg, world_size=dist.get_world_size())
     if cfg.parallel.dp_arch == "ps":  # no mesh over the world: the servers are ranks outside the dp layout
         return train_rank_ps(cfg, device, run_id, stop)
@@ -349,10 +352,19 @@ def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None 
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
     model = build_model(cfg.model).to(device)
-    if r.emulate_flops is not None:  # drills and tests: an emulated accelerator (tessel.models.emulated)
-        emulate_device(model, r.emulate_flops)
+    if flops is not None:  # drills and tests: an emulated accelerator (tessel.models.emulated)
+        emulate_device(model, flops)
     runner = parallelize(model, mesh, cfg)
     return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop, replanned=replanned).fit()
+
+
+def emulated_flops(cfg: Config, rank: int, world: int) -> float | None:
+    """This rank's emulated FLOP/s: runtime.emulate_flops x its runtime.device_speeds entry (None: a real device)."""
+    r = cfg.runtime
+    if r.emulate_flops is None:
+        return None
+    speeds = r.device_speeds if r.device_speeds is not None and len(r.device_speeds) == world else None
+    return r.emulate_flops * (speeds[rank] if speeds else 1.0)
 
 
 def relayout(cfg: Config, device, run_id: str | None):

@@ -166,7 +166,7 @@ def profile_world(cfg: Config, device: torch.device, cluster: Cluster):
 def replan_base(cfg: Config) -> Config:
     """cfg with what the layout search re-chooses cleared: the stage cut, the grid mode, the node size."""
     base = cfg.model_copy(deep=True)
-    base.parallel.pp_layout = None
+    base.parallel.pp_layout, base.parallel.dp_shares = None, None
     base.parallel.tp_mode, base.parallel.tp_depth = "1d", 1
     base.runtime.nproc_per_node, base.runtime.topology = None, None
     return base

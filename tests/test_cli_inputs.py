@@ -219,6 +219,17 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
     (["train", "{tmp}/tiny.toml", "--set", "runtime.emulate_flops=0"], "runtime.emulate_flops"),
+    # train and plan: heterogeneous devices (tessel.planner.hetero, tessel.parallel.data.uneven)
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, 2.0, 3.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, -2.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_memory_gib=[8.0]"], "runtime.device_memory_gib"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[1, 2]"], "parallel.dp_shares"),  # sum != 2
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[2]"], "parallel.dp_shares"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="speed"', "--set", "parallel.zero_stage=2"],
+     "parallel.dp_split"),  # ZeRO-2 reduces per micro-batch: a rank with fewer would leave the others waiting
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="fast"'], "parallel.dp_split"),
+    (["plan", "--world", "8", "--set", "cluster.speeds=1,2"], "cluster.speeds"),  # one per device
+    (["plan", "--world", "2", "--set", "cluster.speeds=1,x"], "cluster.speeds"),
 ]
 
 

@@ -126,7 +126,8 @@ class Trainer:
         t, vocab = self.cfg.train, self.cfg.model.vocab_size
         tokens = load_tokens(self.cfg.data, vocab, seed=t.seed)
         train, val = self.cohort.shards()
-        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab),
+        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab,
+                             shares=self.cfg.parallel.dp_shares),
                 BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab))
 
     def _build_state(self, run_id: str | None, sampler: BatchSampler) -> TrainState:

@@ -46,6 +46,7 @@ def replan(cfg: Config, world_size: int) -> Config:
     accum = per_rank // micro if per_rank % micro == 0 and per_rank >= micro else 1
     new = cfg.model_copy(deep=True)
     new.parallel.dp = dp
+    new.parallel.dp_shares = None  # an uneven split was for the old ranks (dp_split = "speed" splits again)
     new.train.grad_accum = accum
     new.runtime.nproc_per_node = None
     check_layout(new, world_size=world_size)
