@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tessel.apply import parallelize  # noqa: E402
 from tessel.calibrate.speeds import resolve  # noqa: E402
 from tessel.config import Config, build_config  # noqa: E402
-from tessel.launch import emulated_flops  # noqa: E402
+from tessel.adaptive import emulated_flops  # noqa: E402
 from tessel.mesh import make_mesh  # noqa: E402
 from tessel.models.build import build_model  # noqa: E402
 from tessel.models.emulated import emulate_device  # noqa: E402

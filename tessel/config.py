@@ -274,6 +274,14 @@ class FaultConfig(Strict):
     straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
     straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
     straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
+    slow_policy: Literal["warn", "rebalance", "evict"] = Field(
+        "warn", description="a rank persistently slower than slow_factor x the others over slow_window steps: "
+                            "name it (warn), shift work away from it, its dp share or pipeline blocks (rebalance), "
+                            "or checkpoint and continue without it, re-planned (evict; tessel.train.fault.slow)")
+    slow_window: int = Field(5, ge=2, description="steps of per-rank compute and idle times a slow-rank "
+                                                  "decision rests on")
+    slow_factor: float = Field(1.5, gt=1, description="a rank whose forward time over the window is more than "
+                                                      "this x the median of the others' is slow")
     replan: Literal["dp-only", "full"] = Field(
         "dp-only", description="a run that resumes on another world size (runtime.elastic): keep tp, pp and ep and "
                                "re-divide dp (dp-only), or probe the links, profile the model and let the planner "
@@ -371,6 +379,10 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     f = cfg.fault
     _require(f.replan == "dp-only" or p.dp_arch == "allreduce", "fault.replan",
              "'full' re-plans a device mesh; the parameter server (dp_arch = 'ps') keeps its layout")
+    _require(f.slow_policy == "warn" or p.dp_arch == "allreduce", "fault.slow_policy",
+             "rebalance and evict act on a device mesh; the parameter server has its own straggler rules")
+    _require(f.slow_policy == "warn" or p.zero_stage == 0 or (p.ep == 1 and p.pp == 1), "fault.slow_policy",
+             "rebalance and evict continue from a checkpoint, which ZeRO with ep or pp cannot write yet")
     _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:

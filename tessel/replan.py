@@ -138,7 +138,8 @@ def profile_world(cfg: Config, device: torch.device, cluster: Cluster):
     """(the model's Calibration on these ranks, whether it was measured now). Cached by model and devices:
     the same model on the same kinds of devices and nodes is not profiled again. Collective."""
     world = dist.get_world_size()
-    mbs = [b for b in MICRO_BATCHES if b <= cfg.train.global_batch]
+    gb = cfg.train.global_batch
+    mbs = [b for b in MICRO_BATCHES if gb % b == 0]  # the micro-batch sizes some layout of this batch can use
     tps = [t for t in profiled_tp_degrees(cfg.model, world) if t <= cluster.devices_per_node]
     raw = cfg.model.model_dump(exclude_none=True)
     raw.pop("init_from", None)

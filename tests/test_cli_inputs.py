@@ -230,6 +230,14 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="fast"'], "parallel.dp_split"),
     (["plan", "--world", "8", "--set", "cluster.speeds=1,2"], "cluster.speeds"),  # one per device
     (["plan", "--world", "2", "--set", "cluster.speeds=1,x"], "cluster.speeds"),
+    # train: slow ranks (tessel.train.fault.slow)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="kill"'], "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_window=1"], "fault.slow_window"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_factor=1.0"], "fault.slow_factor"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="evict"', "--set", 'parallel.dp_arch="ps"'],
+     "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="rebalance"', "--set", "parallel.pp=2",
+      "--set", "parallel.dp=1", "--set", "parallel.zero_stage=1"], "fault.slow_policy"),  # no checkpoint to go on from
 ]
 
 

@@ -47,13 +47,9 @@ def proportional_shares(speeds: list[float], total: int, capacity: list[int] | N
 def min_per_coord(speeds: list[float], sizes: dict[str, int], order: list[str], axis: str) -> list[float]:
     """Per coordinate along `axis` (a dp replica, a pipeline stage), the smallest of its ranks' values (the
     slowest speed, the least memory), the mesh's rank order (outermost first) mapping ranks to coordinates."""
-    stride, out = 1, {}
-    strides = {}
-    for a in reversed(order):
-        strides[a] = stride
-        stride *= sizes[a]
+    out: dict[int, float] = {}
     for rank, s in enumerate(speeds):
-        coord = rank // strides[axis] % sizes[axis]
+        coord = _coord(rank, sizes, order, axis)
         out[coord] = min(out.get(coord, s), s)
     return [out[c] for c in range(sizes[axis])]
 
@@ -73,6 +69,45 @@ def with_speeds(cfg: Config, speeds: list[float], layer_capacity: list[int] | No
         raw["parallel"]["pp_layout"] = proportional_shares(min_per_coord(speeds, p.axis_sizes, p.rank_order, "pp"),
                                                            cfg.model.n_layer, layer_capacity)
     return build_config(raw)
+
+
+def rebalanced(cfg: Config, forward_s: list[float]) -> tuple[Config | None, str]:
+    """cfg with the work shared again in proportion to the speeds the ranks showed (their work over their
+    forward seconds, per rank in rank order): the dp shares, or the pipeline's blocks; (None, why) where
+    the layout has neither to move, or the split stays as it is."""
+    p = cfg.parallel
+    order = list(p.rank_order)
+    if p.pp > 1 and p.virtual_stages == 1:
+        cut = p.pp_layout or [len(c) for c in chunk_layers(cfg.model.n_layer, p.pp, 1)]
+        stage = min_per_coord([cut[_coord(r, p.axis_sizes, order, "pp")] / max(t, 1e-9)
+                               for r, t in enumerate(forward_s)], p.axis_sizes, order, "pp")
+        new = proportional_shares(stage, cfg.model.n_layer)
+        if new == cut:
+            return None, f"blocks per stage {cut} are already in proportion"
+        raw = cfg.model_dump()
+        raw["parallel"]["pp_layout"] = new
+        return build_config(raw), f"blocks per stage {cut} -> {new}"
+    if p.dp > 1 and p.pp == 1 and p.ep == 1 and cfg.model.n_experts == 0 and p.zero_stage <= 1:
+        units = p.dp * cfg.train.grad_accum * p.micro_batches
+        shares = p.dp_shares or [units // p.dp] * p.dp
+        speeds = min_per_coord([shares[_coord(r, p.axis_sizes, order, "dp")] / max(t, 1e-9)
+                                for r, t in enumerate(forward_s)], p.axis_sizes, order, "dp")
+        new = proportional_shares(speeds, units)
+        if new == shares:
+            return None, f"micro-batches per dp rank {shares} are already in proportion"
+        raw = cfg.model_dump()
+        raw["parallel"]["dp_shares"] = new
+        return build_config(raw), f"micro-batches per dp rank {shares} -> {new}"
+    return None, "the layout has no dp share (plain dp or ZeRO-1, pp = 1) or pipeline cut (v = 1) to move"
+
+
+def _coord(rank: int, sizes: dict[str, int], order: list[str], axis: str) -> int:
+    stride = 1
+    for a in reversed(order):
+        if a == axis:
+            return rank // stride % sizes[a]
+        stride *= sizes[a]
+    raise ValueError(axis)
 
 
 def layer_capacity(cfg: Config, stage_memory: list[float], baseline: float = 0.0) -> list[int]:

@@ -193,9 +193,15 @@ class Trainer:
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
-                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal):
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal
+                                             or guard.relayout is not None):
                     self.log.log(step, row)
                 progress.update(step, row)
+                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (launch.run_layout)
+                    guard.close()
+                    if self.log is not None:
+                        self.log.close()
+                    raise guard.relayout
         if self.stop_signal:
             guard.preempt(state.step)  # a preemption checkpoint (when checkpoints are on)
             if self.log is not None:
