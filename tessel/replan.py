@@ -180,9 +180,12 @@ def choose(cfg: Config, world: int, cluster: Cluster, cal, old: Previous) -> tup
     fixed = {"param_dtype": "bf16"} if cfg.parallel.zero_param_dtype == "bf16" else None
     result = search(cm, world, cfg.train.global_batch, fixed)
     base = replan_base(cfg)
+    even = base.model_copy(deep=True)
+    even.parallel.dp_split = "even"  # a recipe's dp split by speed, where the layout cannot split unevenly
     for est in result.ranked:
+        lay = est.layout
         try:
-            new = layout_config(base, est.layout)
+            new = layout_config(base if lay.pp == 1 and lay.ep == 1 and lay.zero <= 1 else even, lay)
         except ConfigError:
             continue  # the planner prices layouts the runtime does not run (yet) with this recipe
         report = Replanned("full", old, world, est.layout.describe(), est.step_s)
@@ -205,9 +208,12 @@ def _dp_only(cfg: Config, world: int, cm: CostModel) -> tuple[str | None, float 
     return lay.describe(), est.step_s
 
 
+def _link_text(link: Link) -> str:
+    return f"{8 * link.bandwidth / 1e9:.3g} Gbit/s, {1e6 * link.latency:.0f} us"
+
+
 def _cluster_note(c: Cluster) -> str:
-    gbit = lambda link: f"{8 * link.bandwidth / 1e9:.3g} Gbit/s, {1e6 * link.latency:.0f} us"  # noqa: E731
-    links = f"intra-node {gbit(c.intra)}" + (f", inter-node {gbit(c.inter)}" if c.nodes > 1 else "")
+    links = f"intra-node {_link_text(c.intra)}" + (f", inter-node {_link_text(c.inter)}" if c.nodes > 1 else "")
     emulated = f", emulated at {c.extra['emulate_flops']:.3g} FLOP/s" if c.extra.get("emulate_flops") else ""
     return (f"world: {c.nodes} node(s) x {c.devices_per_node} ranks ({', '.join(c.extra['devices'])}{emulated}); "
             f"links: {links}; {c.memory / 2**30:.1f} GiB per rank")
