@@ -21,6 +21,14 @@ pipeline also prints the planner's prediction (tessel.planner.hetero.gain,
 the flush replayed by the event simulator). Prints the median step times and
 the speedups, the pipeline's last. The equality of the losses is tested in
 tests/parallel/data/test_uneven.py.
+
+Measured on this shared 2-core machine at load averages of 14-40 from other
+jobs (three runs): dp2 1.43x, 1.36x, 1.46x; pp2 1.15x, 1.30x, 1.26x (an
+earlier run at load 17: 1.43x and 1.29x); the simulator predicts 1.36x for
+pp2. The pipeline falls short of its prediction by its messages (two per
+micro-batch and stage, a few ms each when the machine is this busy) and by
+every sleep waking late: the fast stage, with twice the blocks, sleeps twice
+as often.
 """
 
 from __future__ import annotations
