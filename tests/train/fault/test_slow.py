@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import statistics
 
-import pytest
 import torch
 from torch.testing import assert_close
 
