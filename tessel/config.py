@@ -235,6 +235,29 @@ class LoggingConfig(Strict):
     tensorboard: bool = True
     progress: bool = True
     peak_flops: float | None = Field(None, gt=0, description="per device; default measured")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None, description="experiment trackers fed the metrics rows, the config and the summary; default: "
+                          "['tensorboard'] when logging.tensorboard, else none")
+    project: str = Field("tessel", min_length=1, description="the W&B project and the MLflow experiment")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="offline: files under out_dir/wandb, "
+                                                                             "`wandb sync` uploads them")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; default a file store, out_dir/mlruns")
+
+    @model_validator(mode="after")
+    def _trackers(self) -> "LoggingConfig":
+        if self.trackers is not None:
+            if len(set(self.trackers)) != len(self.trackers):
+                raise ValueError("logging.trackers: names a tracker twice")
+            if "tensorboard" in self.trackers and "tensorboard" in self.model_fields_set and not self.tensorboard:
+                raise ValueError("logging.tensorboard: is false, but logging.trackers names tensorboard")
+        return self
+
+    @property
+    def active_trackers(self) -> list[str]:
+        """logging.trackers, or what logging.tensorboard alone asked for (recipes from before trackers)."""
+        if self.trackers is not None:
+            return list(self.trackers)
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class RuntimeConfig(Strict):
@@ -623,10 +646,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return build_config(raw, overrides)
 
 
-def to_toml(cfg: Config) -> str:
-    """Write a config back as a recipe (used by `tessel plan --out`)."""
+def to_toml(cfg: Config, exclude_defaults: bool = False) -> str:
+    """Write a config back as a recipe (used by `tessel plan --out`); exclude_defaults: only the fields that
+    differ from their defaults (`tessel launch`'s frozen recipes)."""
     lines = []
-    for section, body in cfg.model_dump(exclude_none=True).items():
+    for section, body in cfg.model_dump(exclude_none=True, exclude_defaults=exclude_defaults).items():
         lines.append(f"[{section}]")
         for key, value in body.items():
             lines.append(f"{key} = {_toml_value(value)}")

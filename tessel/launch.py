@@ -28,6 +28,7 @@ from pathlib import Path
 from tessel.comm.topology import Topology
 from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
+from tessel.observe.trackers import check_installed
 from tessel.supervise import Supervisor
 from tessel.train.fault.elastic import rendezvous_args, replan
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
@@ -188,6 +189,7 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
     opts.check()
     cfg = with_resume(cfg, opts.resume)
     cfg.runtime.elastic = cfg.runtime.elastic or opts.elastic
+    check_installed(cfg)  # logging.trackers' packages (optional extras)
     nproc = ranks_per_node(cfg, opts)
     check_devices(cfg, nproc)
     check_environment(cfg)

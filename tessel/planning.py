@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
+from tessel.observe.progress import work_progress
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
@@ -188,7 +189,8 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed)
+        with work_progress("pricing layouts") as work:
+            result = search(prob.cost, prob.world, prob.global_batch, prob.fixed, progress=work.update)
         ranked, lines = result.ranked[:top], explain(result, top)
         if not ranked:
             raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
@@ -294,11 +296,13 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
     if prob.layout is not None:
         est = prob.cost.estimate(prob.layout)
     else:
-        best = search(prob.cost, prob.world, prob.global_batch).best
+        with work_progress("pricing layouts") as work:
+            best = search(prob.cost, prob.world, prob.global_batch, progress=work.update).best
         if best is None:
             raise ConfigError("--world", "no layout fits in memory; give one with --layout")
         est = best
-    result = simulate_plan(prob.cost, est.layout, est)
+    with work_progress("simulating") as work:
+        result = simulate_plan(prob.cost, est.layout, est, progress=work.update)
     write_trace(result, trace)
     write_png(result, png, f"{est.layout.describe()}: simulated step {result.step_s:.4g} s, "
                            f"bubble {100 * result.bubble:.1f}%")

@@ -215,6 +215,53 @@ BAD = [
       "--val-fraction", "1"], "--val-fraction"),
     (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
       "--workers", "0"], "--workers"),
+    # launch slurm (the tiny recipe's layout is dp=2)
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "2", "--set", "checkpoint.every=5"],
+     "--nodes"),  # 4 ranks for a layout of 2
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "0", "--procs-per-node", "2"], "--nodes"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2"], "--gpus-per-node"),  # neither GPUs nor processes
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--procs-per-node", "1"],
+     "--gpus-per-node"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1"], "checkpoint.every"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'runtime.device="cuda"'], "runtime.device"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "1:2:3:4"], "--time"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "2", "--grace", "120"], "--grace"),  # the stop would come before the start
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--job-name", "my job"], "--job-name"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--port", "80"], "--port"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--sbatch-arg", "qos=high"], "--sbatch-arg"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--out", "{tmp}"], "--out"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'], "data.path"),
+    # logging.trackers
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["neptune"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["mlflow", "mlflow"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", "logging.tensorboard=false", "--set", 'logging.trackers=["tensorboard"]'],
+     "logging.tensorboard"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.wandb_mode="cloud"'], "logging.wandb_mode"),
+    # launch k8s
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "2", "--image", "img",
+      "--set", "checkpoint.every=5"], "--nodes"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--set", "checkpoint.every=5"],
+     "--image"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img"],
+     "checkpoint.every"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--name", "Tiny_Run"], "--name"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--storage", "lots"], "--storage"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--pvc", "Runs!"], "--pvc"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--max-restarts", "-1"], "--max-restarts"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--out", "{tmp}"], "--out"),
     # train: re-planning and emulated devices (tessel.replan, tessel.models.emulated)
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
@@ -333,7 +380,8 @@ def test_bad_input_is_refused_in_one_line(argv, field, tmp, assets, no_spawn, ca
 
 def test_the_table_covers_every_command():
     assert len(BAD) >= 30
-    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data"}
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data",
+                                      "launch"}
 
 
 REAL = [  # the installed entry point, in a process of its own

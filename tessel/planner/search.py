@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -87,16 +88,21 @@ class SearchResult:
 
 
 def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-           simulate_top: int = SIMULATE_TOP) -> SearchResult:
+           simulate_top: int = SIMULATE_TOP, progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
-    re-priced by the event simulator (one pricing of schedules: the runtime's own action lists)."""
+    re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
+    progress(done, total) hears of each layout priced (a bar in tessel.planning)."""
     layouts = candidate_layouts(cm, world, global_batch, fixed)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"
         why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
         raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}{why}")
-    estimates = [cm.estimate(lay) for lay in layouts]
+    estimates = []
+    for lay in layouts:
+        estimates.append(cm.estimate(lay))
+        if progress is not None:
+            progress(len(estimates), len(layouts))
     fits = sorted((e for e in estimates if e.fits), key=_rank)
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total)
     return SearchResult(simulated(fits, simulate_top), len(estimates), rejected)

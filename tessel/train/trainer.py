@@ -25,6 +25,7 @@ from tessel.models.flops import training_flops_per_token
 from tessel.models.gpt import count_params
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
+from tessel.observe.trackers import open_trackers
 from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort
@@ -70,10 +71,10 @@ def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops
             "mfu": flops_per_token * tokens / elapsed / peak_flops, "peak_mem_mb": peak_memory_mb(device)}
 
 
-def close_log(log: MetricsLog, tensorboard: bool = True) -> dict[str, str]:
-    """Close rank 0's metrics log and plot its curves; the files the run wrote there."""
+def close_log(log: MetricsLog, tensorboard: bool = True, summary: dict | None = None) -> dict[str, str]:
+    """Close rank 0's metrics log (its trackers get `summary`) and plot its curves; the files the run wrote."""
     from tessel.observe.plots import plot_metrics  # deferred: matplotlib, for the run's last moment
-    log.close()
+    log.close(summary)
     files = {"metrics": str(log.path)}
     if tensorboard:
         files["tensorboard"] = str(Path(log.dir) / "tensorboard")
@@ -91,6 +92,13 @@ def summarize(history: list[dict], val_loss: float | None, n_params: int, sample
                    mfu=statistics.median(r["mfu"] for r in steady),
                    peak_mem_mb=max(r["peak_mem_mb"] for r in history), params=n_params,
                    sample=sample, files=files)
+
+
+def tracker_summary(summary: Summary) -> dict:
+    """What the experiment trackers keep of a finished run."""
+    return {"steps": summary.steps, "final_loss": summary.losses[-1], "val_loss": summary.val_loss,
+            "tokens_per_s": summary.tokens_per_s, "mfu": summary.mfu, "peak_mem_mb": summary.peak_mem_mb,
+            "params": summary.params}
 
 
 class Trainer:
@@ -117,8 +125,9 @@ class Trainer:
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
         # a resumed run appends to the metrics of the attempt it continues
-        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
-                              append=cfg.checkpoint.resume is not None) if rank == 0 else None
+        resumed = cfg.checkpoint.resume is not None
+        self.log = MetricsLog(cfg.logging.out_dir, "tensorboard" in cfg.logging.active_trackers, append=resumed,
+                              trackers=open_trackers(cfg, run_id, resumed)) if rank == 0 else None
         self.history: list[dict] = []
 
     def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
@@ -197,7 +206,7 @@ class Trainer:
                                              or guard.relayout is not None):
                     self.log.log(step, row)
                 progress.update(step, row)
-                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (launch.run_layout)
+                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
                     guard.close()
                     if self.log is not None:
                         self.log.close()
@@ -213,12 +222,13 @@ class Trainer:
     def _summary(self, val_loss: float | None) -> Summary:
         if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run
             if self.log is not None:
-                self.log.close()
+                self.log.close({})  # finished, nothing new for the trackers
             return summary_from_metrics(self.cfg)
         # collective: every rank hands in its events
         files = dict(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
-            files.update(close_log(self.log, tensorboard=self.cfg.logging.tensorboard))
+            for_trackers = tracker_summary(summarize(self.history, val_loss, self.n_params, "", {}))
+            files.update(close_log(self.log, "tensorboard" in self.cfg.logging.active_trackers, for_trackers))
         return summarize(self.history, val_loss, self.n_params, self.sample(), files)
 
 
