@@ -5,7 +5,7 @@ import pytest
 from tessel.config import ConfigError
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import CostModel
-from tessel.planner.hetero import gain, layer_capacity, min_per_coord, proportional_shares, with_speeds
+from tessel.planner.hetero import gain, layer_capacity, min_per_coord, proportional_shares, rebalanced, with_speeds
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import from_config
 from tests.helpers import tiny_config
@@ -62,3 +62,17 @@ def test_gain_prices_the_even_and_the_proportional_split():
     pp = gain(cm.estimate(Layout(pp=2, mb=1, m=8)), [1.0, 2.0], 6)
     assert pp.split == [2, 4] and 1.2 < pp.speedup <= 1.5
     assert gain(cm.estimate(Layout(dp=2, mb=1, ga=4)), [1.0, 1.0], 6) is None
+
+
+def test_rebalanced_moves_work_in_proportion_to_the_speeds_shown():
+    # forward seconds per rank over the window: rank 1 does its share 3x slower
+    dp = tiny_config("parallel.dp=2", "train.global_batch=8", "train.grad_accum=4")
+    new, what = rebalanced(dp, [0.1, 0.3])
+    assert new.parallel.dp_shares == [6, 2] and "[4, 4] -> [6, 2]" in what
+    again, why = rebalanced(new, [0.15, 0.15])  # in proportion now: each shows the same time
+    assert again is None and "already" in why
+    pp = tiny_config("parallel.pp=2", "model.n_layer=6", "parallel.micro_batches=4")
+    new, what = rebalanced(pp, [0.3, 0.1])  # stage 0 (3 blocks) 3x slower: 10 vs 30 blocks/s
+    assert new.parallel.pp_layout == [1, 5]  # 0.1 and 0.167 s, against 0.2 and 0.133 for [2, 4]
+    none, why = rebalanced(tiny_config("parallel.tp=2", "parallel.dp=1"), [0.1, 0.3])
+    assert none is None and "no dp share" in why
