@@ -28,6 +28,7 @@ from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.balance import balance_over_batch, global_balance
 from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
@@ -180,8 +181,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
                                param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
                                parts=plan.parts)
     plan = apply_data_parallel(plan, mesh, cfg)
-    chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
+    chunks, weight = cfg.train.grad_accum * cfg.parallel.micro_batches, 1.0
+    if cfg.parallel.dp_shares is not None:  # heterogeneous devices: this dp rank's share (parallel/data/uneven.py)
+        shares, me = cfg.parallel.dp_shares, mesh.coord("dp")
+        chunks, weight = shares[me], loss_weight(shares, me)
     return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
                        full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
                        max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
-                       optimizer=plan.optimizer)
+                       optimizer=plan.optimizer, loss_weight=weight)

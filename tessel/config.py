@@ -147,8 +147,16 @@ class ParallelConfig(Strict):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1)
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
-    pp_balance: Literal["layers", "params", "time"] = Field(
-        "layers", description="without pp_layout: equal blocks, or balance parameters or measured time")
+    pp_balance: Literal["layers", "params", "time", "speed"] = Field(
+        "layers", description="without pp_layout: equal blocks, or balance parameters or measured time; speed: "
+                              "blocks in proportion to each stage's device speed, within its memory "
+                              "(heterogeneous devices: runtime.device_speeds, else measured at start)")
+    dp_split: Literal["even", "speed"] = Field(
+        "even", description="how the dp ranks share a step's micro-batches: evenly, or in proportion to their "
+                            "devices' speed (runtime.device_speeds, else measured at start); the update is the "
+                            "even split's (tessel.parallel.data.uneven)")
+    dp_shares: list[int] | None = Field(None, description="micro-batches of each dp rank per step (an uneven "
+                                                          "split; they sum to dp*grad_accum*micro_batches)")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="activation recomputation: none; full (every block keeps only its input); "
                             "selective (the attention core, Korthikanti et al. 2022); true = full, false = none")
@@ -262,6 +270,15 @@ class RuntimeConfig(Strict):
     topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
     elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
+    device_speeds: list[float] | None = Field(None, description="heterogeneous devices: each rank's relative "
+                                              "speed, in rank order (dp_split and pp_balance 'speed' read it; "
+                                              "with emulate_flops a rank's device runs at emulate_flops x speed)")
+    device_memory_gib: list[float] | None = Field(None, description="heterogeneous devices: the memory each "
+                                                  "rank may hold, in rank order (pp_balance 'speed' keeps a "
+                                                  "stage's blocks within it); default: what the device has")
+    emulate_flops: float | None = Field(None, gt=0, description="drills and tests: run every block of the reference "
+                                        "GPT on an emulated accelerator of this many FLOP/s (it waits its matmul "
+                                        "FLOPs / this in time.sleep; tessel.models.emulated)")
 
 
 class CheckpointConfig(Strict):
@@ -281,6 +298,18 @@ class FaultConfig(Strict):
     straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
     straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
     straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
+    slow_policy: Literal["warn", "rebalance", "evict"] = Field(
+        "warn", description="a rank persistently slower than slow_factor x the others over slow_window steps: "
+                            "name it (warn), shift work away from it, its dp share or pipeline blocks (rebalance), "
+                            "or checkpoint and continue without it, re-planned (evict; tessel.train.fault.slow)")
+    slow_window: int = Field(5, ge=2, description="steps of per-rank compute and idle times a slow-rank "
+                                                  "decision rests on")
+    slow_factor: float = Field(1.5, gt=1, description="a rank whose forward time over the window is more than "
+                                                      "this x the median of the others' is slow")
+    replan: Literal["dp-only", "full"] = Field(
+        "dp-only", description="a run that resumes on another world size (runtime.elastic): keep tp, pp and ep and "
+                               "re-divide dp (dp-only), or probe the links, profile the model and let the planner "
+                               "choose the whole layout for the new world (full; tessel.replan)")
 
 
 class Config(Strict):
@@ -368,7 +397,16 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
     if r.topology is not None:
         _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
+    _require(r.emulate_flops is None or m.hf_config is None, "runtime.emulate_flops",
+             "emulates the reference GPT's blocks; not a Hugging Face model")
+    _check_uneven(cfg)
     f = cfg.fault
+    _require(f.replan == "dp-only" or p.dp_arch == "allreduce", "fault.replan",
+             "'full' re-plans a device mesh; the parameter server (dp_arch = 'ps') keeps its layout")
+    _require(f.slow_policy == "warn" or p.dp_arch == "allreduce", "fault.slow_policy",
+             "rebalance and evict act on a device mesh; the parameter server has its own straggler rules")
+    _require(f.slow_policy == "warn" or p.zero_stage == 0 or (p.ep == 1 and p.pp == 1), "fault.slow_policy",
+             "rebalance and evict continue from a checkpoint, which ZeRO with ep or pp cannot write yet")
     _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
@@ -533,6 +571,31 @@ def _check_tp_grid(cfg: Config) -> None:
              "server are not tested yet)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
+
+
+def _check_uneven(cfg: Config) -> None:
+    """Heterogeneous devices (tessel.parallel.data.uneven, tessel.planner.hetero): per-rank declarations cover
+    every rank; an uneven dp split runs where each dp rank's micro-batches reduce once per step (plain DP or
+    ZeRO-1, no pipeline, no experts: their collectives run per micro-batch and would wait on a rank with fewer)."""
+    p, r = cfg.parallel, cfg.runtime
+    for name, values in (("device_speeds", r.device_speeds), ("device_memory_gib", r.device_memory_gib)):
+        if values is None:
+            continue
+        _require(len(values) == p.world_size or r.elastic, f"runtime.{name}",
+                 f"has {len(values)} entries; the layout has {p.world_size} ranks (one per rank)")
+        _require(all(v > 0 for v in values), f"runtime.{name}", "entries must be positive")
+    if p.dp_shares is not None:
+        _require(p.dp_split == "speed" or len(p.dp_shares) == p.dp, "parallel.dp_shares",
+                 f"has {len(p.dp_shares)} entries; dp is {p.dp} (one per dp rank)")
+        want = p.dp * cfg.train.grad_accum * p.micro_batches
+        _require(min(p.dp_shares) >= 1 and sum(p.dp_shares) == want, "parallel.dp_shares",
+                 f"entries must be >= 1 and sum to dp*grad_accum*micro_batches = {want}")
+    if p.dp_shares is not None or p.dp_split == "speed":
+        field = "parallel.dp_shares" if p.dp_shares is not None else "parallel.dp_split"
+        _require(p.pp == 1 and p.ep == 1 and cfg.model.n_experts == 0, field,
+                 "an uneven dp split needs pp = 1 and no experts (their collectives run per micro-batch)")
+        _require(p.zero_stage <= 1 and p.dp_arch == "allreduce", field,
+                 "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
 
 
 def _check_ps(cfg: Config) -> None:

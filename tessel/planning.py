@@ -20,6 +20,7 @@ from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
 from tessel.planner.grid_cost import grid_sizes
+from tessel.planner.hetero import Gain, gain
 from tessel.planner.layout import Layout, layout_config, layout_text, parse_fix, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search, simulated
@@ -117,7 +118,9 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     the model profiled on it (seconds)."""
     check_problem_args(cluster, world, model, global_batch, precision)
     overrides, cluster_set = split_cluster_overrides(overrides)
-    with_overrides(get_cluster("a100"), cluster_set)  # every key and value checked before any measuring
+    checked = with_overrides(get_cluster("a100"), cluster_set)  # every key and value checked before any measuring
+    if world is not None and checked.speeds and len(checked.speeds) != world:
+        raise ConfigError("cluster.speeds", f"has {len(checked.speeds)} entries; give one per device ({world})")
     base, spec = _recipe_and_model(recipe, overrides, model, precision)
     gb = global_batch if global_batch is not None else spec.global_batch
     if world is None and recipe and not model:
@@ -126,6 +129,8 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
         world = 1 if cluster.lower() == "this" else get_cluster(cluster).world
     lay = checked_layout(base, world, gb, layout) if layout else None
     cl = with_overrides(cluster_named(cluster, world, refresh=refresh), cluster_set)
+    if cl.speeds and len(cl.speeds) != world:
+        raise ConfigError("cluster.speeds", f"has {len(cl.speeds)} entries; give one per device ({world})")
     cal = None
     if cl.name == "this" and calibrate:
         from tessel.calibrate.profile import profile_model  # deferred: loads torch and the trainer
@@ -201,6 +206,9 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
             raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
     winner = ranked[0]
     outputs = _throughput(winner, opts.tokens)
+    hetero = _hetero(prob, winner)
+    if hetero is not None:
+        outputs.append(hetero.line())
     lines = lines + outputs
     terms = step_terms(winner) if opts.explain else []
     report = {"model": prob.spec.name, "params": prob.spec.total_params, "cluster": prob.cluster.name,
@@ -313,6 +321,9 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
               "simulated_bubble": result.bubble, "analytic_step_s": est.step_s, "analytic_bubble": est.bubble,
               "events": len(result.events), "trace": trace, "png": png,
               "note": "one representative pipeline stands for all dp*ep replicas and tp ranks (symmetry)"}
+    hetero = _hetero(prob, est)
+    if hetero is not None:
+        report["heterogeneous"] = hetero.to_json()
     if as_json:
         print(json.dumps(report, indent=1))
     else:
@@ -320,8 +331,14 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
                         f"{result.step_s:.4g} s (analytic {est.step_s:.4g} s), bubble {100 * result.bubble:.1f}% "
                         f"(analytic {100 * est.bubble:.1f}%), {len(result.events)} events\n"
                         f"trace: {trace}\ntimeline: {png}")
+        if hetero is not None:
+            Console().print(hetero.line())
     return report
 
+
+def _hetero(prob: Problem, est: Estimate) -> Gain | None:
+    """cluster.speeds: the layout's step split evenly and in proportion to speed (tessel.planner.hetero)."""
+    return gain(est, list(prob.cluster.speeds), prob.spec.cfg.n_layer) if prob.cluster.speeds else None
 
 
 # ---- tessel simulate --tp-modes: 1D, 2D, 2.5D and 3D at each tensor-parallel group size ----------------

@@ -269,6 +269,29 @@ BAD = [
       "--set", "checkpoint.every=5", "--max-restarts", "-1"], "--max-restarts"),
     (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
       "--set", "checkpoint.every=5", "--out", "{tmp}"], "--out"),
+    # train: re-planning and emulated devices (tessel.replan, tessel.models.emulated)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.emulate_flops=0"], "runtime.emulate_flops"),
+    # train and plan: heterogeneous devices (tessel.planner.hetero, tessel.parallel.data.uneven)
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, 2.0, 3.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, -2.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_memory_gib=[8.0]"], "runtime.device_memory_gib"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[1, 2]"], "parallel.dp_shares"),  # sum != 2
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[2]"], "parallel.dp_shares"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="speed"', "--set", "parallel.zero_stage=2"],
+     "parallel.dp_split"),  # ZeRO-2 reduces per micro-batch: a rank with fewer would leave the others waiting
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="fast"'], "parallel.dp_split"),
+    (["plan", "--world", "8", "--set", "cluster.speeds=1,2"], "cluster.speeds"),  # one per device
+    (["plan", "--world", "2", "--set", "cluster.speeds=1,x"], "cluster.speeds"),
+    # train: slow ranks (tessel.train.fault.slow)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="kill"'], "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_window=1"], "fault.slow_window"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_factor=1.0"], "fault.slow_factor"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="evict"', "--set", 'parallel.dp_arch="ps"'],
+     "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="rebalance"', "--set", "parallel.pp=2",
+      "--set", "parallel.dp=1", "--set", "parallel.zero_stage=1"], "fault.slow_policy"),  # no checkpoint to go on from
 ]
 
 

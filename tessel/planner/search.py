@@ -39,9 +39,11 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     """All layouts tessel.config would accept for this model, world size and global batch; with
     `fixed` (tessel.planner.layout.parse_fix), only those with these fields; with `allow`, only those it
     allows (a recipe's own rules: tessel.planning.recipe_allows)."""
-    # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design)
+    # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design),
+    # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
     tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
-    every = _all_layouts(cm, world, global_batch, tp_cap) + grid_layouts(cm, world, global_batch)
+    grids = cm.cluster.source == "preset" or (fixed or {}).get("tp_mode", "1d") != "1d"
+    every = _all_layouts(cm, world, global_batch, tp_cap) + (grid_layouts(cm, world, global_batch) if grids else [])
     if allow is not None:
         every = [lay for lay in every if allow(lay)]
     if not fixed:

@@ -30,6 +30,7 @@ from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort
 from tessel.train.data import BatchSampler, load_tokens, text_codec
+from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.guard import Guard, checkpoint_root
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
@@ -107,8 +108,9 @@ class Trainer:
     cohort: None for every rank of `mesh` (MeshCohort); a parameter server's workers bring theirs."""
 
     def __init__(self, cfg: Config, mesh: Mesh, runner: Runner, rank: int = 0, run_id: str | None = None,
-                 stop: StopRequest | None = None, cohort: Cohort | None = None):
+                 stop: StopRequest | None = None, cohort: Cohort | None = None, replanned: Replanned | None = None):
         self.cfg, self.runner, self.rank = cfg, runner, rank
+        self.replanned = replanned  # the layout was re-planned for this world: its step time is reported
         self.cohort = cohort or MeshCohort(mesh, cfg.train.grad_clip)
         self.stop = stop or StopRequest()  # the launcher's ranks install its signal handlers
         self.stop_signal = 0  # set when every rank has agreed to stop after the current step
@@ -133,7 +135,8 @@ class Trainer:
         t, vocab = self.cfg.train, self.cfg.model.vocab_size
         tokens = load_tokens(self.cfg.data, vocab, seed=t.seed)
         train, val = self.cohort.shards()
-        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab),
+        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab,
+                             shares=self.cfg.parallel.dp_shares),
                 BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab))
 
     def _build_state(self, run_id: str | None, sampler: BatchSampler) -> TrainState:
@@ -188,7 +191,7 @@ class Trainer:
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
         # resumes from a checkpoint when asked (state.step); checkpoints, heartbeat, rollback
-        guard = Guard(self.cfg, state, self.cohort, self.faults)
+        guard = Guard(self.cfg, state, self.cohort, self.faults, self.replanned)
         with progress:
             while state.step < t.steps and not self.stop_signal:
                 step = state.step
@@ -199,9 +202,15 @@ class Trainer:
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
-                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal):
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal
+                                             or guard.relayout is not None):
                     self.log.log(step, row)
                 progress.update(step, row)
+                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
+                    guard.close()
+                    if self.log is not None:
+                        self.log.close()
+                    raise guard.relayout
         if self.stop_signal:
             guard.preempt(state.step)  # a preemption checkpoint (when checkpoints are on)
             if self.log is not None:
