@@ -80,11 +80,16 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """tp_mode 2d (tessel.parallel.tensor_nd): the reference GPT's TP plan, its modules made grid layers."""
-    p = cfg.parallel
-    done = apply_grid_mode(plan.model, gpt_tp_plan([], cfg.model.n_layer), mesh, p.tp_mode, p.tp_depth,
-                           cfg.model.vocab_size)
-    plan.loss_fn, plan.full_logits = done.loss_fn, done.full_logits
+    """tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the model's TP plan (the reference GPT's, or a Hugging
+    Face Llama's), its modules made grid layers."""
+    p, m = cfg.parallel, cfg.model
+    if m.hf_config is None:
+        styles = gpt_tp_plan([], m.n_layer)
+    else:
+        styles = hf_tp_plan(plan.model, FAMILIES[family(m.hf_config)].tp).styles
+        refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
+    done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
+    plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
     return plan
 
 

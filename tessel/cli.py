@@ -130,13 +130,19 @@ def simulate(
     as_json: bool = _PLAN_OPTS["as_json"], refresh: bool = _PLAN_OPTS["refresh"],
     trace: str = typer.Option("runs/simulate/trace.json", "--trace", help="Chrome trace output"),
     png: str = typer.Option("runs/simulate/timeline.png", "--png", help="timeline image output"),
+    tp_modes: Optional[str] = typer.Option(None, "--tp-modes", help="compare tensor parallelism 1d, 2d, 2.5d and 3d "
+                                           "at these tp group sizes (8,64,512): each mode's best layout, simulated"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
     from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         commands.check_simulate_args(trace, png)
+        sizes = commands.check_tp_modes_arg(tp_modes, layout)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
                                 refresh=refresh)
+        if sizes:
+            commands.simulate_tp_modes(prob, sizes, as_json)
+            return
         commands.simulate(prob, trace, png, as_json)
     except ConfigError as err:
         fail(err)

@@ -7,6 +7,7 @@ so a bad recipe fails in a second with a message that names the field.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -499,41 +500,75 @@ def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
     return side if side >= 2 and side ** root * (depth if mode == "2.5d" else 1) == tp else None
 
 
+def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int,
+                    pp: int = 1) -> tuple[str, str] | None:
+    """(field, message) of the first rule a model breaks on a tp grid (tessel.parallel.tensor_nd), None if it
+    keeps them all: the tp group must be a q x q grid (2d), a q x q x depth grid (2.5d) or a c x c x c cube (3d);
+    the hidden size splits in q*q (c*c*c) pieces (embedding and norms), heads, kv heads, feed-forward and
+    vocabulary over the side, and each rank's micro-batch over the grid's batch chunks (q, q*depth, c*c).
+    The planner's search (tessel.planner.search) enumerates grids through this same function."""
+    if mode == "1d" or tp == 1:
+        return None
+    side = _tp_grid_side(mode, tp, depth)
+    shape = {"2d": "q*q", "2.5d": f"q*q*tp_depth (q*q*{depth})", "3d": "c*c*c"}[mode]
+    if side is None:
+        return "parallel.tp", f"({tp}) must be {shape} with a side >= 2 for tp_mode '{mode}'"
+    pieces = side ** 3 if mode == "3d" else side ** 2
+    chunks = {"2d": side, "2.5d": side * depth, "3d": side * side}[mode]
+    if m.d_model % pieces:
+        return "model.d_model", (f"({m.d_model}) must be divisible by {pieces} "
+                                 f"(tp_mode '{mode}' splits the embedding and norms in {pieces} pieces)")
+    for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
+                        ("vocab_size", m.vocab_size)):
+        if value % side:
+            return f"model.{name}", f"({value}) must be divisible by the grid's side {side}"
+    if micro_batch % chunks:
+        return "train.global_batch", (f"each rank's micro-batch ({micro_batch}) must be divisible by "
+                                      f"the {chunks} batch chunks of tp_mode '{mode}'")
+    if m.n_experts:
+        return "parallel.tp_mode", f"'{mode}' splits dense models only (no MoE) so far"
+    if m.hf_config is not None and _grid_hf_problem(m.hf_config):
+        return "model.hf_config", f"tp_mode '{mode}': {_grid_hf_problem(m.hf_config)}"
+    if m.hf_config is not None and pp > 1:
+        return "parallel.pp", (f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; "
+                               "set pp = 1")
+    if m.tie_embeddings and pp > 1:
+        return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
+                                        "built yet (the last stage's copy of the table); untie them or set pp = 1")
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_hf_problem(hf_config: str) -> str | None:
+    """Why a Hugging Face architecture cannot be split on a grid, or None: the Llama family's own model
+    (tessel.parallel.tensor_nd maps its plan), without biases (the grid's linear layers take none)."""
+    doc = read_config(hf_config)
+    if doc["model_type"] != "llama":
+        return f"splits the reference GPT and Hugging Face Llama so far, not a '{doc['model_type']}' model"
+    if doc.get("attention_bias") or doc.get("mlp_bias"):
+        return "splits bias-free linear layers; this Llama config has attention_bias or mlp_bias"
+    return None
+
+
 def _check_tp_grid(cfg: Config) -> None:
-    """parallel.tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the tp group must be a q x q grid, a
-    q x q x tp_depth grid or a c x c x c cube; the hidden size splits in q*q (c*c*c) pieces (embedding and norms),
-    heads, kv heads, feed-forward and vocabulary over the side, and each rank's micro-batch over the grid's batch
-    chunks (q, q*tp_depth, c*c). What is not built or tested yet is refused by name."""
+    """parallel.tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the model's rules (tp_grid_refusal), then
+    how the grid composes with the other strategies. What is not built or tested yet is refused by name."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(p.tp_depth == 1 or p.tp_mode == "2.5d", "parallel.tp_depth", "is the depth of a 2.5d grid only")
     _require(p.tp_mode != "2.5d" or p.tp == 1 or p.tp_depth >= 2, "parallel.tp_depth",
              "a 2.5d grid needs a depth >= 2 (depth 1 is tp_mode '2d')")
     if p.tp_mode == "1d" or p.tp == 1:
         return
-    side = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)
-    shape = {"2d": "q*q", "2.5d": f"q*q*tp_depth (q*q*{p.tp_depth})", "3d": "c*c*c"}[p.tp_mode]
-    _require(side is not None, "parallel.tp", f"({p.tp}) must be {shape} with a side >= 2 for tp_mode '{p.tp_mode}'")
-    pieces = side ** 3 if p.tp_mode == "3d" else side ** 2
-    chunks = {"2d": side, "2.5d": side * p.tp_depth, "3d": side * side}[p.tp_mode]
-    _require(m.d_model % pieces == 0, "model.d_model", f"({m.d_model}) must be divisible by {pieces} "
-             f"(tp_mode '{p.tp_mode}' splits the embedding and norms in {pieces} pieces)")
-    for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
-                        ("vocab_size", m.vocab_size)):
-        _require(value % side == 0, f"model.{name}", f"({value}) must be divisible by the grid's side {side}")
     micro = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)
-    _require(micro % chunks == 0, "train.global_batch", f"each rank's micro-batch ({micro}) must be divisible by "
-             f"the {chunks} batch chunks of tp_mode '{p.tp_mode}'")
-    _require(m.hf_config is None and m.n_experts == 0, "parallel.tp_mode",
-             f"'{p.tp_mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) so far")
-    _require(not m.tie_embeddings, "model.tie_embeddings", f"tp_mode '{p.tp_mode}' splits the embedding and the "
-             "head differently; untie them")
+    refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro, p.pp)
+    if refusal is not None:
+        raise ConfigError(*refusal)
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
-             f"tp_mode '{p.tp_mode}' already splits activations over its grid")
-    _require(p.zero_stage <= 2 and p.dp_arch == "allreduce", "parallel.tp_mode",
-             f"'{p.tp_mode}' composes with dp, ZeRO-1/2 and pp so far (ZeRO-3 and the parameter server are not "
-             "tested yet)")
-    _require(p.pp == 1 or t.sample_tokens == 0, "train.sample_tokens", f"sampling from a pipeline's last stage under "
-             f"tp_mode '{p.tp_mode}' is not built yet (its logits are split by batch and vocabulary); set it to 0")
+             f"means nothing under tp_mode '{p.tp_mode}': each rank already holds a batch chunk and a hidden chunk of "
+             "every activation, norms included, so nothing is replicated for it to split; set it to false")
+    _require(p.dp_arch == "allreduce" and (p.zero_stage <= 2 or p.pp == 1), "parallel.tp_mode",
+             f"'{p.tp_mode}' composes with dp, ZeRO-1/2/3 and pp so far (ZeRO-3 with a pipeline and the parameter "
+             "server are not tested yet)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
 

@@ -67,6 +67,11 @@ BAD = [
     (["simulate", "--world", "-1"], "--world"),
     (["simulate", "--trace", UNWRITABLE + "/trace.json"], "--trace"),
     (["simulate", "--png", "{tmp}"], "--png"),
+    (["simulate", "--tp-modes", "1"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8,x"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8", "--layout", "dp=8"], "--tp-modes"),
+    (["plan", "--fix", "tp_mode=4d"], "--fix"),
+    (["plan", "--model", "gpt3-1.3b", "--world", "16", "--layout", "dp=4,tp=4,mb=8,tp_mode=2.5d"], "parallel.tp_depth"),
     # probe
     (["probe", "--world", "0"], "--world"),
     (["probe", "--size-mb", "0"], "--size-mb"),
@@ -129,12 +134,14 @@ BAD = [
       "--set", "model.vocab_size=257"], "model.vocab_size"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
       "--set", "train.global_batch=2"], "train.global_batch"),
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
-      "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
-      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D: not tested yet
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
-      "--set", "train.sample_tokens=8"], "train.sample_tokens"),  # a pipeline's grid logits: not gathered yet
+      "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),  # tied under a grid: without a pipeline
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
+      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D x pp: not tested yet
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
+      "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # nothing replicated to split
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", 'parallel.tp_mode="2d"',
+      "--set", "parallel.tp=4", "--set", "parallel.pp=2", "--set", "parallel.dp=1"], "parallel.pp"),  # HF x grid x pp
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""', "--set", "train.sample_tokens=8"],

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from tessel.axes import AXES
 from tessel.planner.cluster import Cluster, Geometry, Link, group_geometry, link_for
+from tessel.planner import grid_cost
 from tessel.planner.compute import Shape, block_seconds, edge_seconds
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, layer_activation_bytes,
@@ -79,8 +80,16 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.rate
 
 
+def chain_time(nbytes: float, n: int, link: Link) -> float:
+    """Pipelined chain broadcast (or reduce): the whole buffer crosses each link, n-1 hops of latency."""
+    if n <= 1:
+        return 0.0
+    return nbytes / link.rate + (n - 1) * link.latency
+
+
 FORMULAS = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
-            "all_to_all": all_to_all_time, "p2p": lambda nbytes, n, link: p2p_time(nbytes, link)}
+            "all_to_all": all_to_all_time, "p2p": lambda nbytes, n, link: p2p_time(nbytes, link),
+            "broadcast": chain_time, "reduce": chain_time}
 
 
 def sent_bytes(calls: list[Call], n: int) -> float:
@@ -297,6 +306,8 @@ class CostModel:
 
     def _chunk_roofline(self, layers: list[int], first: bool, last: bool, lay: Layout,
                         tokens: int) -> tuple[float, float, float]:
+        if lay.tp_mode != "1d" and lay.tp > 1:
+            return self._grid_chunk_roofline(layers, first, last, lay, tokens)
         f = b = core = 0.0
         for i in layers:
             bf, bb, bc = self._block(self._shape(lay, tokens, self.moe_flags[i]))
@@ -307,6 +318,22 @@ class CostModel:
             ef, eb = edge_seconds(self._shape(lay, tokens, False), vocab, self.cluster, self._dtype(), first, last)
             f, b = f + ef, b + eb
         return f, b, rc
+
+    def _grid_chunk_roofline(self, layers: list[int], first: bool, last: bool, lay: Layout,
+                             tokens: int) -> tuple[float, float, float]:
+        """_chunk_roofline on a 2D / 2.5D / 3D grid (tessel.planner.grid_cost: the rank's shapes, its GEMMs
+        in the grid's steps)."""
+        grid = grid_cost.layout_grid(lay)
+        key = (grid, tokens, self._param_bytes(lay), first, last)
+        if key not in self._block_memo:  # (block, edges) seconds: thousands of layouts share a few
+            shape = grid_cost.rank_shape(grid, self._shape(replace(lay, tp=1, sp=False, tp_mode="1d"), tokens, False))
+            edges = grid_cost.edge_seconds(shape, grid, self.spec.cfg.vocab_size, self.cluster, self._dtype(),
+                                           first, last) if first or last else (0.0, 0.0)
+            self._block_memo[key] = grid_cost.block_seconds(shape, grid, self.cluster, self._dtype()), edges
+        (bf, bb, bc), (ef, eb) = self._block_memo[key]
+        n = len(layers)
+        rc = {"none": 0.0, "full": n * bf, "selective": n * bc}[lay.recompute]
+        return n * bf + ef, n * bb + eb, rc
 
     def _dtype(self) -> str:
         return "bf16" if self.precision == "bf16" else "fp32"
@@ -386,10 +413,36 @@ class CostModel:
         """_chunk_comm and the links its collectives hold."""
         n_moe = sum(self.moe_flags[i] for i in layers)
         key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute == "full", tokens,
-               lay.dp, lay.pp)
+               lay.dp, lay.pp, lay.tp_mode, lay.tp_depth)
         if key not in self._comm_memo:  # thousands of layouts share a few chunk shapes
-            self._comm_memo[key] = self._chunk_comm_priced(*key[:9], self.groups(lay))
+            grid = grid_cost.layout_grid(lay)
+            self._comm_memo[key] = (self._grid_chunk_comm(grid, len(layers), first, last, lay, tokens) if grid
+                                    else self._chunk_comm_priced(*key[:9], self.groups(lay)))
         return self._comm_memo[key]
+
+    def grid_groups(self, lay: Layout) -> dict[int, Geometry]:
+        """{grid dim: how its groups lie on the nodes} of a 2D / 2.5D / 3D layout (tp innermost, the grid
+        row-major inside the tp group)."""
+        sizes = {a: getattr(lay, a) for a in ORDER}
+        return grid_cost.grid_geometry(sizes, ORDER, grid_cost.layout_grid(lay), self.cluster.devices_per_node)
+
+    def _grid_calls(self, grid, n_blocks: int, first: bool, last: bool, lay: Layout, tokens: int):
+        """(forward, backward) (grid dim, call) lists of one chunk for one micro-batch (tessel.planner.grid_cost)."""
+        resid = 2 if self.act_bytes == 2 and self._param_bytes(lay) == 2 else 4
+        return grid_cost.chunk_calls(grid, self.spec, tokens, self.act_bytes, self._param_bytes(lay), resid, n_blocks,
+                                     lay.recompute == "full", first, last)
+
+    def _grid_chunk_comm(self, grid, n_blocks: int, first: bool, last: bool, lay: Layout,
+                         tokens: int) -> tuple[float, float, dict, Cost]:
+        """_chunk_comm_priced on a grid: each call priced on the groups of its grid dim."""
+        fwd, bwd = self._grid_calls(grid, n_blocks, first, last, lay, tokens)
+        geo = self.grid_groups(lay)
+
+        def priced(calls) -> Cost:
+            return sum((self.price_group(merged([c for d, c in calls if d == a]), geo[a]) for a in geo), NONE)
+        tf, tb = priced(fwd), priced(bwd)
+        sent = sum(sent_bytes([c], grid.dims[a]) for a, c in fwd + bwd)
+        return tf.seconds, tb.seconds, {"tp": sent, "ep": 0.0}, tf + tb
 
     def _chunk_comm_priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, ep: int, sp: bool,
                            recompute: bool, tokens: int, groups) -> tuple[float, float, dict, Cost]:
@@ -437,7 +490,8 @@ class CostModel:
 
     def _p2p_bytes(self, lay: Layout) -> float:
         """One pipeline message: a micro-batch's activation (sequence-sharded under SP)."""
-        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
+        split = lay.sp or lay.tp_mode != "1d"  # a grid splits the activation over all of its ranks
+        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1)
 
     # -- memory ----------------------------------------------------------------------
     def _param_bytes(self, lay: Layout) -> int:
@@ -464,7 +518,8 @@ class CostModel:
             dense += self.spec.head_params
             if self.spec.cfg.tie_embeddings and 0 not in chunks:  # the last stage's copy of the tied embedding
                 dense += self.spec.cfg.vocab_size * self.spec.cfg.d_model
-        return dense / lay.tp, expert / (lay.tp * lay.ep)
+        shards = grid_cost.weight_shards(lay)  # tp, or a grid's pieces (2.5D's depth layers hold copies)
+        return dense / shards, expert / (shards * lay.ep)
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
         """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):
@@ -478,8 +533,12 @@ class CostModel:
     def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
         dense, expert = self._stage_params(chunks, lay, all_chunks)
         mem = self.state_memory(dense, expert, lay)
-        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
-                     for k in chunks for i in all_chunks[k]] or [0.0]
+        grid = grid_cost.layout_grid(lay)
+        if grid is not None:  # dense blocks only: every one keeps the same
+            per_layer = [grid_cost.layer_activation_bytes(self.spec, tokens, grid, self.precision)]
+        else:
+            per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+                         for k in chunks for i in all_chunks[k]] or [0.0]
         one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
         fused = self.cluster.fused_attention
         if not fused:  # the T x T probabilities of every head
@@ -489,7 +548,8 @@ class CostModel:
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         core = attention_core_bytes(self.spec, tokens, lay.tp, self.precision, fused)
         if lay.recompute == "full":
-            kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp, lay.sp)
+            kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp,
+                                                                        lay.sp or grid is not None)
             kept += biggest  # one block rebuilt at a time
         elif lay.recompute == "selective":
             kept = in_flight * layers_per_chunk * (one_layer - core) + core  # one core rebuilt at a time
@@ -506,7 +566,7 @@ class CostModel:
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
             transient = pb * (dense + expert)
         elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
-            transient = 2 * pb / 4 * self._largest_block_bytes(lay.tp)
+            transient = 2 * pb / 4 * self._largest_block_bytes(grid_cost.weight_shards(lay))
         elif lay.zero == 2:  # one bucket in flight, never more than the gradients it holds
             transient = min(self.bucket_bytes, self._reduce_bytes(lay) * (dense + expert))
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
@@ -518,14 +578,14 @@ class CostModel:
         """bf16 copies of fp32 weights that autocast makes on each forward and autograd keeps until that
         micro-batch's backward: every in-flight chunk-forward holds its own (the cast cache lives for one
         autocast region). A fully recomputed block makes its copies inside the checkpoint: one block's."""
-        if self.act_bytes != 2 or self._param_bytes(lay) == 2:
-            return 0.0
+        if self.act_bytes != 2 or self._param_bytes(lay) == 2 or lay.tp_mode != "1d":
+            return 0.0  # a grid multiplies the blocks it holds or gathers (grid_cost.layer_activation_bytes)
         matrices = [sum(self.layer_params[i]) / lay.tp for k in chunks for i in all_chunks[k]] or [0.0]
         if lay.recompute == "full":
             return 2 * max(matrices)
         return 2 * in_flight * sum(matrices) / len(chunks)
 
-    def _largest_block_bytes(self, tp: int) -> float:
+    def _largest_block_bytes(self, tp: int) -> float:  # tp: the pieces a weight is split into
         """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
         return 4 * max(sum(p) for p in self.layer_params) / tp
 
@@ -546,7 +606,7 @@ class CostModel:
             per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
             return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
         if lay.zero >= 3:
-            block = self._largest_block_bytes(lay.tp)
+            block = self._largest_block_bytes(grid_cost.weight_shards(lay))
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
 
@@ -698,7 +758,12 @@ class CostModel:
         for k in mine:
             layers = all_chunks[k]
             n_moe = sum(self.moe_flags[i] for i in layers)
-            if lay.tp > 1:
+            grid = grid_cost.layout_grid(lay)
+            if grid is not None:  # on the grid's groups: "tp.0", "tp.1", ... (grid dims, outermost first)
+                f, b = self._grid_calls(grid, len(layers), k == 0, k == len(all_chunks) - 1, lay, tokens)
+                for dim, c in f + b:
+                    out[f"tp.{dim}"] += times([c], lay.chunks)
+            elif lay.tp > 1:
                 f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, full, k == 0,
                                       k == len(all_chunks) - 1)
                 out["tp"] += times(f + b, lay.chunks)
@@ -721,7 +786,7 @@ class CostModel:
         """(per micro-batch, per step) dp x ep calls of a rank holding `chunks`, `grad_bytes` of whole
         fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest. Under
         bf16 storage the gathers move bf16 parameters and the reductions the reduce dtype's gradients."""
-        units = [4 * sum(self.layer_params[i]) / lay.tp for i in all_chunks[chunks[0]]]
+        units = [4 * sum(self.layer_params[i]) / grid_cost.weight_shards(lay) for i in all_chunks[chunks[0]]]
         root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
         per_mb, per_step = dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root,
                                          whole_step=lay.pp > 1)

@@ -8,9 +8,10 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from tessel.config import ConfigError
+from tessel.config import ConfigError, tp_grid_refusal
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
+from tessel.planner.grid_cost import grid_of, grid_sizes
 from tessel.planner.layout import Layout
 from tessel.planner.simulate import simulate_pipeline
 
@@ -33,10 +34,18 @@ def tp_degrees(cfg, world: int) -> list[int]:
             if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
-def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None) -> list[Layout]:
+def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
+                      allow: Callable[[Layout], bool] | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
-    `fixed` (tessel.planner.layout.parse_fix), only those with these fields."""
-    every = _all_layouts(cm, world, global_batch)
+    `fixed` (tessel.planner.layout.parse_fix), only those with these fields; with `allow`, only those it
+    allows (a recipe's own rules: tessel.planning.recipe_allows)."""
+    # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design),
+    # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
+    tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
+    grids = cm.cluster.source == "preset" or (fixed or {}).get("tp_mode", "1d") != "1d"
+    every = _all_layouts(cm, world, global_batch, tp_cap) + (grid_layouts(cm, world, global_batch) if grids else [])
+    if allow is not None:
+        every = [lay for lay in every if allow(lay)]
     if not fixed:
         return every
     if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
@@ -44,10 +53,10 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
-def _all_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
-    tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
+    tps = [t for t in tp_degrees(c, world) if t <= (tp_cap or cm.cluster.devices_per_node)]
     for tp in tps:
         for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
             rest = world // (tp * pp)
@@ -76,6 +85,35 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]
             for rc in RECOMPUTE]
 
 
+def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+    """Layouts whose tp group is a 2D, 2.5D or 3D grid (tessel.parallel.tensor_nd), by tessel.config's rules:
+    the model's (tp_grid_refusal: the grid's sizes, what its side divides, each micro-batch over the grid's
+    batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3 with a pipeline, experts: ep = 1)."""
+    c, seq = cm.spec.cfg, cm.spec.seq_len
+    out = []
+    for mode, tp, depth in grid_sizes(world):
+        for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_shard = global_batch // dp
+            for mb in grid_micro_batches(per_shard, mode, tp, depth):
+                if tp_grid_refusal(c, mode, tp, depth, mb, pp) is not None:
+                    continue
+                base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
+                out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq)
+                        if not lay.sp and (lay.zero <= 2 or lay.pp == 1)]
+    return out
+
+
+def grid_micro_batches(per_shard: int, mode: str, tp: int, depth: int) -> list[int]:
+    """Micro-batch sizes a grid can take: the search's, and 1, 2 or 4 sequences for each of the grid's batch
+    chunks (a 512-rank cube splits each micro-batch 64 ways)."""
+    chunks = grid_of(mode, tp, depth).batch_chunks
+    sizes = set(MICRO_BATCHES) | {chunks * b for b in (1, 2, 4)}
+    return sorted(b for b in sizes if per_shard % b == 0 and b % chunks == 0)
+
+
 @dataclass
 class SearchResult:
     ranked: list[Estimate]  # layouts that fit, fastest first
@@ -88,11 +126,12 @@ class SearchResult:
 
 
 def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-           simulate_top: int = SIMULATE_TOP, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+           simulate_top: int = SIMULATE_TOP, progress: Callable[[int, int], None] | None = None,
+           allow: Callable[[Layout], bool] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
     re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
     progress(done, total) hears of each layout priced (a bar in tessel.planning)."""
-    layouts = candidate_layouts(cm, world, global_batch, fixed)
+    layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"

@@ -227,7 +227,8 @@ def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None,
     est = est or cm.estimate(lay)
     links = cm.links(lay)
     cls = {k: ("inter" if v == cm.cluster.inter else "intra") for k, v in links.items()}
-    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if lay.sp else 1)
+    split = lay.sp or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
+    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1)
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
     args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, links["pp"], cls["pp"])
     # earlier accumulation steps are identical flushes without gradient traffic (ZeRO<2):
