@@ -215,6 +215,23 @@ BAD = [
       "--val-fraction", "1"], "--val-fraction"),
     (["data", "prepare", "{tmp}/a_file", "--tokenizer", "{assets}/bpe300.json", "--out", "{tmp}/o",
       "--workers", "0"], "--workers"),
+    # train: context parallelism (tessel.config._check_context_parallel)
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=0"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.cp_mode="star"'], "parallel.cp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=3"], "train.seq_len"),  # 16 tokens, 6 chunks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.tp=4", "--set",
+      "parallel.sequence_parallel=true", "--set", "train.seq_len=20"], "train.seq_len"),  # 10 a cp rank, tp4
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=8", "--set", 'parallel.cp_mode="ulysses"'],
+     "parallel.cp"),  # 4 heads over 8 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=4", "--set", 'parallel.cp_mode="ulysses"', "--set",
+      "model.n_kv_head=2"], "parallel.cp"),  # 2 kv heads over 4 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "model.n_experts=2"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", 'parallel.tp_mode="2d"', "--set",
+      "parallel.tp=4"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.dp=1", "--set",
+      "runtime.nproc_per_node=1"], "runtime.nproc_per_node"),  # the world is cp*... = 2
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.cp=2", "--set",
+      "parallel.pp=2"], "parallel.cp"),  # a Hugging Face model: cp without a pipeline so far
 ]
 
 

@@ -100,3 +100,12 @@ def test_zero_checkpoints_allowed_on_data_parallel_layouts():
     for stage in (1, 2, 3):
         cfg = build_config({}, ["parallel.dp=2", f"parallel.zero_stage={stage}", "checkpoint.every=10"])
         assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage
+
+
+def test_cp_joins_the_world_size_and_an_older_rank_order():
+    cfg = build_config({}, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=2", 'parallel.cp_mode="ulysses"',
+                            'parallel.rank_order=["pp", "dp", "ep", "tp"]'])
+    assert cfg.parallel.world_size == 8
+    assert cfg.parallel.axis_sizes == {"pp": 1, "dp": 2, "ep": 1, "cp": 2, "tp": 2}
+    assert cfg.parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
+    assert build_config({}).parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
