@@ -333,12 +333,12 @@ class CostModel:
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: link_for(self.cluster, sizes, ORDER, axes) for name, axes in GROUP_AXES.items()}
 
     def groups(self, lay: Layout) -> dict[str, Geometry]:
         """How each of the layout's groups lies on the nodes (tp innermost)."""
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: group_geometry(sizes, ORDER, axes, self.cluster.devices_per_node)
                 for name, axes in GROUP_AXES.items()}
 

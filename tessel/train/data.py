@@ -331,10 +331,14 @@ def _write_stats(path: Path, doc: dict) -> None:
 
 
 class BatchSampler:
-    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s)."""
+    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s).
+
+    A rank reads rows `shard` of `num_shards` of it; under context parallelism only `columns` of each
+    row (its chunks of the same sequences: inputs and targets at the same positions)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 shard: int = 0, num_shards: int = 1, vocab_size: int | None = None):
+                 shard: int = 0, num_shards: int = 1, vocab_size: int | None = None,
+                 columns: list[int] | None = None):
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"the token source has {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
         if global_batch % num_shards:
@@ -342,6 +346,7 @@ class BatchSampler:
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.seed, self.shard, self.num_shards = seed, shard, num_shards
         self.vocab_size = vocab_size  # None: ids are not checked
+        self.columns = torch.tensor(columns, dtype=torch.long) if columns is not None else None
         self.step = 0
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +374,8 @@ class BatchSampler:
         x, y = self.global_batch_at(step)
         per = self.global_batch // self.num_shards
         sl = slice(self.shard * per, (self.shard + 1) * per)
+        if self.columns is not None:
+            return x[sl][:, self.columns], y[sl][:, self.columns]
         return x[sl], y[sl]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
