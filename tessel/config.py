@@ -514,6 +514,9 @@ def _check_context_parallel(cfg: Config) -> None:
                  f"family so far (not {kind!r})")
         _require(p.pp == 1, "parallel.cp", "context parallelism of a Hugging Face model under pp > 1 is not "
                  "built yet")
+    # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
+    _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
+             "stages by 'layers' or 'params'")
 
 
 def _check_ps(cfg: Config) -> None:

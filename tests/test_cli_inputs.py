@@ -232,6 +232,8 @@ BAD = [
       "runtime.nproc_per_node=1"], "runtime.nproc_per_node"),  # the world is cp*... = 2
     (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.cp=2", "--set",
       "parallel.pp=2"], "parallel.cp"),  # a Hugging Face model: cp without a pipeline so far
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.pp=2", "--set",
+      'parallel.pp_balance="time"'], "parallel.pp_balance"),  # times whole sequences through chunk attention
 ]
 
 
