@@ -3,9 +3,9 @@
 Ranks are laid out on a grid whose axes are named (pp, dp, ep, cp, tp). The
 default order puts tp innermost, so a tensor-parallel group is a run of
 contiguous ranks (one node), cp next to it (tessel.axes), and pp outermost, so
-pipeline stages cross nodes (Narayanan et al. 2021, "PTD-P"). Process groups are created once, for every
-single axis and for the axis combinations that the strategies need; nothing is
-kept in module globals.
+pipeline stages cross nodes (Narayanan et al. 2021, "PTD-P"). Process groups
+are created once, for every single axis and for the axis combinations that the
+strategies need; nothing is kept in module globals.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def make_mesh(sizes: dict[str, int], order: Sequence[str] = AXES, rank: int | No
     unknown = set(sizes) - set(AXES)
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; known: {AXES}")
-    mesh = Mesh(full, full_order(order), rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0),
-                device or torch.device("cpu"))
+    mesh = Mesh(full, tuple(order), rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0),
+                device or torch.device("cpu"))  # Mesh gives an order written before cp its place
     if dist.is_initialized() and mesh.world_size != dist.get_world_size():
         raise ValueError(f"mesh size {mesh.world_size} != world size {dist.get_world_size()}")
     if build and dist.is_initialized():
