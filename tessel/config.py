@@ -512,6 +512,8 @@ def _check_context_parallel(cfg: Config) -> None:
         kind = read_config(m.hf_config)["model_type"]
         _require(kind == "llama", "parallel.cp", f"context parallelism of Hugging Face models covers the llama "
                  f"family so far (not {kind!r})")
+        _require(not read_config(m.hf_config).get("attention_dropout"), "parallel.cp", "context parallelism "
+                 "computes attention without dropout; set the model's attention_dropout to 0")
         _require(p.pp == 1, "parallel.cp", "context parallelism of a Hugging Face model under pp > 1 is not "
                  "built yet")
     # 'time' runs whole sequences through the blocks before the split, where attention expects chunks

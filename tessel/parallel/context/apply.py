@@ -69,12 +69,13 @@ def context_parallel_hf(model: nn.Module, ctx: CPContext) -> None:
     model.set_attn_implementation(HF_ATTENTION)
 
     def with_positions(mod: nn.Module, args: tuple, kwargs: dict):
-        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if ctx.size > 1 and kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = ctx.positions(ids.size(1), ids.device).unsqueeze(0)  # (1, T)
         # no key/value cache: under full recompute a layer's second forward would append its keys to the
         # first's (transformers caches by default, in training too), and a rank's keys must be its chunks
-        return args, {**kwargs, HF_KWARG: ctx, "use_cache": False}
+        extra = {HF_KWARG: ctx, "use_cache": False}
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if ctx.size > 1 and kwargs.get("position_ids") is None:
+            extra["position_ids"] = ctx.positions(ids.size(1), ids.device).unsqueeze(0)  # (1, T)
+        return args, {**kwargs, **extra}
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
 
