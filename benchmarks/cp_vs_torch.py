@@ -7,7 +7,7 @@ strategy registered", torch 2.13). The script tries it first on the ranks' devic
 run, compares against the other common design instead: every rank all-gathers the keys and values of the
 whole sequence and attends its own queries to them under a causal mask of their positions, the gradients
 of keys and values reduce-scattered back (the all-gather context parallelism of Llama 3's training,
-Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2). Both sides are the same model, weights,
+Dubey et al. 2024, "The Llama 3 Herd of Models"). Both sides are the same model, weights,
 layout (cp2, this rank's head and tail chunks, rotary at its positions, gradients averaged over cp) and
 batches, through tessel.parallelize; only the attention core differs. One step is forward, backward and
 AdamW; steps of the two sides alternate so load on the machine hits both alike. Prints each side's first

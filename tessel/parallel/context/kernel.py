@@ -5,10 +5,10 @@ time and never holds the whole score matrix. Each block's result is an output
 O_b and the log-sum-exp of its scores L_b (per query row); blocks merge exactly
 by L = log(e^L_1 + e^L_2), O = O_1 e^(L_1 - L) + O_2 e^(L_2 - L) (Milakov and
 Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
-FlashAttention, section 3.1). Backward needs no per-block state: with the
+FlashAttention). Backward needs no per-block state: with the
 merged O and L, a block's softmax is exp(S_b - L), and its gradients are the
 FlashAttention backward of that block given the final O and L (Dao et al.
-2022, algorithm 4), so blocks are recomputed, never stored.
+2022, its backward pass), so blocks are recomputed, never stored.
 
 On CPU the block runs torch's fused flash kernel (no T x T scores in memory,
 the kernel scaled_dot_product_attention itself uses there); elsewhere the same

@@ -5,7 +5,7 @@ cutting the sequence into cp contiguous pieces would give the last rank cp
 times the work of the first. The sequence is cut into 2*cp equal chunks and
 rank r holds chunk r (from the head) and chunk 2cp-1-r (from the tail): every
 rank then does the same attention work (Brandon et al. 2023, "Striped
-Attention", section 3, call this imbalance out; the head-and-tail pairing is
+Attention", call this imbalance out; the head-and-tail pairing is
 the "zigzag" layout of ring-flash-attention and Megatron-Core's
 context parallelism). cp = 4, 8 chunks:
 

@@ -14,7 +14,7 @@ block it starts with. At ring step i it holds the block of rank s = r - i:
 
 So every step after the first costs exactly half a block on every rank: the
 causal triangle's work is the same on all of them (Brandon et al. 2023,
-"Striped Attention", section 3, on why this balance matters). Partial results
+"Striped Attention", on why this balance matters). Partial results
 merge by their log-sum-exp (tessel.parallel.context.kernel.merge).
 
 Backward passes the key/value blocks around again; the gradient of a block's

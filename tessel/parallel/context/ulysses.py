@@ -1,5 +1,5 @@
 """DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of
-Extreme Long Sequence Transformer Models", section 3): around attention, an all-to-all swaps the sequence
+Extreme Long Sequence Transformer Models"): around attention, an all-to-all swaps the sequence
 split for a head split, so each cp rank attends over the whole sequence with 1/cp of the heads; a second
 all-to-all swaps back.
 
