@@ -69,7 +69,7 @@ class AllGatherCore:
 
 def torch_cp_runs(mesh) -> str | None:
     """None when torch's context_parallel runs attention on this device; else what it says."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # deferred: only this probe uses DTensor's mesh
     from torch.distributed.tensor.experimental import context_parallel
     cp_mesh = init_device_mesh(mesh.device.type, (dist.get_world_size(),))
     q = torch.randn(1, 2, 8, 4, device=mesh.device)
