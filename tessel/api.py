@@ -110,6 +110,9 @@ def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
                                         "leave mb out")
         if "m" not in named and mesh.size("pp") > 1:
             given = replace(given, m=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
+    if mesh.size("cp") > 1:  # step() is handed whole rows; cp ranks would each need their chunks of them
+        raise ConfigError("layout", "cp > 1 trains through `tessel train` (its sampler hands each cp rank its "
+                                    "chunks); tessel.parallelize takes meshes without a cp axis so far")
     mesh_sizes, asked = {a: mesh.size(a) for a in AXES}, given.to_dict()
     for axis in AXES:
         if axis in named and asked[axis] != mesh_sizes[axis]:

@@ -4,7 +4,7 @@ The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls 
 public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
 config and calls it.
 
-TP/SP -> EP -> PP split -> recompute -> DP/ZeRO. Each step reads the mesh and
+TP/SP -> CP -> EP -> PP split -> recompute -> DP/ZeRO. Each step reads the mesh and
 the parallel config and leaves the model a plain module to the next one; the
 model file itself never imports tessel.parallel.
 """
@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
@@ -26,6 +27,8 @@ from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
+from tessel.parallel.context.apply import context_parallel, whole_sequences
+from tessel.parallel.context.context import CPContext
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.data.uneven import loss_weight
@@ -52,6 +55,7 @@ class Plan:
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
     gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
     parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
+    cp: CPContext | None = None  # context parallelism's attention: generation switches it to whole sequences
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -90,6 +94,14 @@ def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
     done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
     plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
+    return plan
+
+
+def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """cp > 1 (tessel.parallel.context): attention over the whole sequence from each rank's chunks, rotary at
+    each rank's own positions. Weights stay whole: their gradients are averaged over cp like dp's (TOKEN_AXES)."""
+    if mesh.size("cp") > 1:
+        plan.cp = context_parallel(plan.model, mesh, cfg.parallel.cp_mode, hf=cfg.model.hf_config is not None)
     return plan
 
 
@@ -155,12 +167,12 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         t = cfg.train
         plan.model, plan.optimizer = zero_parallel(
             plan.model, mesh, cfg.parallel.zero_stage, param_groups(plan.model.parameters(), t.weight_decay),
-            lr=t.lr, betas=(t.beta1, t.beta2), axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+            lr=t.lr, betas=(t.beta1, t.beta2), axes=TOKEN_AXES, bucket_mb=cfg.parallel.bucket_mb,
             **zero_dtypes(cfg.parallel))
         return plan
-    if mesh.size("dp", "ep") > 1:
+    if mesh.size(*TOKEN_AXES) > 1:
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
-        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+        plan.model = data_parallel(plan.model, mesh, axes=TOKEN_AXES, bucket_mb=cfg.parallel.bucket_mb,
                                    reducer=reducer)
     return plan
 
@@ -171,21 +183,26 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
         raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
+    plan = apply_context_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)
     plan = apply_pipeline(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
-        return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
-                               extra_metrics=plan.extra_metrics,
-                               param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
-                               parts=plan.parts)
-    plan = apply_data_parallel(plan, mesh, cfg)
-    chunks, weight = cfg.train.grad_accum * cfg.parallel.micro_batches, 1.0
-    if cfg.parallel.dp_shares is not None:  # heterogeneous devices: this dp rank's share (parallel/data/uneven.py)
-        shares, me = cfg.parallel.dp_shares, mesh.coord("dp")
-        chunks, weight = shares[me], loss_weight(shares, me)
-    return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
-                       full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
-                       optimizer=plan.optimizer, loss_weight=weight)
+        runner = pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
+                                 extra_metrics=plan.extra_metrics,
+                                 param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
+                                 parts=plan.parts)
+    else:
+        plan = apply_data_parallel(plan, mesh, cfg)
+        chunks, weight = cfg.train.grad_accum * cfg.parallel.micro_batches, 1.0
+        if cfg.parallel.dp_shares is not None:  # heterogeneous devices: this dp rank's share (parallel/data/uneven.py)
+            shares, me = cfg.parallel.dp_shares, mesh.coord("dp")
+            chunks, weight = shares[me], loss_weight(shares, me)
+        runner = LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
+                             full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
+                             max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
+                             optimizer=plan.optimizer, loss_weight=weight)
+    if plan.cp is not None:  # the trainer's samples continue whole prompts: every cp rank runs them whole
+        runner.generate = whole_sequences(plan.cp, runner.generate)
+    return runner

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tessel.axes import AXES, Axis
+from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_shape import FAMILIES as HF_FAMILIES, HFConfigError, family, model_shape, read_config
 
@@ -136,6 +136,10 @@ class ParallelConfig(Strict):
     tp_depth: int = Field(1, ge=1, description="2.5d: the grid's depth d (tp = q*q*d)")
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1, description="context parallelism: each sequence split in chunks over cp ranks")
+    cp_mode: Literal["ring", "ulysses"] = Field(
+        "ring", description="cp's attention: ring (keys and values passed around, Liu et al. 2023) or ulysses "
+                            "(all-to-all to a head split, Jacobs et al. 2023); see tessel.parallel.context")
     zero_stage: int = Field(0, ge=0, le=3)
     zero_param_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="ZeRO: dtype of the parameters the model computes with and all-gathers "
@@ -175,16 +179,18 @@ class ParallelConfig(Strict):
         """recompute = true/false keep their meaning (full, none) next to the named modes."""
         if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
             data = {**data, "recompute": "full" if data["recompute"] else "none"}
+        if isinstance(data, dict) and isinstance(data.get("rank_order"), list):
+            data = {**data, "rank_order": list(full_order(data["rank_order"]))}  # cp joins an older order
         return data
 
     @property
     def world_size(self) -> int:
         servers = self.ps_servers if self.dp_arch == "ps" else 0  # ranks dp .. dp+ps_servers-1
-        return self.pp * self.dp * self.ep * self.tp + servers
+        return self.pp * self.dp * self.ep * self.cp * self.tp + servers
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     @property
     def batch_shards(self) -> int:
@@ -333,7 +339,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if world_size is not None:
         _require(p.world_size == world_size, "parallel",
-                 f"pp*dp*ep*tp (+ ps_servers) = {p.world_size} but the world size is {world_size}")
+                 f"pp*dp*ep*cp*tp (+ ps_servers) = {p.world_size} but the world size is {world_size}")
     _check_ps(cfg)
     _require(sorted(p.rank_order) == sorted(AXES), "parallel.rank_order",
              f"must be a permutation of {list(AXES)}")
@@ -343,6 +349,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  f"model.n_kv_head ({m.kv_heads}) is not divisible by tp ({p.tp})")
         _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
     _check_tp_grid(cfg)
+    _check_context_parallel(cfg)
     stages = p.pp * p.virtual_stages
     _require(m.n_layer >= stages, "parallel.pp",
              f"model.n_layer ({m.n_layer}) is fewer than the pipeline stages (pp*virtual_stages = {stages})")
@@ -411,7 +418,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
-                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp (+ ps_servers) "
+                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*cp*tp (+ ps_servers) "
                  f"= {p.world_size}")
 
 
@@ -594,8 +601,46 @@ def _check_uneven(cfg: Config) -> None:
         field = "parallel.dp_shares" if p.dp_shares is not None else "parallel.dp_split"
         _require(p.pp == 1 and p.ep == 1 and cfg.model.n_experts == 0, field,
                  "an uneven dp split needs pp = 1 and no experts (their collectives run per micro-batch)")
+        _require(p.cp == 1, field, "an uneven dp split is not built with context parallelism (cp = 1)")
         _require(p.zero_stage <= 1 and p.dp_arch == "allreduce", field,
                  "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """parallel.cp (tessel.parallel.context): every cp rank holds chunks r and 2cp-1-r of the same sequences (the
+    causal triangle balanced), so the sequence splits in 2*cp chunks, and under sequence parallelism each rank's
+    chunks split again over tp; Ulysses trades the sequence split for a head split, so each tp rank's heads and
+    kv heads split over cp. What is not built or tested yet is refused by name."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    _require(t.seq_len % (2 * p.cp) == 0, "train.seq_len", f"({t.seq_len}) must be divisible by 2*cp = {2 * p.cp} "
+             "(each cp rank holds a head and a tail chunk of every sequence)")
+    if p.sequence_parallel:
+        _require(t.seq_len % (p.cp * p.tp) == 0, "train.seq_len", f"({t.seq_len}) must be divisible by cp*tp = "
+                 f"{p.cp * p.tp} under sequence parallelism (each cp rank's chunks split over tp)")
+    if p.cp_mode == "ulysses":
+        heads, kv = m.n_head // p.tp, m.kv_heads // p.tp  # each tp rank's (1d, checked above)
+        _require(heads % p.cp == 0, "parallel.cp", f"ulysses splits each tp rank's {heads} heads over cp ({p.cp}): "
+                 "not divisible")
+        _require(kv % p.cp == 0, "parallel.cp", f"ulysses splits each tp rank's {kv} kv heads over cp ({p.cp}): "
+                 "not divisible")
+    _require(m.n_experts == 0, "parallel.cp", "context parallelism of MoE models is not built yet (routing "
+             "statistics and capacity are per sequence shard)")
+    _require(p.tp_mode == "1d", "parallel.cp", f"context parallelism composes with 1d tensor parallelism so far "
+             f"(not tp_mode '{p.tp_mode}')")
+    _require(p.dp_arch == "allreduce", "parallel.cp", "context parallelism is not supported with a parameter server")
+    if m.hf_config is not None:
+        kind = read_config(m.hf_config)["model_type"]
+        _require(kind == "llama", "parallel.cp", f"context parallelism of Hugging Face models covers the llama "
+                 f"family so far (not {kind!r})")
+        _require(not read_config(m.hf_config).get("attention_dropout"), "parallel.cp", "context parallelism "
+                 "computes attention without dropout; set the model's attention_dropout to 0")
+        _require(p.pp == 1, "parallel.cp", "context parallelism of a Hugging Face model under pp > 1 is not "
+                 "built yet")
+    # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
+    _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
+             "stages by 'layers' or 'params'")
 
 
 def _check_ps(cfg: Config) -> None:

@@ -292,6 +292,25 @@ BAD = [
      "fault.slow_policy"),
     (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="rebalance"', "--set", "parallel.pp=2",
       "--set", "parallel.dp=1", "--set", "parallel.zero_stage=1"], "fault.slow_policy"),  # no checkpoint to go on from
+    # train: context parallelism (tessel.config._check_context_parallel)
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=0"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.cp_mode="star"'], "parallel.cp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=3"], "train.seq_len"),  # 16 tokens, 6 chunks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.tp=4", "--set",
+      "parallel.sequence_parallel=true", "--set", "train.seq_len=20"], "train.seq_len"),  # 10 a cp rank, tp4
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=8", "--set", 'parallel.cp_mode="ulysses"'],
+     "parallel.cp"),  # 4 heads over 8 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=4", "--set", 'parallel.cp_mode="ulysses"', "--set",
+      "model.n_kv_head=2"], "parallel.cp"),  # 2 kv heads over 4 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "model.n_experts=2"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", 'parallel.tp_mode="2d"', "--set",
+      "parallel.tp=4"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.dp=1", "--set",
+      "runtime.nproc_per_node=1"], "runtime.nproc_per_node"),  # the world is cp*... = 2
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.cp=2", "--set",
+      "parallel.pp=2"], "parallel.cp"),  # a Hugging Face model: cp without a pipeline so far
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.pp=2", "--set",
+      'parallel.pp_balance="time"'], "parallel.pp_balance"),  # times whole sequences through chunk attention
 ]
 
 

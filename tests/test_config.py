@@ -1,5 +1,6 @@
 """Bad recipes are rejected before any process exists: exit 2, the field named, no traceback."""
 
+import json
 import subprocess
 import sys
 
@@ -100,3 +101,26 @@ def test_zero_checkpoints_allowed_on_data_parallel_layouts():
     for stage in (1, 2, 3):
         cfg = build_config({}, ["parallel.dp=2", f"parallel.zero_stage={stage}", "checkpoint.every=10"])
         assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage
+
+
+def test_cp_joins_the_world_size_and_an_older_rank_order():
+    cfg = build_config({}, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=2", 'parallel.cp_mode="ulysses"',
+                            'parallel.rank_order=["pp", "dp", "ep", "tp"]'])
+    assert cfg.parallel.world_size == 8
+    assert cfg.parallel.axis_sizes == {"pp": 1, "dp": 2, "ep": 1, "cp": 2, "tp": 2}
+    assert cfg.parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
+    assert build_config({}).parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
+
+
+def test_cp_refuses_what_it_does_not_cover_for_hugging_face_models(tmp_path):
+    llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    cases = {"gpt2": ({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                       "n_positions": 64}, "llama family"),
+             "dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout")}
+    for name, (doc, why) in cases.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=why) as err:
+            build_config({"data": {"source": "synthetic"}},
+                         [f'model.hf_config="{tmp_path / name}.json"', "parallel.cp=2", "train.seq_len=32"])
+        assert err.value.field == "parallel.cp"

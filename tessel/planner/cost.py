@@ -20,7 +20,10 @@ Links are shared: every collective and message also holds its device's NVLink
 or NIC for a while, and a step is never shorter than its busiest link's total
 (nor than its compute), however much of that traffic overlaps compute.
 
-Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
+Context parallelism (cp) divides every rank's tokens by cp and adds its ring
+or Ulysses traffic per block (tessel.planner.context).
+
+Placement: ranks are ordered pp > dp > ep > cp > tp (tp innermost), as tessel.mesh
 lays them out; a group's geometry (members per node, nodes) says which links
 it uses (tessel.planner.cluster.group_geometry).
 """
@@ -36,6 +39,8 @@ from tessel.axes import AXES
 from tessel.planner.cluster import Cluster, Geometry, Link, group_geometry, link_for
 from tessel.planner import grid_cost
 from tessel.planner.compute import Shape, block_seconds, edge_seconds
+from tessel.planner.context import (cp_block_calls, local_tokens, mlp_half_bytes, ring_backward_bytes,
+                                    ring_exposed, ring_kv_saving)
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, layer_activation_bytes,
                                    recompute_layer_bytes, unfused_attention_bytes, zero_state_bytes)
@@ -354,18 +359,18 @@ class CostModel:
                      sp_tokens=tokens // lay.tp if lay.sp else tokens, act=act,
                      resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
-                     experts=local_experts,
+                     experts=local_experts, cp=lay.cp,
                      expert_rows=max(1, round(tokens * lay.ep * c.moe_top_k / c.n_experts)) if moe else 0,
                      router=c.n_experts if moe else 0)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: link_for(self.cluster, sizes, ORDER, axes) for name, axes in GROUP_AXES.items()}
 
     def groups(self, lay: Layout) -> dict[str, Geometry]:
         """How each of the layout's groups lies on the nodes (tp innermost)."""
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: group_geometry(sizes, ORDER, axes, self.cluster.devices_per_node)
                 for name, axes in GROUP_AXES.items()}
 
@@ -491,7 +496,56 @@ class CostModel:
     def _p2p_bytes(self, lay: Layout) -> float:
         """One pipeline message: a micro-batch's activation (sequence-sharded under SP)."""
         split = lay.sp or lay.tp_mode != "1d"  # a grid splits the activation over all of its ranks
-        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1)
+        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1) / lay.cp
+
+    # -- context parallelism (tessel.planner.context) ------------------------------------
+    def _widths(self, lay: Layout) -> tuple[int, int]:
+        """Query and key/value widths (heads x head_dim) on one tp rank."""
+        c = self.spec.cfg
+        return c.n_head // lay.tp * self.spec.head_dim, max(1, c.kv_heads // lay.tp) * self.spec.head_dim
+
+    def _cp_calls(self, lay: Layout, tokens: int) -> tuple[list[Call], list[Call]]:
+        """One block's cp calls for `tokens` local tokens; full recompute repeats the forward's in backward."""
+        q, kv = self._widths(lay)
+        f, b = cp_block_calls(lay.cp_mode, lay.cp, tokens, q, kv, self.act_bytes)
+        return f, (b + f if lay.recompute == "full" else b)
+
+    def _chunk_cp(self, layers: list[int], lay: Layout, tokens: int,
+                  geo: Geometry) -> tuple[float, float, float, Cost]:
+        """(forward, backward) exposed seconds, bytes sent and links of one chunk's cp calls for a micro-batch.
+        The ring's hops hide behind the blocks of the attention core (forward's once, backward's twice its work)."""
+        f, b = self._cp_calls(lay, tokens)
+        fc, bc = self.price_group(f, geo), self.price_group(b, geo)
+        n = len(layers)
+        if lay.cp_mode == "ring":
+            core = self._core_seconds(lay, tokens)
+            # cp - 1 steps pass blocks while one computes; backward's last hop (the gradient home) waits
+            fwd = ring_exposed(fc.seconds, lay.cp - 1, core, lay.cp) * n
+            bwd = ring_exposed(bc.seconds, lay.cp - 1, 2 * core, lay.cp) * n
+        else:
+            fwd, bwd = fc.seconds * n, bc.seconds * n
+        return fwd, bwd, sent_bytes(f + b, 2 if lay.cp_mode == "ring" else lay.cp) * n, (fc + bc).times(n)
+
+    def _core_seconds(self, lay: Layout, tokens: int) -> float:
+        """Forward seconds of one block's attention core on `tokens` local tokens."""
+        if self.roofline:
+            return self._block(self._shape(lay, tokens, False))[2]
+        return self.attention_core_flops(tokens) / self.flops_per_s(tokens, lay.tp)
+
+    def _ring_saving(self, lay: Layout, tokens: int) -> float:
+        if lay.cp == 1 or lay.cp_mode != "ring":
+            return 0.0
+        q, kv = self._widths(lay)
+        return ring_kv_saving(tokens, q, kv, 2 if self.precision == "bf16" else 4)
+
+    def _ring_buffers(self, lay: Layout, tokens: int) -> float:
+        """What the ring's backward adds to a block's: its buffers, less the MLP half's saved bytes already freed."""
+        if lay.cp == 1 or lay.cp_mode != "ring":
+            return 0.0
+        q, kv = self._widths(lay)
+        c = self.spec.cfg
+        freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, lay.tp, lay.sp, self.precision)
+        return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if self.precision == "bf16" else 4) - freed)
 
     # -- memory ----------------------------------------------------------------------
     def _param_bytes(self, lay: Layout) -> int:
@@ -523,22 +577,22 @@ class CostModel:
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
         """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):
-        dense parameters sharded over dp x ep, experts over dp."""
+        dense parameters sharded over dp x ep (x cp), experts over dp (x cp)."""
         pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
         whole = lay.pp > 1  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
-        d = zero_state_bytes(dense, lay.zero, lay.dp * lay.ep, pb, rb, whole)
-        e = zero_state_bytes(expert, lay.zero, lay.dp, pb, rb, whole)
+        d = zero_state_bytes(dense, lay.zero, lay.token_shards, pb, rb, whole)
+        e = zero_state_bytes(expert, lay.zero, lay.dp * lay.cp, pb, rb, whole)
         return {k: d[k] + e[k] for k in d}
 
     def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
         dense, expert = self._stage_params(chunks, lay, all_chunks)
         mem = self.state_memory(dense, expert, lay)
         grid = grid_cost.layout_grid(lay)
-        if grid is not None:  # dense blocks only: every one keeps the same
+        if grid is not None:  # dense blocks only: every one keeps the same (cp > 1 is refused with a grid)
             per_layer = [grid_cost.layer_activation_bytes(self.spec, tokens, grid, self.precision)]
         else:
             per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
-                         for k in chunks for i in all_chunks[k]] or [0.0]
+                         - self._ring_saving(lay, tokens) for k in chunks for i in all_chunks[k]] or [0.0]
         one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
         fused = self.cluster.fused_attention
         if not fused:  # the T x T probabilities of every head
@@ -555,10 +609,11 @@ class CostModel:
             kept = in_flight * layers_per_chunk * (one_layer - core) + core  # one core rebuilt at a time
         else:
             kept = in_flight * layers_per_chunk * one_layer
-        # backward of a block materialises gradients about as large as what it saved
-        workspace = biggest
+        # backward of a block materialises gradients about as large as what it saved (the ring its blocks too);
+        # the head's backward comes first, when no block's has begun: the peak is the larger of the two
+        workspace = biggest + self._ring_buffers(lay, tokens)
         if len(all_chunks) - 1 in chunks:
-            workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
+            workspace = max(workspace, head_activation_bytes(self.spec, tokens, lay.tp, self.precision))
         mem["activations"] = kept + workspace
         mem["weight_copies"] = self._weight_copies(lay, chunks, all_chunks, in_flight)
         transient = 0.0
@@ -599,7 +654,7 @@ class CostModel:
         fp32 parameters before sharding (one bucket at most holds them all).
         """
         w = self.cluster.workspace()
-        if not w or lay.dp * lay.ep == 1:
+        if not w or lay.token_shards == 1:
             return 0.0
         bucket = min(self.bucket_bytes, param_bytes)
         if lay.zero in (1, 2):
@@ -613,15 +668,15 @@ class CostModel:
     # -- the whole step ----------------------------------------------------------------
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
-        tokens = lay.mb * spec.seq_len
+        tokens = local_tokens(lay.mb * spec.seq_len, lay.cp)  # one rank's share of a micro-batch
         geo = self.groups(lay)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         last_chunk = len(all_chunks) - 1
         p2p_bytes = self._p2p_bytes(lay)
         p2p = self.cost("p2p", p2p_bytes, geo["pp"]) if lay.pp > 1 else NONE
         chunk_times, stage_busy, mems = [], [], {}
-        comm_sent = {"tp": 0.0, "ep": 0.0}
-        t_tp_ep = t_rc = 0.0
+        comm_sent = {"tp": 0.0, "ep": 0.0, "cp": 0.0}
+        t_tp_ep = t_rc = t_cp = 0.0
         busy = NONE  # the links one device's collectives hold over the step (the busiest stage's)
         for s in range(lay.pp):
             chunks = [s + j * lay.pp for j in range(lay.v)]
@@ -629,13 +684,19 @@ class CostModel:
             for k in chunks:
                 f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens, first=k == 0)
                 cf, cb, sent, links = self._chunk_comm_links(all_chunks[k], lay, tokens, k == 0, k == last_chunk)
+                pf = pb = 0.0
+                if lay.cp > 1:  # the ring's hops (or Ulysses' all-to-alls) of each block
+                    pf, pb, cp_sent, cp_links = self._chunk_cp(all_chunks[k], lay, tokens, geo["cp"])
+                    links, sent = links + cp_links, {**sent, "cp": cp_sent}
+                cf, cb = cf + pf, cb + pb
                 row.append((f + cf, b + rc + cb))
                 held = held + links.times(lay.chunks)
                 if s == 0:
-                    t_tp_ep += (cf + cb) * lay.chunks
+                    t_tp_ep += (cf + cb - pf - pb) * lay.chunks
+                    t_cp += (pf + pb) * lay.chunks
                     t_rc += rc * lay.chunks
                     for key in comm_sent:
-                        comm_sent[key] += sent[key] * lay.chunks
+                        comm_sent[key] += sent.get(key, 0.0) * lay.chunks
             if lay.pp > 1:
                 held = held + p2p.times(sum(c.count for c in pp_calls(p2p_bytes, chunks, len(all_chunks),
                                                                         lay.chunks)))
@@ -662,8 +723,8 @@ class CostModel:
         model_flops = self.model_flops_tok * global_tokens / t_step / lay.world
         hw_flops = (self.model_flops_tok + self._recompute_flops_per_token(lay)) * global_tokens / t_step / lay.world
         peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
-        time = {"compute": busy_compute - t_tp_ep - t_rc,
-                "recompute": t_rc, "tp+ep comm": t_tp_ep,
+        time = {"compute": busy_compute - t_tp_ep - t_rc - t_cp,
+                "recompute": t_rc, "tp+ep comm": t_tp_ep, "cp comm": t_cp,
                 "pp comm": 2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga if lay.pp > 1 else 0.0,
                 "bubble": lay.ga * (t_pipe - compute_busy) - (2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga
                                                              if lay.pp > 1 else 0.0),
@@ -674,7 +735,7 @@ class CostModel:
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
                         comm_sent, bubble, fits, chunk_times, p2p.seconds, dp_total, mems,
-                        {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep")
+                        {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep", "cp")
                          if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path,
                         t_pipe, link_bound, "formula", *dp_split)
 
@@ -701,7 +762,7 @@ class CostModel:
         What hides behind compute still holds the links: the step's link bound
         (estimate) sees all of it.
         """
-        n = lay.dp * lay.ep
+        n = lay.token_shards
         if n == 1:
             return 0.0, 0.0, 0.0, NONE, (0.0, 0.0, 0.0)
         g = geo["dp"]
@@ -732,7 +793,7 @@ class CostModel:
     def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         c = self.spec.cfg
         tied = 4 * c.vocab_size * c.d_model / lay.tp if c.tie_embeddings and lay.pp > 1 else 0.0
-        return bookkeeping_calls(lay.tp, lay.pp, lay.dp * lay.ep, lay.zero, stage, tied)
+        return bookkeeping_calls(lay.tp, lay.pp, lay.token_shards, lay.zero, stage, tied)
 
     def _bookkeeping_time(self, lay: Layout, geo) -> tuple[float, Cost]:
         """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
@@ -750,7 +811,7 @@ class CostModel:
         lists the estimate prices, whole (tests/planner/test_traffic_matches_runtime.py compares
         them with a real step's)."""
         c = self.spec.cfg
-        tokens = lay.mb * self.spec.seq_len
+        tokens = local_tokens(lay.mb * self.spec.seq_len, lay.cp)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         mine = [stage + j * lay.pp for j in range(lay.v)]
         out: dict[str, list[Call]] = collections.defaultdict(list)
@@ -770,13 +831,16 @@ class CostModel:
             if n_moe and lay.ep > 1:
                 f, b = self._ep_calls(n_moe, tokens, full)
                 out["ep"] += times(f + b, lay.chunks)
+            if lay.cp > 1:
+                f, b = self._cp_calls(lay, tokens)
+                out["cp"] += times(f + b, lay.chunks * len(layers))
         if lay.pp > 1:
             out["pp"] += pp_calls(self._p2p_bytes(lay), mine, len(all_chunks), lay.chunks)
-        if lay.dp * lay.ep > 1:
+        if lay.token_shards > 1:
             dense, expert = self._stage_params(mine, lay, all_chunks)
             per_mb, per_step = self._dp_calls(lay, 4 * (dense + expert), mine, all_chunks)
             out["dp"] += times(per_mb, lay.chunks) + per_step
-        for calls in (self._bookkeeping(lay, stage), trainer_calls(lay.world, lay.dp * lay.ep)):
+        for calls in (self._bookkeeping(lay, stage), trainer_calls(lay.world, lay.token_shards)):
             for group, more in calls.items():
                 out[group] += more
         return {group: merged(calls) for group, calls in out.items() if calls}
@@ -808,4 +872,6 @@ class CostModel:
         return n_params * per_param / self.cluster.mem_bandwidth
 
 
-GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "ep": ("ep",), "dp": ("dp", "ep"), "dp_expert": ("dp",)}
+# dp: the gradients' group, every axis that sees different tokens (tessel.axes.TOKEN_AXES)
+GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "ep": ("ep",), "dp": ("dp", "ep", "cp"), "dp_expert": ("dp", "cp"),
+              "cp": ("cp",)}

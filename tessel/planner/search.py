@@ -16,6 +16,10 @@ from tessel.planner.layout import Layout
 from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# context parallelism splits sequences from this length on (a bound on the search, as MICRO_BATCHES is):
+# below it a micro-batch's activations fit beside tp, pp and recompute on any preset, and cp only adds
+# traffic; `--fix cp=N` prices it at any length
+CP_MIN_SEQ = 8192
 RECOMPUTE = ("none", "selective", "full")
 # the closed form of a flush is exact for even stages; uneven ones (a remainder of layers, the LM
 # head) can be off by 10-20% (tests/planner/test_pipeline_pricing.py), so the pipelined layouts
@@ -43,7 +47,8 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
     tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
     grids = cm.cluster.source == "preset" or (fixed or {}).get("tp_mode", "1d") != "1d"
-    every = _all_layouts(cm, world, global_batch, tp_cap) + (grid_layouts(cm, world, global_batch) if grids else [])
+    every = _all_layouts(cm, world, global_batch, tp_cap, (fixed or {}).get("cp"))
+    every += grid_layouts(cm, world, global_batch) if grids else []  # cp = 1: cp with a grid is refused
     if allow is not None:
         every = [lay for lay in every if allow(lay)]
     if not fixed:
@@ -53,13 +58,25 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
-def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None) -> list[Layout]:
+def cp_degrees(cm: CostModel, world: int, tp: int, fixed: int | None = None) -> list[int]:
+    """Context-parallel degrees tessel.config accepts beside `tp` (the sequence in 2*cp chunks, dense models),
+    inside a node with tp; cp > 1 only for long sequences (CP_MIN_SEQ) unless `fixed`."""
+    c, seq = cm.spec.cfg, cm.spec.seq_len
+    if fixed is not None:
+        return [fixed] if world % (tp * fixed) == 0 and seq % (2 * fixed) == 0 else []
+    if seq < CP_MIN_SEQ or c.n_experts:
+        return [1]
+    return [k for k in divisors(world // tp) if k == 1 or (k * tp <= cm.cluster.devices_per_node and seq % (2 * k) == 0)]
+
+
+def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None,
+                 fixed_cp: int | None = None) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
     tps = [t for t in tp_degrees(c, world) if t <= (tp_cap or cm.cluster.devices_per_node)]
-    for tp in tps:
-        for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
-            rest = world // (tp * pp)
+    for tp, cp in ((t, k) for t in tps for k in cp_degrees(cm, world, t, fixed_cp)):
+        for pp in (p for p in divisors(world // (tp * cp)) if p <= c.n_layer):
+            rest = world // (tp * cp * pp)
             eps = [e for e in divisors(rest) if c.n_experts % e == 0] if c.n_experts else [1]
             for ep in eps:
                 dp = rest // ep
@@ -67,9 +84,17 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | Non
                     continue
                 per_shard = global_batch // (dp * ep)
                 for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
-                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb)
-                    out += _variants(base, per_shard // mb, c.n_layer, seq)
+                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb, cp=cp)
+                    out += [replace(v, cp_mode=mode) for v in _variants(base, per_shard // mb, c.n_layer, seq)
+                            for mode in _cp_modes(c, tp, cp)]
     return out
+
+
+def _cp_modes(cfg, tp: int, cp: int) -> tuple[str, ...]:
+    """ring always; Ulysses where each tp rank's heads and kv heads split over cp."""
+    if cp == 1:
+        return ("ring",)
+    return ("ring", "ulysses") if (cfg.n_head // tp) % cp == 0 and (cfg.kv_heads // tp) % cp == 0 else ("ring",)
 
 
 def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]:
@@ -79,8 +104,8 @@ def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]
         pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe")]
         pipes += [replace(base, m=chunks, schedule="interleaved", v=v) for v in (2, 4)
                   if base.pp * v <= n_layer and chunks % base.pp == 0]
-    zeros = (0, 1, 2, 3) if base.batch_shards > 1 else (0,)
-    sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
+    zeros = (0, 1, 2, 3) if base.token_shards > 1 else (0,)
+    sps = (False, True) if base.tp > 1 and seq % (base.tp * base.cp) == 0 else (False,)
     return [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
             for rc in RECOMPUTE]
 

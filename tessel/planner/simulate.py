@@ -228,7 +228,7 @@ def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None,
     links = cm.links(lay)
     cls = {k: ("inter" if v == cm.cluster.inter else "intra") for k, v in links.items()}
     split = lay.sp or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
-    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1)
+    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1) / lay.cp
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
     args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, links["pp"], cls["pp"])
     # earlier accumulation steps are identical flushes without gradient traffic (ZeRO<2):
@@ -287,7 +287,7 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     SHARP, NCCL's ring or tree), as bytes at the link's bandwidth, so what
     the simulator adds is the queueing of these transfers on shared links.
     """
-    n = lay.dp * lay.ep
+    n = lay.token_shards
     if n == 1:
         return
     whole_step = lay.zero >= 2 and lay.pp > 1

@@ -332,11 +332,14 @@ def _write_stats(path: Path, doc: dict) -> None:
 
 
 class BatchSampler:
-    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s)."""
+    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s).
+
+    A rank reads rows `shard` of `num_shards` of it; under context parallelism only `columns` of each
+    row (its chunks of the same sequences: inputs and targets at the same positions)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
                  shard: int = 0, num_shards: int = 1, vocab_size: int | None = None,
-                 shares: list[int] | None = None):
+                 shares: list[int] | None = None, columns: list[int] | None = None):
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"the token source has {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
         if global_batch % num_shards:
@@ -347,6 +350,8 @@ class BatchSampler:
         # an uneven dp split: shard i reads shares[i] micro-batches' rows (tessel.parallel.data.uneven)
         per = global_batch // num_shards
         self.rows = rows(shares, shard, global_batch) if shares else slice(shard * per, (shard + 1) * per)
+        # context parallelism: this rank's chunks of every sample (tessel.parallel.context.layout)
+        self.columns = torch.tensor(columns, dtype=torch.long) if columns is not None else None
         self.step = 0
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,7 +377,10 @@ class BatchSampler:
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.global_batch_at(step)
-        return x[self.rows], y[self.rows]
+        x, y = x[self.rows], y[self.rows]
+        if self.columns is not None:
+            return x[:, self.columns], y[:, self.columns]
+        return x, y
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.batch_at(self.step)

@@ -135,9 +135,10 @@ class Trainer:
         t, vocab = self.cfg.train, self.cfg.model.vocab_size
         tokens = load_tokens(self.cfg.data, vocab, seed=t.seed)
         train, val = self.cohort.shards()
+        columns = self.cohort.sequence_columns(t.seq_len)
         return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab,
-                             shares=self.cfg.parallel.dp_shares),
-                BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab))
+                             shares=self.cfg.parallel.dp_shares, columns=columns),
+                BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab, columns=columns))
 
     def _build_state(self, run_id: str | None, sampler: BatchSampler) -> TrainState:
         """The optimizer (the runner's own, or AdamW over its parameters), the schedule, the data

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.parts import GPT_PARTS, ModelParts
@@ -62,7 +63,7 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups);
     parts: where the tied embedding and head live."""
     p, t = cfg.parallel, cfg.train
-    reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
+    reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size(*TOKEN_AXES) > 1 else None
     zero = optimizer = None
     placement = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
@@ -70,11 +71,11 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
             if placement.is_last(c):  # the first stage's copy is the one the norm counts
                 mark_replica(chunk.get_parameter(parts.tied[1]))
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (tessel.parallel.zero.pipeline)
-        zero = pipeline_zero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+        zero = pipeline_zero3(chunks, mesh, axes=TOKEN_AXES, bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                        axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+                                        axes=TOKEN_AXES, bucket_mb=p.bucket_mb)
     tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,

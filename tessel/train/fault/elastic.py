@@ -1,7 +1,7 @@
 """Re-planning the layout when the world size changes (torchrun --nnodes MIN:MAX, or a smaller restart).
 
-The rule is the simplest correct one: keep tp, pp and ep (they fix how the
-model is cut, and a checkpoint loads into any cut anyway) and give the
+The rule is the simplest correct one: keep tp, pp, ep and cp (they fix how the
+model and its sequences are cut, and a checkpoint loads into any cut anyway) and give the
 remaining factor to dp. The global batch is kept: gradient accumulation takes
 up the difference, so each rank's micro-batch stays as it was where it can.
 Because the BatchSampler's batch for a step depends on the step alone, the
@@ -31,9 +31,10 @@ def replan(cfg: Config, world_size: int) -> Config:
     p, t = cfg.parallel, cfg.train
     if p.world_size == world_size:
         return cfg
-    fixed = p.pp * p.tp * p.ep
+    fixed = p.pp * p.tp * p.ep * p.cp
     if world_size % fixed:
-        raise ConfigError("parallel", f"cannot re-plan for {world_size} ranks: pp*tp*ep = {fixed} does not divide it")
+        raise ConfigError("parallel", f"cannot re-plan for {world_size} ranks: pp*tp*ep*cp = {fixed} does not "
+                                      "divide it")
     dp = world_size // fixed
     # sequences per micro-batch on one rank, before the change
     micro = t.global_batch // (p.dp * p.ep * t.grad_accum * p.micro_batches)
