@@ -267,10 +267,6 @@ class ParallelJob:
 
     def _check_checkpointable(self) -> None:
         """The layouts whose checkpoints tessel cannot write yet (tessel.config refuses them for recipes)."""
-        p = self.config.parallel
-        if p.zero_stage > 0 and (p.pp > 1 or p.ep > 1):
-            raise ValueError("checkpoints with ZeRO support data- and tensor-parallel layouts only (ep = pp = 1); "
-                             "full_state_dict() gives the weights whole")
         packed = [name for name, t in self.runner.named_checkpoint_tensors().items() if packed_dims(t)]
         if packed:
             raise ValueError(f"checkpoints of a fused projection split per head over tp ({packed[0]}) are not "

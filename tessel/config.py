@@ -308,9 +308,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     # a Hugging Face model's own check names its model type (_check_hf_expert_parallel)
     _require(p.ep == 1 or m.n_experts > 0 or m.hf_config is not None, "parallel.ep",
              "ep > 1 needs an MoE model (model.n_experts > 0)")
-    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
-             or (p.ep == 1 and p.pp == 1), "checkpoint.every",
-             "checkpoints with parallel.zero_stage > 0 support data- and tensor-parallel layouts only (ep = pp = 1)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")

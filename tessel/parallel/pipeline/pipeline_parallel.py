@@ -74,7 +74,7 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
         optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                        axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+                                        axes=("dp", "ep"), bucket_mb=p.bucket_mb, chunks=True)
     tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,

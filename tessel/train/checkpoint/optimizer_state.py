@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tessel.parallel.runner import CheckpointableOptimizer
@@ -49,8 +50,12 @@ class PerParameterState:
         self.optimizer = optimizer
 
     def tensors(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # under every name of a tied weight: a pipeline's last stage holds the head as a copy of its own,
+        # whose state it reads by the head's name (tessel.parallel.pipeline.grad_sync.TiedEmbedding)
         out = {}
-        for name, p in unique_params(named).items():
+        for name, p in named.items():
+            if not isinstance(p, nn.Parameter):
+                continue
             for key, value in self.optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
                     raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
