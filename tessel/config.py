@@ -385,12 +385,6 @@ def _check_hf_tensor_parallel(cfg: Config) -> None:
     _require(family(cfg.model.hf_config) is not None, "parallel.tp",
              f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
              "this architecture trains under dp, ZeRO and recompute")
-    # GPT-2's fused q|k|v projection is split per head (tessel.sharding.mark_packed): not a plain shard
-    # the checkpoint's logical tensors can describe, so a save would fail mid-run
-    c = cfg.checkpoint
-    _require(family(cfg.model.hf_config) != "gpt2" or (c.every == 0 and c.resume is None), "checkpoint.every",
-             "checkpoints of GPT-2 models under tp > 1 are not supported yet (their fused q|k|v projection is "
-             "split per head); use tp = 1 or checkpoint.every = 0")
 
 
 def _check_hf_pipeline(cfg: Config) -> None:

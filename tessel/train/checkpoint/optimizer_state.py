@@ -17,10 +17,10 @@ from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from tessel.parallel.runner import CheckpointableOptimizer
-from tessel.train.checkpoint.logical import OPTIM_PREFIX, LogicalView, check_shapes, copy_local_, unique_params
+from tessel.train.checkpoint.logical import (OPTIM_PREFIX, LogicalView, check_shapes, copy_local_, is_distributed,
+                                             unique_params)
 
 PutBack = tuple[str, Callable[[torch.Tensor], None]]  # (fqn, what to do with the loaded tensor)
 
@@ -81,7 +81,7 @@ class PerParameterState:
         return targets, put_back
 
     def _set(self, p: torch.Tensor, key: str, loaded: torch.Tensor) -> None:
-        local = torch.zeros_like(p, dtype=loaded.dtype) if isinstance(loaded, DTensor) else None
+        local = torch.zeros_like(p, dtype=loaded.dtype) if is_distributed(loaded) else None
         if local is not None:
             copy_local_(local, loaded)
         self.optimizer.state[p][key] = local if local is not None else loaded.clone()
