@@ -19,7 +19,7 @@ import torch.nn as nn
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, decoder_layers, pipeline_parts
+from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family, read_config
 from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
@@ -32,9 +32,10 @@ from tessel.parallel.expert.balance import balance_over_batch, global_balance
 from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
+from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
-from tessel.parallel.tensor.regions import refuse_own_loss
+from tessel.parallel.tensor.regions import refuse_own_loss, sequence_parallel_stage
 from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
 from tessel.parallel.tensor_nd.apply import apply_grid_mode
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
@@ -125,10 +126,24 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             plan.parts = pipeline_parts(plan.model, FAMILIES.get(family(cfg.model.hf_config) or ""))
         plan.model = pipeline_chunks(plan.model, mesh, cfg, plan.parts)
         plan.full_logits = None
+        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel:
+            _hf_sequence_parallel_stages(plan.model, mesh, FAMILIES[family(cfg.model.hf_config)])
         if cfg.model.n_experts:  # routing stats of the MoE blocks this rank holds
             local = moe_layers(plan.model)
             plan.extra_metrics = lambda: moe_metrics(local, mesh)
     return plan
+
+
+def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Family) -> None:
+    """tp + SP under pp on a Hugging Face model, which measures its sequence from its input: a stage after the
+    first makes the sequence shard it receives whole and its first layer splits it again; one before the last
+    of a family that reshapes at its final norm (GPT-2) makes the sequence whole there and sends its shard."""
+    ctx = TPContext.from_mesh(mesh, sequence_parallel=True)
+    place = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
+    for c, chunk in enumerate(chunks):
+        whole_at = None if place.is_last(c) or not known.tp.reshapes_output else chunk.get_submodule(known.tp.final_norm)
+        sequence_parallel_stage(chunk, ctx, None if place.is_first(c) else known.parts.hidden_input,
+                                decoder_layers(chunk, known)[0], whole_at)
 
 
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:

@@ -399,9 +399,6 @@ def _check_hf_pipeline(cfg: Config) -> None:
              f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
              f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
              "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
-    # a stage after the first derives its positions and causal mask from the length of its inputs_embeds
-    _require(not p.sequence_parallel, "parallel.sequence_parallel", "is not supported for Hugging Face models "
-             "under pp > 1 (a later stage would read a sequence shard as the whole sequence)")
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' times the reference GPT's blocks; a Hugging "
              "Face model under pp > 1 is balanced by 'layers' or 'params'")
 
