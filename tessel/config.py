@@ -74,8 +74,9 @@ class ModelConfig(Strict):
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
     aux_loss_scope: Literal["global", "local"] = Field(
-        "global", description="load-balancing statistics over the ranks that split the batch (each forward "
-                              "call: a micro-batch), as one process computes them (global), or per rank (local)")
+        "global", description="load-balancing statistics over the ranks that split the batch, as one process "
+                              "computes them (global), or per rank (local); over one micro-batch (or "
+                              "accumulation chunk), or, under a GPipe pipeline (global), the whole step")
     # a Hugging Face architecture instead of the reference GPT
     hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
                                                     "architecture; the shape fields above are read from it")
@@ -407,15 +408,16 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
     """ep > 1 shards the experts of Mixtral's sparse MoE blocks (tessel.parallel.expert.hf_experts); no other
     Hugging Face family has experts tessel can place."""
     p, doc = cfg.parallel, read_config(cfg.model.hf_config)
-    # its aux loss mixes the statistics of every layer: one stage does not hold them all
-    _require(p.pp == 1 or not doc.get("output_router_logits"), "parallel.pp", "Mixtral's router aux loss "
-             "(output_router_logits) spans every layer and is not computed under pp > 1 yet")
+    # its aux loss mixes the statistics of every layer: each stage's share (tessel.parallel.expert.cross_stage)
+    # follows the micro-batches of its chunk in order, one chunk per rank
+    _require(p.pp == 1 or p.virtual_stages == 1 or not doc.get("output_router_logits"), "parallel.virtual_stages",
+             "Mixtral's router aux loss (output_router_logits) spans every layer; under pp > 1 it is computed "
+             "with one chunk per pipeline rank (virtual_stages = 1)")
     if p.ep == 1:
         return
     kind = doc["model_type"]
     _require(family(cfg.model.hf_config) == "mixtral", "parallel.ep", f"a '{kind}' model has no sparse MoE block "
              "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
-    _require(p.pp == 1, "parallel.ep", "Mixtral's experts are sharded over ep without a pipeline (pp = 1) so far")
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:

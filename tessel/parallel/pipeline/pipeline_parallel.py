@@ -58,9 +58,10 @@ def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
                     extra_metrics=None, param_groups: list[dict] | None = None,
-                    parts: ModelParts = GPT_PARTS) -> PipelineRunner:
+                    parts: ModelParts = GPT_PARTS, stage_losses=None) -> PipelineRunner:
     """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups);
-    parts: where the tied embedding and head live."""
+    parts: where the tied embedding and head live; stage_losses: one aux.StageLoss per chunk (default:
+    each chunk's MoE aux losses)."""
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
     zero = optimizer = None
@@ -80,5 +81,6 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
                         vocab_size=cfg.model.vocab_size,
-                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics)
+                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
+                        stage_losses=None if stage_losses is None else tuple(stage_losses))
     return PipelineRunner(chunks, mesh, spec, sync, optimizer)
