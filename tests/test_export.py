@@ -111,13 +111,13 @@ def test_reference_gpt_dp2_tp2_pp2_checkpoint_exports_as_llama(tmp_path):
 # Hugging Face checkpoints of every axis, on 4 ranks: a Llama under dp2 x tp2 with ZeRO-1, dp4 with ZeRO-3's
 # flat shards and pp2 x dp2 with ZeRO-1 (each stage's ZeRO names its parameters as the full model does); a
 # tied GPT-2 under dp2 x tp2 with ZeRO-2 (its fused q|k|v split per head, saved as pieces of the logical
-# tensor); a Mixtral under dp2 x ep2 with ZeRO-1 (experts sharded over ep) (dp2 x tp2 x pp2 below). A
+# tensor); a Mixtral under pp2 x ep2 with ZeRO-1 (experts sharded over ep) (dp2 x tp2 x pp2 below). A
 # vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250 logical rows.
 HF_LAYOUTS = {"dp2tp2zero1": (LLAMA, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"]),
               "dp4zero3": (LLAMA, ["parallel.dp=4", "parallel.zero_stage=3"]),
               "pp2dp2zero1": (LLAMA, ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"]),
               "gpt2-dp2tp2zero2": (GPT2, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"]),
-              "mixtral-dp2ep2zero1": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"])}
+              "mixtral-pp2ep2zero1": (MIXTRAL, ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"])}
 
 
 def test_hf_sharded_checkpoints_export_under_their_own_names(tmp_path):
