@@ -149,7 +149,8 @@ def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Famil
     ctx = TPContext.from_mesh(mesh, sequence_parallel=True)
     place = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     for c, chunk in enumerate(chunks):
-        whole_at = None if place.is_last(c) or not known.tp.reshapes_output else chunk.get_submodule(known.tp.final_norm)
+        reshapes = known.tp.reshapes_output and not place.is_last(c)
+        whole_at = chunk.get_submodule(known.tp.final_norm) if reshapes else None
         sequence_parallel_stage(chunk, ctx, None if place.is_first(c) else known.parts.hidden_input,
                                 decoder_layers(chunk, known)[0], whole_at)
 
