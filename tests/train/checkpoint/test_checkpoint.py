@@ -37,19 +37,27 @@ from tests.helpers import build_trainer, tiny_config
 # rank's piece on load). The moe- layouts train an MoE model with tied embeddings, saved under ep x ZeRO-2
 # and loaded under pipeline x ep x ZeRO-1: a pipeline's last stage holds the tied head as a copy of its
 # own and reads its optimizer state by the head's name. No token is dropped (capacity_factor = n_experts),
-# so the layouts train one model (capacity is counted per rank).
+# so the layouts train one model (capacity is counted per rank). The gpt2- layouts train a Hugging Face GPT-2
+# (tied), whose fused q|k|v is split per head under tp: saved as pieces of the logical tensor
+# (tessel.train.checkpoint.packed), read back by tp x pp and cut from the whole by tp x ZeRO-3.
 MOE = ["model.n_experts=4", "model.capacity_factor=4.0", "model.tie_embeddings=true"]
+GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+HF_GPT2 = ['model.hf_config="{root}/gpt2.json"']
 SAVE_LAYOUTS = {"dp1": [], "dp2tp2": ["parallel.dp=2", "parallel.tp=2"], "pp2": ["parallel.pp=2"],
                 "dp2zero2": ["parallel.dp=2", "parallel.zero_stage=2"],
                 "dp2tp2zero2": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"],
                 "pp2dp2zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"],
-                "moe-dp1": MOE, "moe-ep2zero2": [*MOE, "parallel.ep=2", "parallel.zero_stage=2"]}
+                "moe-dp1": MOE, "moe-ep2zero2": [*MOE, "parallel.ep=2", "parallel.zero_stage=2"],
+                "gpt2-tp2": [*HF_GPT2, "parallel.tp=2"]}
 LOAD_LAYOUTS = {"tp2": ["parallel.tp=2"], "dp4": ["parallel.dp=4"], "pp2dp2": ["parallel.pp=2", "parallel.dp=2"],
                 "dp2zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
                 "dp2tp2zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"],
                 "pp2dp2zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"],
                 "moe-pp2": [*MOE, "parallel.pp=2"],
-                "moe-pp2ep2zero1": [*MOE, "parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"]}
+                "moe-pp2ep2zero1": [*MOE, "parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"],
+                "gpt2-pp2tp2": [*HF_GPT2, "parallel.pp=2", "parallel.tp=2"],
+                "gpt2-dp2tp2zero3": [*HF_GPT2, "parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"]}
 SAVE_AT, STEPS = 3, 5  # checkpoint after 3 steps; the loaded run takes steps 3 and 4: the second depends on
 # the optimizer's state as well as the weights
 BARE = {"model": {}}  # the least a manifest holds (library use: no trainer state, a model of its own)
@@ -72,10 +80,14 @@ def _family(name: str) -> str:
     return name.split("-")[0] if "-" in name else "dense"
 
 
+def _layout(overrides: list[str], root: str) -> list[str]:
+    return [o.format(root=root) for o in overrides]
+
+
 def _save(root: str, name: str) -> list[float]:
     """Train STEPS steps in layout `name`, checkpointing after SAVE_AT: returns all the losses."""
-    return _fit(tiny_config(*SAVE_LAYOUTS[name], *_common(Path(root), name), f'checkpoint.dir="{root}/{name}"',
-                            f"checkpoint.every={SAVE_AT}"))
+    return _fit(tiny_config(*_layout(SAVE_LAYOUTS[name], root), *_common(Path(root), name),
+                            f'checkpoint.dir="{root}/{name}"', f"checkpoint.every={SAVE_AT}"))
 
 
 def _load(root: str, name: str, sources: list[str]) -> dict[str, list[float]]:
@@ -83,7 +95,7 @@ def _load(root: str, name: str, sources: list[str]) -> dict[str, list[float]]:
     win)."""
     out = {}
     for src in (s for s in sources if _family(s) == _family(name)):
-        cfg = tiny_config(*LOAD_LAYOUTS[name], *_common(Path(root), name),
+        cfg = tiny_config(*_layout(LOAD_LAYOUTS[name], root), *_common(Path(root), name),
                           f'checkpoint.resume="{root}/{src}/step_{SAVE_AT:08d}"', f'checkpoint.dir="{root}/x"')
         losses = _fit(cfg, init_seed=99)
         assert len(losses) == STEPS - SAVE_AT  # resumed at step SAVE_AT
@@ -100,16 +112,17 @@ def _in_world(world: int, *args) -> tuple[dict, dict]:
     return _phase(*args) if world == 1 else spawn(_phase, world, *args)[0]
 
 
-def _by_world(layouts: dict[str, list[str]]) -> dict[int, list[str]]:
+def _by_world(layouts: dict[str, list[str]], root: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for name, overrides in layouts.items():
-        out.setdefault(tiny_config(*overrides).parallel.world_size, []).append(name)
+        out.setdefault(tiny_config(*_layout(overrides, root)).parallel.world_size, []).append(name)
     return out
 
 
 def test_resharding_matrix_next_step_loss(tmp_path):
     root, sources = str(tmp_path), list(SAVE_LAYOUTS)
-    saves, loads = _by_world(SAVE_LAYOUTS), _by_world(LOAD_LAYOUTS)
+    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
+    saves, loads = _by_world(SAVE_LAYOUTS, root), _by_world(LOAD_LAYOUTS, root)
     worlds = sorted(set(saves) | set(loads))
     saved, loaded = {}, {}
     # phase 1: every world saves; the last also loads (all sources exist by then). Phase 2: the rest load.
