@@ -14,16 +14,18 @@ stage's probability sums S^s given them:
 
 so stage s back-propagates d aux / d S^s = c * E * C / R^2 through its own routers, in its own backward,
 once it knows the totals C and R. Each stage launches an asynchronous all-reduce of its (C^s, R^s, S^s)
-at the end of each training forward, over pp (and dp x ep for the global scope), and waits for it only in
-that micro-batch's backward: by then every stage has run the micro-batch's forward (the gradient a stage
-receives comes from the last stage, which ran after them all), so the wait does not block the schedule.
+at the end of each training forward, on a process group of its own over pp (and dp x ep for the global
+scope), and waits for it only in that micro-batch's backward: by then every stage has run the micro-batch's
+forward (the gradient a stage receives comes from the last stage, which ran after them all; a dp or ep peer
+runs the same schedule and waits on nobody's all-reduce before launching its own), so the wait does not
+block the schedule.
 The last stage's forward is the last of the micro-batch: it waits there and reports the loss's value; the
 other stages report 0, so the pipeline's summed loss is transformers' (`RouterShare` is that surrogate:
 the value on the last stage, the exact gradient everywhere).
 
 Scope over micro-batches (the executor seeds each micro-batch's aux with 1/m):
-- per micro-batch (1F1B, interleaved): the statistics of micro-batch j alone; the step's aux is the mean
-  over micro-batches of transformers' loss on each.
+- per micro-batch (1F1B; aux_loss_scope = "local" under any schedule): the statistics of micro-batch j
+  alone; the step's aux is the mean over micro-batches of transformers' loss on each.
 - the whole step (GPipe, where every forward of the step precedes every backward, on every stage): the
   statistics of all m micro-batches together, so the step's aux is transformers' loss on the whole batch.
   The last stage reports it at its last forward (m times, as the executor divides by m).
