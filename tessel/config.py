@@ -75,8 +75,9 @@ class ModelConfig(Strict):
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
     aux_loss_scope: Literal["global", "local"] = Field(
-        "global", description="load-balancing statistics over the ranks that split the batch (each forward "
-                              "call: a micro-batch), as one process computes them (global), or per rank (local)")
+        "global", description="load-balancing statistics over the ranks that split the batch, as one process "
+                              "computes them (global), or per rank (local); over one micro-batch (or "
+                              "accumulation chunk), or, under a GPipe pipeline (global), the whole step")
     # a Hugging Face architecture instead of the reference GPT
     hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
                                                     "architecture; the shape fields above are read from it")
@@ -368,9 +369,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     # a Hugging Face model's own check names its model type (_check_hf_expert_parallel)
     _require(p.ep == 1 or m.n_experts > 0 or m.hf_config is not None, "parallel.ep",
              "ep > 1 needs an MoE model (model.n_experts > 0)")
-    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
-             or (p.ep == 1 and p.pp == 1), "checkpoint.every",
-             "checkpoints with parallel.zero_stage > 0 support data- and tensor-parallel layouts only (ep = pp = 1)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
@@ -457,12 +455,6 @@ def _check_hf_tensor_parallel(cfg: Config) -> None:
     _require(family(cfg.model.hf_config) is not None, "parallel.tp",
              f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
              "this architecture trains under dp, ZeRO and recompute")
-    # GPT-2's fused q|k|v projection is split per head (tessel.sharding.mark_packed): not a plain shard
-    # the checkpoint's logical tensors can describe, so a save would fail mid-run
-    c = cfg.checkpoint
-    _require(family(cfg.model.hf_config) != "gpt2" or (c.every == 0 and c.resume is None), "checkpoint.every",
-             "checkpoints of GPT-2 models under tp > 1 are not supported yet (their fused q|k|v projection is "
-             "split per head); use tp = 1 or checkpoint.every = 0")
 
 
 def _check_hf_pipeline(cfg: Config) -> None:
@@ -477,9 +469,6 @@ def _check_hf_pipeline(cfg: Config) -> None:
              f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
              f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
              "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
-    # a stage after the first derives its positions and causal mask from the length of its inputs_embeds
-    _require(not p.sequence_parallel, "parallel.sequence_parallel", "is not supported for Hugging Face models "
-             "under pp > 1 (a later stage would read a sequence shard as the whole sequence)")
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' times the reference GPT's blocks; a Hugging "
              "Face model under pp > 1 is balanced by 'layers' or 'params'")
 
@@ -488,15 +477,16 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
     """ep > 1 shards the experts of Mixtral's sparse MoE blocks (tessel.parallel.expert.hf_experts); no other
     Hugging Face family has experts tessel can place."""
     p, doc = cfg.parallel, read_config(cfg.model.hf_config)
-    # its aux loss mixes the statistics of every layer: one stage does not hold them all
-    _require(p.pp == 1 or not doc.get("output_router_logits"), "parallel.pp", "Mixtral's router aux loss "
-             "(output_router_logits) spans every layer and is not computed under pp > 1 yet")
+    # its aux loss mixes the statistics of every layer: each stage's share (tessel.parallel.expert.cross_stage)
+    # follows the micro-batches of its chunk in order, one chunk per rank
+    _require(p.pp == 1 or p.virtual_stages == 1 or not doc.get("output_router_logits"), "parallel.virtual_stages",
+             "Mixtral's router aux loss (output_router_logits) spans every layer; under pp > 1 it is computed "
+             "with one chunk per pipeline rank (virtual_stages = 1)")
     if p.ep == 1:
         return
     kind = doc["model_type"]
     _require(family(cfg.model.hf_config) == "mixtral", "parallel.ep", f"a '{kind}' model has no sparse MoE block "
              "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
-    _require(p.pp == 1, "parallel.ep", "Mixtral's experts are sharded over ep without a pipeline (pp = 1) so far")
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:

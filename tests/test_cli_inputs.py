@@ -177,6 +177,9 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt"'], "model.init_from"),  # no safetensors
     (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set",
       'model.init_from="{assets}/llama-no-norm.safetensors"'], "model.init_from"),  # one line, transformers' too
+    (["train", "{assets}/mixtral.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.pp=2", "--set",
+      "parallel.virtual_stages=2", "--set", 'parallel.schedule="interleaved"', "--set", "parallel.micro_batches=2"],
+     "parallel.virtual_stages"),  # Mixtral's router loss across stages: one chunk per pipeline rank
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/missing.json"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/not_json.jsonl"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{assets}/bpe300.json"'], "data.tokenizer"),  # > vocab
@@ -336,7 +339,8 @@ def tmp(tmp_path):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Files some rows need that cost more than a write: checkpoints (a tiny GPT, an MoE GPT, a corrupt
-    copy), weights missing a tensor, a 300-id BPE, a Llama config of 256 ids; made once per module."""
+    copy), weights missing a tensor, a 300-id BPE, a Llama config of 256 ids, a Mixtral recipe with its router
+    loss; made once per module."""
     import shutil
 
     from safetensors.torch import save_file
@@ -364,6 +368,10 @@ def assets(tmp_path_factory):
                                                     "intermediate_size": 64, "num_hidden_layers": 2,
                                                     "num_attention_heads": 4, "max_position_embeddings": 32}))
     (root / "llama.toml").write_text(to_toml(tiny_config(f'model.hf_config="{root / "llama256.json"}"')))
+    (root / "mixtral-router.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "max_position_embeddings": 32, "num_local_experts": 4, "output_router_logits": True}))
+    (root / "mixtral.toml").write_text(to_toml(tiny_config(f'model.hf_config="{root / "mixtral-router.json"}"')))
     llama = build_model(ModelConfig(hf_config=str(root / "llama256.json"))).state_dict()
     save_file({k: v for k, v in llama.items() if k != "model.norm.weight"}, str(root / "llama-no-norm.safetensors"))
     return root

@@ -58,8 +58,9 @@ class ScheduleExecutor:
         self.device, self.m = links.device, spec.micro_batches
         self.actions = build_schedule(spec.schedule, placement.p, spec.micro_batches, placement.v)[placement.rank]
         self.items = batches(self.actions)
-        self.aux = [StageAux(c) for c in chunks]  # MoE aux losses: each stage back-propagates its own
-        self.has_aux = any(a.layers for a in self.aux)
+        # MoE aux losses: each stage back-propagates its own
+        self.aux = list(spec.stage_losses) if spec.stage_losses is not None else [StageAux(c) for c in chunks]
+        self.has_aux = any(a.present for a in self.aux)
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
         backwards = [a for a in self.actions if a.kind == "B"]
         self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last

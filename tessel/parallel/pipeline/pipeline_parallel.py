@@ -59,9 +59,10 @@ def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
                     extra_metrics=None, param_groups: list[dict] | None = None,
-                    parts: ModelParts = GPT_PARTS) -> PipelineRunner:
+                    parts: ModelParts = GPT_PARTS, stage_losses=None) -> PipelineRunner:
     """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups);
-    parts: where the tied embedding and head live."""
+    parts: where the tied embedding and head live; stage_losses: one aux.StageLoss per chunk (default:
+    each chunk's MoE aux losses)."""
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size(*TOKEN_AXES) > 1 else None
     zero = optimizer = None
@@ -75,11 +76,12 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
         optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                        axes=TOKEN_AXES, bucket_mb=p.bucket_mb)
+                                        axes=TOKEN_AXES, bucket_mb=p.bucket_mb, chunks=True)
     tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
                         vocab_size=cfg.model.vocab_size,
-                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics)
+                        max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
+                        stage_losses=None if stage_losses is None else tuple(stage_losses))
     return PipelineRunner(chunks, mesh, spec, sync, optimizer)

@@ -24,6 +24,8 @@ class PipelineSpec:
     max_seq_len: int | None = None
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: the last stage's logits are shards
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. MoE routing stats of this rank's blocks
+    # one per chunk: what its forward adds to the loss (aux.StageLoss); None: its MoE blocks' aux losses
+    stage_losses: tuple | None = None
 
     def act_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """The (B, T, C) of this rank's activation (and gradient) messages for a micro-batch of (batch, seq)."""

@@ -8,7 +8,8 @@ with tessel's cross-entropy on its logits. Each layout runs 5 optimizer steps th
 internal parallelize() the trainer calls; the losses of every step and the final weights
 (every stage's, gathered whole over tp) are compared. One spawn of 2 ranks (pp2 1F1B for Llama
 with and without full recompute, GPT-2 with its tied head across stages) and one of 8 ranks
-(Llama dp2 x tp2 x pp2, the issue's headline layout).
+(Llama dp2 x tp2 x pp2, the issue's headline layout; Llama and GPT-2 dp2 x tp2 x pp2 with sequence
+parallelism).
 """
 
 import json
@@ -41,7 +42,13 @@ WORLD2 = {
     "llama_pp2_recompute": ("llama", [*PP2, "parallel.recompute=true"]),
     "gpt2_pp2": ("gpt2", PP2),  # tied embedding: the first stage's and the last stage's copies summed
 }
-WORLD8 = {"llama_dp2_tp2_pp2": ("llama", ["parallel.dp=2", "parallel.tp=2", *PP2])}
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+# tp2 + SP under pp: stages exchange sequence shards; a later stage makes its input whole (the model measures
+# its positions and causal mask from it) and splits it at its first layer; GPT-2's first stage makes the
+# sequence whole at its final norm's stand-in (the model reshapes there) and sends its shard
+WORLD8 = {"llama_dp2_tp2_pp2": ("llama", ["parallel.dp=2", "parallel.tp=2", *PP2]),
+          "llama_dp2_tp2sp_pp2": ("llama", ["parallel.dp=2", *SP, *PP2]),
+          "gpt2_dp2_tp2sp_pp2": ("gpt2", ["parallel.dp=2", *SP, *PP2])}
 # fp32 throughout. A pipeline runs each micro-batch's forward and backward as one process does;
 # what changes the order of sums is the split of the batch into micro-batches (gradients summed
 # per micro-batch, then added), the data-parallel all-reduce and tensor parallelism's partial
@@ -127,9 +134,10 @@ def test_pp2_matches_the_single_process_transformers_model(world2, references, n
         _check(rank[name], want)
 
 
-def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references):
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references, name):
     for rank in world8:
-        _check(rank["llama_dp2_tp2_pp2"], references["llama"])
+        _check(rank[name], references[WORLD8[name][0]])
 
 
 def test_a_model_without_pipeline_parts_is_refused_naming_a_module(configs):
