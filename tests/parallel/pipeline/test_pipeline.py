@@ -22,11 +22,13 @@ from tests.helpers import tiny_config, train_and_collect
 # per stage and then across stages (another summation order, a few ulps in the
 # clip factor), the dp average and the tied-embedding sum add in another
 # order. AdamW divides by sqrt(v) and can magnify ulps where gradients are
-# tiny; over 3 steps measured differences stay below 1e-6. A wrong stage cut,
-# a lost or doubled micro-batch or a tied gradient not summed moves losses by
-# >1e-3, far outside these tolerances.
+# tiny: over 3 steps most weights agree below 1e-6, but an element whose
+# gradient is near zero moved by up to 2.3e-5 on an AVX-512 machine (1.2e-5 on
+# AVX2; the kernels round differently). 1e-4 covers that with room. A wrong
+# stage cut, a lost or doubled micro-batch or a tied gradient not summed moves
+# losses by >1e-3 and weights by ~lr = 1e-2, far outside these tolerances.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
-WEIGHT_TOL = dict(rtol=1e-4, atol=2e-5)
+WEIGHT_TOL = dict(rtol=1e-4, atol=1e-4)
 STEPS = 3
 
 
