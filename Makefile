@@ -5,7 +5,7 @@ export OMP_NUM_THREADS ?= 1
 
 setup: .venv/.ready
 
-.venv/.ready: requirements.txt pyproject.toml scripts/setup.sh
+.venv/.ready: requirements.txt requirements-test.txt pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 

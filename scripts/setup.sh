@@ -13,6 +13,7 @@ else
   TORCH_PIN="torch==2.13.0"
 fi
 # one resolve for everything: each pip call costs seconds of start-up and index reads
-.venv/bin/pip install -q ${TORCH_PIN:-} -r requirements.txt
+# requirements-test.txt: the optional extras the tests exercise (experiment trackers), not the base install
+.venv/bin/pip install -q ${TORCH_PIN:-} -r requirements.txt -r requirements-test.txt
 .venv/bin/pip install -q --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import torch, tessel; print('tessel ready: torch', torch.__version__)"

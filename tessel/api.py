@@ -110,6 +110,9 @@ def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
                                         "leave mb out")
         if "m" not in named and mesh.size("pp") > 1:
             given = replace(given, m=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
+    if mesh.size("cp") > 1:  # step() is handed whole rows; cp ranks would each need their chunks of them
+        raise ConfigError("layout", "cp > 1 trains through `tessel train` (its sampler hands each cp rank its "
+                                    "chunks); tessel.parallelize takes meshes without a cp axis so far")
     mesh_sizes, asked = {a: mesh.size(a) for a in AXES}, given.to_dict()
     for axis in AXES:
         if axis in named and asked[axis] != mesh_sizes[axis]:
@@ -237,7 +240,6 @@ class ParallelJob:
         """The model and the optimizer's state after `step` steps, as tessel's checkpoint <root>/step_<step>
         (collective; root on a file system every rank sees): `tessel export` turns it into a folder that
         from_pretrained loads, `load` resumes it under any layout. The `keep` newest under root are kept."""
-        self._check_checkpointable()
         manager = self._checkpoints(root, keep)
         optimizer = self._optimizer_state("save")
         cfg = self.config
@@ -250,7 +252,6 @@ class ParallelJob:
         """Read a checkpoint that `save` (or `tessel train`, of the same model) wrote, under any layout, into the
         model and the optimizer (`optimizer()` first); returns its step. CheckpointError, before anything is
         read, for one that is damaged or holds other shapes."""
-        self._check_checkpointable()
         path = Path(path)
         verify(path)
         manifest = self._checkpoints(path.parent, None).load(path, LocalTensors(self.runner,
@@ -264,17 +265,6 @@ class ParallelJob:
         if keep is not None:
             self._manager.keep = keep
         return self._manager
-
-    def _check_checkpointable(self) -> None:
-        """The layouts whose checkpoints tessel cannot write yet (tessel.config refuses them for recipes)."""
-        p = self.config.parallel
-        if p.zero_stage > 0 and (p.pp > 1 or p.ep > 1):
-            raise ValueError("checkpoints with ZeRO support data- and tensor-parallel layouts only (ep = pp = 1); "
-                             "full_state_dict() gives the weights whole")
-        packed = [name for name, t in self.runner.named_checkpoint_tensors().items() if packed_dims(t)]
-        if packed:
-            raise ValueError(f"checkpoints of a fused projection split per head over tp ({packed[0]}) are not "
-                             "supported yet; use tp = 1, or full_state_dict() for the weights whole")
 
     def _optimizer_state(self, verb: str) -> OptimizerState:
         if self.runner.optimizer is not None:

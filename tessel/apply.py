@@ -4,7 +4,7 @@ The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls 
 public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
 config and calls it.
 
-TP/SP -> EP -> PP split -> recompute -> DP/ZeRO. Each step reads the mesh and
+TP/SP -> CP -> EP -> PP split -> recompute -> DP/ZeRO. Each step reads the mesh and
 the parallel config and leaves the model a plain module to the next one; the
 model file itself never imports tessel.parallel.
 """
@@ -16,25 +16,31 @@ from typing import Callable
 
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, decoder_layers, pipeline_parts
+from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family, read_config
 from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
+from tessel.parallel.context.apply import context_parallel, whole_sequences
+from tessel.parallel.context.context import CPContext
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.balance import balance_over_batch, global_balance
+from tessel.parallel.expert.cross_stage import stage_router_losses
 from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
+from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
-from tessel.parallel.tensor.regions import refuse_own_loss
+from tessel.parallel.tensor.regions import refuse_own_loss, sequence_parallel_stage
 from tessel.parallel.tensor.tensor_parallel import FullLogits, GatherVocab, TPContext, VocabParallelLoss, apply_plan
 from tessel.parallel.tensor_nd.apply import apply_grid_mode
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
@@ -51,6 +57,8 @@ class Plan:
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
     gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
     parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
+    cp: CPContext | None = None  # context parallelism's attention: generation switches it to whole sequences
+    stage_losses: list | None = None  # a pipeline chunk's part of a loss that spans stages (Mixtral's router loss)
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -79,11 +87,24 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """tp_mode 2d (tessel.parallel.tensor_nd): the reference GPT's TP plan, its modules made grid layers."""
-    p = cfg.parallel
-    done = apply_grid_mode(plan.model, gpt_tp_plan([], cfg.model.n_layer), mesh, p.tp_mode, p.tp_depth,
-                           cfg.model.vocab_size)
-    plan.loss_fn, plan.full_logits = done.loss_fn, done.full_logits
+    """tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the model's TP plan (the reference GPT's, or a Hugging
+    Face Llama's), its modules made grid layers."""
+    p, m = cfg.parallel, cfg.model
+    if m.hf_config is None:
+        styles = gpt_tp_plan([], m.n_layer)
+    else:
+        styles = hf_tp_plan(plan.model, FAMILIES[family(m.hf_config)].tp).styles
+        refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
+    done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
+    plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
+    return plan
+
+
+def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """cp > 1 (tessel.parallel.context): attention over the whole sequence from each rank's chunks, rotary at
+    each rank's own positions. Weights stay whole: their gradients are averaged over cp like dp's (TOKEN_AXES)."""
+    if mesh.size("cp") > 1:
+        plan.cp = context_parallel(plan.model, mesh, cfg.parallel.cp_mode, hf=cfg.model.hf_config is not None)
     return plan
 
 
@@ -94,8 +115,9 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.model.hf_config is not None:
         return _hf_expert_parallel(plan, mesh, cfg)
     layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
-    if cfg.model.aux_loss_scope == "global":
-        balance_over_batch(plan.model, mesh)
+    if cfg.model.aux_loss_scope == "global":  # under a GPipe pipeline: the whole step's statistics
+        gpipe = mesh.size("pp") > 1 and cfg.parallel.schedule == "gpipe"
+        balance_over_batch(plan.model, mesh, cfg.train.grad_accum * cfg.parallel.micro_batches if gpipe else None)
     if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
         layers = []  # the stats of this rank's blocks are chosen once the model is split
     else:
@@ -109,6 +131,8 @@ def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     under their own names; its router loss (when its config outputs router logits) joins the loss."""
     if mesh.size("ep") > 1:
         shard_mixtral_experts(plan.model, mesh)
+    if mesh.size("pp") > 1:  # its loss spans every layer: each stage adds its share (apply_pipeline)
+        return plan
     router_loss = mixtral_router_loss(plan.model, read_config(cfg.model.hf_config))
     if router_loss is not None:
         if cfg.model.aux_loss_scope == "global":
@@ -125,10 +149,38 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             plan.parts = pipeline_parts(plan.model, FAMILIES.get(family(cfg.model.hf_config) or ""))
         plan.model = pipeline_chunks(plan.model, mesh, cfg, plan.parts)
         plan.full_logits = None
+        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel:
+            _hf_sequence_parallel_stages(plan.model, mesh, FAMILIES[family(cfg.model.hf_config)])
+        hf = cfg.model.hf_config
+        if hf is not None and family(hf) == "mixtral" and read_config(hf).get("output_router_logits"):
+            plan.stage_losses = _mixtral_stage_losses(plan.model, mesh, cfg)
         if cfg.model.n_experts:  # routing stats of the MoE blocks this rank holds
             local = moe_layers(plan.model)
             plan.extra_metrics = lambda: moe_metrics(local, mesh)
     return plan
+
+
+def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Family) -> None:
+    """tp + SP under pp on a Hugging Face model, which measures its sequence from its input: a stage after the
+    first makes the sequence shard it receives whole and its first layer splits it again; one before the last
+    of a family that reshapes at its final norm (GPT-2) makes the sequence whole there and sends its shard."""
+    ctx = TPContext.from_mesh(mesh, sequence_parallel=True)
+    place = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
+    for c, chunk in enumerate(chunks):
+        reshapes = known.tp.reshapes_output and not place.is_last(c)
+        whole_at = chunk.get_submodule(known.tp.final_norm) if reshapes else None
+        sequence_parallel_stage(chunk, ctx, None if place.is_first(c) else known.parts.hidden_input,
+                                decoder_layers(chunk, known)[0], whole_at)
+
+
+def _mixtral_stage_losses(chunks: nn.ModuleList, mesh: Mesh, cfg: Config) -> list:
+    """Mixtral's router loss over every layer, each stage back-propagating its share (parallel/expert/
+    cross_stage.py): over the whole step under GPipe with the global scope, per micro-batch otherwise."""
+    p, place = cfg.parallel, Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
+    scope = cfg.model.aux_loss_scope
+    return stage_router_losses(chunks, mesh, read_config(cfg.model.hf_config), scope,
+                               cfg.train.grad_accum * p.micro_batches, scope == "global" and p.schedule == "gpipe",
+                               [place.is_last(c) for c in range(len(chunks))])
 
 
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -149,12 +201,12 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         t = cfg.train
         plan.model, plan.optimizer = zero_parallel(
             plan.model, mesh, cfg.parallel.zero_stage, param_groups(plan.model.parameters(), t.weight_decay),
-            lr=t.lr, betas=(t.beta1, t.beta2), axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+            lr=t.lr, betas=(t.beta1, t.beta2), axes=TOKEN_AXES, bucket_mb=cfg.parallel.bucket_mb,
             **zero_dtypes(cfg.parallel))
         return plan
-    if mesh.size("dp", "ep") > 1:
+    if mesh.size(*TOKEN_AXES) > 1:
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
-        plan.model = data_parallel(plan.model, mesh, axes=("dp", "ep"), bucket_mb=cfg.parallel.bucket_mb,
+        plan.model = data_parallel(plan.model, mesh, axes=TOKEN_AXES, bucket_mb=cfg.parallel.bucket_mb,
                                    reducer=reducer)
     return plan
 
@@ -165,18 +217,26 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
         raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, cfg)
+    plan = apply_context_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)
     plan = apply_pipeline(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
-        return pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
-                               extra_metrics=plan.extra_metrics,
-                               param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
-                               parts=plan.parts)
-    plan = apply_data_parallel(plan, mesh, cfg)
-    chunks = cfg.train.grad_accum * cfg.parallel.micro_batches
-    return LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
-                       full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
-                       max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
-                       optimizer=plan.optimizer)
+        runner = pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
+                                 extra_metrics=plan.extra_metrics,
+                                 param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
+                                 parts=plan.parts, stage_losses=plan.stage_losses)
+    else:
+        plan = apply_data_parallel(plan, mesh, cfg)
+        chunks, weight = cfg.train.grad_accum * cfg.parallel.micro_batches, 1.0
+        if cfg.parallel.dp_shares is not None:  # heterogeneous devices: this dp rank's share (parallel/data/uneven.py)
+            shares, me = cfg.parallel.dp_shares, mesh.coord("dp")
+            chunks, weight = shares[me], loss_weight(shares, me)
+        runner = LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
+                             full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
+                             max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
+                             optimizer=plan.optimizer, loss_weight=weight)
+    if plan.cp is not None:  # the trainer's samples continue whole prompts: every cp rank runs them whole
+        runner.generate = whole_sequences(plan.cp, runner.generate)
+    return runner

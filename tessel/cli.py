@@ -130,13 +130,19 @@ def simulate(
     as_json: bool = _PLAN_OPTS["as_json"], refresh: bool = _PLAN_OPTS["refresh"],
     trace: str = typer.Option("runs/simulate/trace.json", "--trace", help="Chrome trace output"),
     png: str = typer.Option("runs/simulate/timeline.png", "--png", help="timeline image output"),
+    tp_modes: Optional[str] = typer.Option(None, "--tp-modes", help="compare tensor parallelism 1d, 2d, 2.5d and 3d "
+                                           "at these tp group sizes (8,64,512): each mode's best layout, simulated"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
     from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         commands.check_simulate_args(trace, png)
+        sizes = commands.check_tp_modes_arg(tp_modes, layout)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
                                 refresh=refresh)
+        if sizes:
+            commands.simulate_tp_modes(prob, sizes, as_json)
+            return
         commands.simulate(prob, trace, png, as_json)
     except ConfigError as err:
         fail(err)
@@ -199,6 +205,74 @@ def data_prepare(
     except ConfigError as err:
         fail(err)
     typer.echo(f"{report['train_tokens']:,} train and {report['val_tokens']:,} val tokens -> {job.out}")
+
+
+launch_app = typer.Typer(no_args_is_help=True, help="Run a recipe under a scheduler: the files it takes.")
+app.add_typer(launch_app, name="launch")
+
+_JOB_OPTS = dict(
+    nodes=typer.Option(..., "--nodes", help="nodes; one torchrun per node"),
+    gpus=typer.Option(None, "--gpus-per-node", help="ranks per node, one per GPU"),
+    procs=typer.Option(None, "--procs-per-node", help="ranks per node on a CPU cluster (instead of GPUs)"),
+    grace=typer.Option(120, "--grace", help="seconds a signalled run gets to finish its step and save"),
+    no_requeue=typer.Option(False, "--no-requeue", help="a preempted job ends instead of coming back"),
+)
+
+
+@launch_app.command("slurm")
+def launch_slurm(
+    recipe: str = typer.Argument(..., help="TOML recipe"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    nodes: int = _JOB_OPTS["nodes"], gpus: Optional[int] = _JOB_OPTS["gpus"],
+    procs: Optional[int] = _JOB_OPTS["procs"], grace: int = _JOB_OPTS["grace"],
+    no_requeue: bool = _JOB_OPTS["no_requeue"],
+    partition: Optional[str] = typer.Option(None, "--partition", help="sbatch --partition"),
+    time: Optional[str] = typer.Option(None, "--time", help="sbatch --time (the job checkpoints --grace seconds "
+                                       "before it and requeues itself)"),
+    account: Optional[str] = typer.Option(None, "--account", help="sbatch --account"),
+    job_name: str = typer.Option("tessel", "--job-name", help="sbatch --job-name"),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs per node's task (default on "
+                                                "a CPU cluster: ranks x runtime.threads_per_rank)"),
+    port: int = typer.Option(29500, "--port", help="rendezvous port base (+ job id mod 1000)"),
+    sbatch_arg: List[str] = typer.Option([], "--sbatch-arg", help="another #SBATCH line: --sbatch-arg=--qos=high"),
+    out: Optional[str] = typer.Option(None, "--out", help="the script to write (default "
+                                      "<logging.out_dir>/slurm/<job-name>.sbatch; the recipe and logs beside it)"),
+    submit: bool = typer.Option(False, "--submit", help="submit it with sbatch"),
+) -> None:
+    """Write an sbatch script: one torchrun per node, c10d rendezvous, requeue with --resume auto."""
+    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.launchers.slurm import SlurmOptions  # deferred: as above
+    opts = SlurmOptions(job_name, partition, time, account, cpus_per_task, port, not no_requeue, list(sbatch_arg))
+    try:
+        launch_commands.slurm(recipe, set_, nodes, gpus, procs, grace, opts, out, submit)
+    except ConfigError as err:
+        fail(err)
+
+
+@launch_app.command("k8s")
+def launch_k8s(
+    recipe: str = typer.Argument(..., help="TOML recipe"),
+    set_: List[str] = typer.Option([], "--set", help="override a recipe field"),
+    nodes: int = _JOB_OPTS["nodes"], gpus: Optional[int] = _JOB_OPTS["gpus"],
+    procs: Optional[int] = _JOB_OPTS["procs"], grace: int = _JOB_OPTS["grace"],
+    no_requeue: bool = _JOB_OPTS["no_requeue"],
+    image: str = typer.Option(..., "--image", help="a container image with tessel and its torch"),
+    name: str = typer.Option("tessel", "--name", help="the PyTorchJob's name (its pods: <name>-master-0, ...)"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes namespace"),
+    storage: str = typer.Option("100Gi", "--storage", help="size of the checkpoint volume claim"),
+    storage_class: Optional[str] = typer.Option(None, "--storage-class", help="its storage class (ReadWriteMany)"),
+    pvc: Optional[str] = typer.Option(None, "--pvc", help="use this existing claim instead of creating one"),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="pod restarts (runPolicy.backoffLimit)"),
+    out: Optional[str] = typer.Option(None, "--out", help="the YAML to write (default: print it)"),
+) -> None:
+    """Write a Kubeflow PyTorchJob (with its recipe ConfigMap and checkpoint volume): one torchrun per pod."""
+    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    try:
+        launch_commands.k8s(recipe, set_, nodes, gpus, procs, grace, not no_requeue,
+                            launch_commands.K8sOptions(image, name, namespace, storage, storage_class, pvc,
+                                                       max_restarts), out)
+    except ConfigError as err:
+        fail(err)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")

@@ -7,6 +7,7 @@ so a bad recipe fails in a second with a message that names the field.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tessel.axes import AXES, Axis
+from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_shape import FAMILIES as HF_FAMILIES, HFConfigError, family, model_shape, read_config
 
@@ -74,8 +75,9 @@ class ModelConfig(Strict):
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
     aux_loss_scope: Literal["global", "local"] = Field(
-        "global", description="load-balancing statistics over the ranks that split the batch (each forward "
-                              "call: a micro-batch), as one process computes them (global), or per rank (local)")
+        "global", description="load-balancing statistics over the ranks that split the batch, as one process "
+                              "computes them (global), or per rank (local); over one micro-batch (or "
+                              "accumulation chunk), or, under a GPipe pipeline (global), the whole step")
     # a Hugging Face architecture instead of the reference GPT
     hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
                                                     "architecture; the shape fields above are read from it")
@@ -135,6 +137,10 @@ class ParallelConfig(Strict):
     tp_depth: int = Field(1, ge=1, description="2.5d: the grid's depth d (tp = q*q*d)")
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1, description="context parallelism: each sequence split in chunks over cp ranks")
+    cp_mode: Literal["ring", "ulysses"] = Field(
+        "ring", description="cp's attention: ring (keys and values passed around, Liu et al. 2023) or ulysses "
+                            "(all-to-all to a head split, Jacobs et al. 2023); see tessel.parallel.context")
     zero_stage: int = Field(0, ge=0, le=3)
     zero_param_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="ZeRO: dtype of the parameters the model computes with and all-gathers "
@@ -153,8 +159,16 @@ class ParallelConfig(Strict):
     vertical_sync: bool = Field(False, description="pipedream: every stage runs a micro-batch on the weight "
                                                    "version the first stage used for it")
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
-    pp_balance: Literal["layers", "params", "time"] = Field(
-        "layers", description="without pp_layout: equal blocks, or balance parameters or measured time")
+    pp_balance: Literal["layers", "params", "time", "speed"] = Field(
+        "layers", description="without pp_layout: equal blocks, or balance parameters or measured time; speed: "
+                              "blocks in proportion to each stage's device speed, within its memory "
+                              "(heterogeneous devices: runtime.device_speeds, else measured at start)")
+    dp_split: Literal["even", "speed"] = Field(
+        "even", description="how the dp ranks share a step's micro-batches: evenly, or in proportion to their "
+                            "devices' speed (runtime.device_speeds, else measured at start); the update is the "
+                            "even split's (tessel.parallel.data.uneven)")
+    dp_shares: list[int] | None = Field(None, description="micro-batches of each dp rank per step (an uneven "
+                                                          "split; they sum to dp*grad_accum*micro_batches)")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="activation recomputation: none; full (every block keeps only its input); "
                             "selective (the attention core, Korthikanti et al. 2022); true = full, false = none")
@@ -173,16 +187,18 @@ class ParallelConfig(Strict):
         """recompute = true/false keep their meaning (full, none) next to the named modes."""
         if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
             data = {**data, "recompute": "full" if data["recompute"] else "none"}
+        if isinstance(data, dict) and isinstance(data.get("rank_order"), list):
+            data = {**data, "rank_order": list(full_order(data["rank_order"]))}  # cp joins an older order
         return data
 
     @property
     def world_size(self) -> int:
         servers = self.ps_servers if self.dp_arch == "ps" else 0  # ranks dp .. dp+ps_servers-1
-        return self.pp * self.dp * self.ep * self.tp + servers
+        return self.pp * self.dp * self.ep * self.cp * self.tp + servers
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     @property
     def batch_shards(self) -> int:
@@ -234,6 +250,29 @@ class LoggingConfig(Strict):
     tensorboard: bool = True
     progress: bool = True
     peak_flops: float | None = Field(None, gt=0, description="per device; default measured")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None, description="experiment trackers fed the metrics rows, the config and the summary; default: "
+                          "['tensorboard'] when logging.tensorboard, else none")
+    project: str = Field("tessel", min_length=1, description="the W&B project and the MLflow experiment")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="offline: files under out_dir/wandb, "
+                                                                             "`wandb sync` uploads them")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; default a file store, out_dir/mlruns")
+
+    @model_validator(mode="after")
+    def _trackers(self) -> "LoggingConfig":
+        if self.trackers is not None:
+            if len(set(self.trackers)) != len(self.trackers):
+                raise ValueError("logging.trackers: names a tracker twice")
+            if "tensorboard" in self.trackers and "tensorboard" in self.model_fields_set and not self.tensorboard:
+                raise ValueError("logging.tensorboard: is false, but logging.trackers names tensorboard")
+        return self
+
+    @property
+    def active_trackers(self) -> list[str]:
+        """logging.trackers, or what logging.tensorboard alone asked for (recipes from before trackers)."""
+        if self.trackers is not None:
+            return list(self.trackers)
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class RuntimeConfig(Strict):
@@ -245,6 +284,15 @@ class RuntimeConfig(Strict):
     topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
     elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
+    device_speeds: list[float] | None = Field(None, description="heterogeneous devices: each rank's relative "
+                                              "speed, in rank order (dp_split and pp_balance 'speed' read it; "
+                                              "with emulate_flops a rank's device runs at emulate_flops x speed)")
+    device_memory_gib: list[float] | None = Field(None, description="heterogeneous devices: the memory each "
+                                                  "rank may hold, in rank order (pp_balance 'speed' keeps a "
+                                                  "stage's blocks within it); default: what the device has")
+    emulate_flops: float | None = Field(None, gt=0, description="drills and tests: run every block of the reference "
+                                        "GPT on an emulated accelerator of this many FLOP/s (it waits its matmul "
+                                        "FLOPs / this in time.sleep; tessel.models.emulated)")
 
 
 class CheckpointConfig(Strict):
@@ -264,6 +312,18 @@ class FaultConfig(Strict):
     straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
     straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
     straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")
+    slow_policy: Literal["warn", "rebalance", "evict"] = Field(
+        "warn", description="a rank persistently slower than slow_factor x the others over slow_window steps: "
+                            "name it (warn), shift work away from it, its dp share or pipeline blocks (rebalance), "
+                            "or checkpoint and continue without it, re-planned (evict; tessel.train.fault.slow)")
+    slow_window: int = Field(5, ge=2, description="steps of per-rank compute and idle times a slow-rank "
+                                                  "decision rests on")
+    slow_factor: float = Field(1.5, gt=1, description="a rank whose forward time over the window is more than "
+                                                      "this x the median of the others' is slow")
+    replan: Literal["dp-only", "full"] = Field(
+        "dp-only", description="a run that resumes on another world size (runtime.elastic): keep tp, pp and ep and "
+                               "re-divide dp (dp-only), or probe the links, profile the model and let the planner "
+                               "choose the whole layout for the new world (full; tessel.replan)")
 
 
 class Config(Strict):
@@ -287,7 +347,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if world_size is not None:
         _require(p.world_size == world_size, "parallel",
-                 f"pp*dp*ep*tp (+ ps_servers) = {p.world_size} but the world size is {world_size}")
+                 f"pp*dp*ep*cp*tp (+ ps_servers) = {p.world_size} but the world size is {world_size}")
     _check_ps(cfg)
     _require(sorted(p.rank_order) == sorted(AXES), "parallel.rank_order",
              f"must be a permutation of {list(AXES)}")
@@ -297,6 +357,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
                  f"model.n_kv_head ({m.kv_heads}) is not divisible by tp ({p.tp})")
         _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
     _check_tp_grid(cfg)
+    _check_context_parallel(cfg)
     stages = p.pp * p.virtual_stages
     _require(m.n_layer >= stages, "parallel.pp",
              f"model.n_layer ({m.n_layer}) is fewer than the pipeline stages (pp*virtual_stages = {stages})")
@@ -318,9 +379,6 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     # a Hugging Face model's own check names its model type (_check_hf_expert_parallel)
     _require(p.ep == 1 or m.n_experts > 0 or m.hf_config is not None, "parallel.ep",
              "ep > 1 needs an MoE model (model.n_experts > 0)")
-    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None)
-             or (p.ep == 1 and p.pp == 1), "checkpoint.every",
-             "checkpoints with parallel.zero_stage > 0 support data- and tensor-parallel layouts only (ep = pp = 1)")
     if m.n_experts:
         _require(m.n_experts % p.ep == 0, "parallel.ep",
                  f"model.n_experts ({m.n_experts}) is not divisible by ep ({p.ep})")
@@ -354,12 +412,21 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(not (r.backend == "nccl" and r.device == "cpu"), "runtime.backend", "nccl needs runtime.device = 'cuda'")
     if r.topology is not None:
         _require(Path(r.topology).is_file(), "runtime.topology", f"no such file: {r.topology}")
+    _require(r.emulate_flops is None or m.hf_config is None, "runtime.emulate_flops",
+             "emulates the reference GPT's blocks; not a Hugging Face model")
+    _check_uneven(cfg)
     f = cfg.fault
+    _require(f.replan == "dp-only" or p.dp_arch == "allreduce", "fault.replan",
+             "'full' re-plans a device mesh; the parameter server (dp_arch = 'ps') keeps its layout")
+    _require(f.slow_policy == "warn" or p.dp_arch == "allreduce", "fault.slow_policy",
+             "rebalance and evict act on a device mesh; the parameter server has its own straggler rules")
+    _require(f.slow_policy == "warn" or p.zero_stage == 0 or (p.ep == 1 and p.pp == 1), "fault.slow_policy",
+             "rebalance and evict continue from a checkpoint, which ZeRO with ep or pp cannot write yet")
     _require(f.heartbeat_s == 0 or f.hang_timeout_s >= 2 * f.heartbeat_s, "fault.hang_timeout_s",
              f"must be at least twice fault.heartbeat_s ({f.heartbeat_s})")
     if r.nproc_per_node is not None:
         _require(r.nnodes * r.nproc_per_node == p.world_size, "runtime.nproc_per_node",
-                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*tp (+ ps_servers) "
+                 f"nnodes*nproc_per_node = {r.nnodes * r.nproc_per_node} but pp*dp*ep*cp*tp (+ ps_servers) "
                  f"= {p.world_size}")
 
 
@@ -392,8 +459,12 @@ def _check_split_backward(cfg: Config) -> None:
     """A split backward (zero-bubble schedules, tessel.parallel.pipeline.split_backward) runs W as one autograd
     call per weight group; each would rebuild a fully recomputed block again."""
     p = cfg.parallel
-    _require(p.schedule not in ("zb-h1", "zb-h2", "zbv") or p.recompute != "full", "parallel.recompute",
+    if p.schedule not in ("zb-h1", "zb-h2", "zbv"):
+        return
+    _require(p.recompute != "full", "parallel.recompute",
              f"the '{p.schedule}' schedule's W would recompute each block once per weight; use 'selective' or 'none'")
+    _require(p.cp == 1, "parallel.cp", f"the '{p.schedule}' schedule's split backward is not built for context "
+             "parallelism's attention yet")
 
 
 def _check_zbv(cfg: Config) -> None:
@@ -424,8 +495,9 @@ def _check_async(cfg: Config) -> None:
     _require(p.virtual_stages == 1, "parallel.virtual_stages", f"the '{p.schedule}' schedule runs one stage a rank")
     _require(p.micro_batches * t.grad_accum >= p.pp, "parallel.micro_batches",
              f"the '{p.schedule}' schedule needs at least pp ({p.pp}) micro-batches a step")
-    _require(p.tp == 1 and p.ep == 1 and p.zero_stage == 0 and p.dp_arch == "allreduce", "parallel.schedule",
-             f"'{p.schedule}' composes with pp and dp (no tp, ep, ZeRO or parameter server) so far")
+    _require(p.tp == 1 and p.ep == 1 and p.cp == 1 and p.zero_stage == 0 and p.dp_arch == "allreduce",
+             "parallel.schedule", f"'{p.schedule}' composes with pp and dp (no tp, cp, ep, ZeRO or parameter "
+             "server) so far")
     _require(m.hf_config is None and m.n_experts == 0, "parallel.schedule",
              f"'{p.schedule}' runs the reference dense GPT so far")
     _require(not m.tie_embeddings, "model.tie_embeddings", f"the '{p.schedule}' schedule keeps per-stage weight "
@@ -448,12 +520,6 @@ def _check_hf_tensor_parallel(cfg: Config) -> None:
     _require(family(cfg.model.hf_config) is not None, "parallel.tp",
              f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
              "this architecture trains under dp, ZeRO and recompute")
-    # GPT-2's fused q|k|v projection is split per head (tessel.sharding.mark_packed): not a plain shard
-    # the checkpoint's logical tensors can describe, so a save would fail mid-run
-    c = cfg.checkpoint
-    _require(family(cfg.model.hf_config) != "gpt2" or (c.every == 0 and c.resume is None), "checkpoint.every",
-             "checkpoints of GPT-2 models under tp > 1 are not supported yet (their fused q|k|v projection is "
-             "split per head); use tp = 1 or checkpoint.every = 0")
 
 
 def _check_hf_pipeline(cfg: Config) -> None:
@@ -468,9 +534,6 @@ def _check_hf_pipeline(cfg: Config) -> None:
              f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
              f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
              "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
-    # a stage after the first derives its positions and causal mask from the length of its inputs_embeds
-    _require(not p.sequence_parallel, "parallel.sequence_parallel", "is not supported for Hugging Face models "
-             "under pp > 1 (a later stage would read a sequence shard as the whole sequence)")
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' times the reference GPT's blocks; a Hugging "
              "Face model under pp > 1 is balanced by 'layers' or 'params'")
 
@@ -479,15 +542,16 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
     """ep > 1 shards the experts of Mixtral's sparse MoE blocks (tessel.parallel.expert.hf_experts); no other
     Hugging Face family has experts tessel can place."""
     p, doc = cfg.parallel, read_config(cfg.model.hf_config)
-    # its aux loss mixes the statistics of every layer: one stage does not hold them all
-    _require(p.pp == 1 or not doc.get("output_router_logits"), "parallel.pp", "Mixtral's router aux loss "
-             "(output_router_logits) spans every layer and is not computed under pp > 1 yet")
+    # its aux loss mixes the statistics of every layer: each stage's share (tessel.parallel.expert.cross_stage)
+    # follows the micro-batches of its chunk in order, one chunk per rank
+    _require(p.pp == 1 or p.virtual_stages == 1 or not doc.get("output_router_logits"), "parallel.virtual_stages",
+             "Mixtral's router aux loss (output_router_logits) spans every layer; under pp > 1 it is computed "
+             "with one chunk per pipeline rank (virtual_stages = 1)")
     if p.ep == 1:
         return
     kind = doc["model_type"]
     _require(family(cfg.model.hf_config) == "mixtral", "parallel.ep", f"a '{kind}' model has no sparse MoE block "
              "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
-    _require(p.pp == 1, "parallel.ep", "Mixtral's experts are sharded over ep without a pipeline (pp = 1) so far")
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
@@ -498,43 +562,140 @@ def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
     return side if side >= 2 and side ** root * (depth if mode == "2.5d" else 1) == tp else None
 
 
+def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int,
+                    pp: int = 1) -> tuple[str, str] | None:
+    """(field, message) of the first rule a model breaks on a tp grid (tessel.parallel.tensor_nd), None if it
+    keeps them all: the tp group must be a q x q grid (2d), a q x q x depth grid (2.5d) or a c x c x c cube (3d);
+    the hidden size splits in q*q (c*c*c) pieces (embedding and norms), heads, kv heads, feed-forward and
+    vocabulary over the side, and each rank's micro-batch over the grid's batch chunks (q, q*depth, c*c).
+    The planner's search (tessel.planner.search) enumerates grids through this same function."""
+    if mode == "1d" or tp == 1:
+        return None
+    side = _tp_grid_side(mode, tp, depth)
+    shape = {"2d": "q*q", "2.5d": f"q*q*tp_depth (q*q*{depth})", "3d": "c*c*c"}[mode]
+    if side is None:
+        return "parallel.tp", f"({tp}) must be {shape} with a side >= 2 for tp_mode '{mode}'"
+    pieces = side ** 3 if mode == "3d" else side ** 2
+    chunks = {"2d": side, "2.5d": side * depth, "3d": side * side}[mode]
+    if m.d_model % pieces:
+        return "model.d_model", (f"({m.d_model}) must be divisible by {pieces} "
+                                 f"(tp_mode '{mode}' splits the embedding and norms in {pieces} pieces)")
+    for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
+                        ("vocab_size", m.vocab_size)):
+        if value % side:
+            return f"model.{name}", f"({value}) must be divisible by the grid's side {side}"
+    if micro_batch % chunks:
+        return "train.global_batch", (f"each rank's micro-batch ({micro_batch}) must be divisible by "
+                                      f"the {chunks} batch chunks of tp_mode '{mode}'")
+    if m.n_experts:
+        return "parallel.tp_mode", f"'{mode}' splits dense models only (no MoE) so far"
+    if m.hf_config is not None and _grid_hf_problem(m.hf_config):
+        return "model.hf_config", f"tp_mode '{mode}': {_grid_hf_problem(m.hf_config)}"
+    if m.hf_config is not None and pp > 1:
+        return "parallel.pp", (f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; "
+                               "set pp = 1")
+    if m.tie_embeddings and pp > 1:
+        return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
+                                        "built yet (the last stage's copy of the table); untie them or set pp = 1")
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_hf_problem(hf_config: str) -> str | None:
+    """Why a Hugging Face architecture cannot be split on a grid, or None: the Llama family's own model
+    (tessel.parallel.tensor_nd maps its plan), without biases (the grid's linear layers take none)."""
+    doc = read_config(hf_config)
+    if doc["model_type"] != "llama":
+        return f"splits the reference GPT and Hugging Face Llama so far, not a '{doc['model_type']}' model"
+    if doc.get("attention_bias") or doc.get("mlp_bias"):
+        return "splits bias-free linear layers; this Llama config has attention_bias or mlp_bias"
+    return None
+
+
 def _check_tp_grid(cfg: Config) -> None:
-    """parallel.tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the tp group must be a q x q grid, a
-    q x q x tp_depth grid or a c x c x c cube; the hidden size splits in q*q (c*c*c) pieces (embedding and norms),
-    heads, kv heads, feed-forward and vocabulary over the side, and each rank's micro-batch over the grid's batch
-    chunks (q, q*tp_depth, c*c). What is not built or tested yet is refused by name."""
+    """parallel.tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the model's rules (tp_grid_refusal), then
+    how the grid composes with the other strategies. What is not built or tested yet is refused by name."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(p.tp_depth == 1 or p.tp_mode == "2.5d", "parallel.tp_depth", "is the depth of a 2.5d grid only")
     _require(p.tp_mode != "2.5d" or p.tp == 1 or p.tp_depth >= 2, "parallel.tp_depth",
              "a 2.5d grid needs a depth >= 2 (depth 1 is tp_mode '2d')")
     if p.tp_mode == "1d" or p.tp == 1:
         return
-    side = _tp_grid_side(p.tp_mode, p.tp, p.tp_depth)
-    shape = {"2d": "q*q", "2.5d": f"q*q*tp_depth (q*q*{p.tp_depth})", "3d": "c*c*c"}[p.tp_mode]
-    _require(side is not None, "parallel.tp", f"({p.tp}) must be {shape} with a side >= 2 for tp_mode '{p.tp_mode}'")
-    pieces = side ** 3 if p.tp_mode == "3d" else side ** 2
-    chunks = {"2d": side, "2.5d": side * p.tp_depth, "3d": side * side}[p.tp_mode]
-    _require(m.d_model % pieces == 0, "model.d_model", f"({m.d_model}) must be divisible by {pieces} "
-             f"(tp_mode '{p.tp_mode}' splits the embedding and norms in {pieces} pieces)")
-    for name, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.ffn_dim),
-                        ("vocab_size", m.vocab_size)):
-        _require(value % side == 0, f"model.{name}", f"({value}) must be divisible by the grid's side {side}")
     micro = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)
-    _require(micro % chunks == 0, "train.global_batch", f"each rank's micro-batch ({micro}) must be divisible by "
-             f"the {chunks} batch chunks of tp_mode '{p.tp_mode}'")
-    _require(m.hf_config is None and m.n_experts == 0, "parallel.tp_mode",
-             f"'{p.tp_mode}' splits the reference dense GPT only (no Hugging Face model, no MoE) so far")
-    _require(not m.tie_embeddings, "model.tie_embeddings", f"tp_mode '{p.tp_mode}' splits the embedding and the "
-             "head differently; untie them")
+    refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro, p.pp)
+    if refusal is not None:
+        raise ConfigError(*refusal)
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
-             f"tp_mode '{p.tp_mode}' already splits activations over its grid")
-    _require(p.zero_stage <= 2 and p.dp_arch == "allreduce", "parallel.tp_mode",
-             f"'{p.tp_mode}' composes with dp, ZeRO-1/2 and pp so far (ZeRO-3 and the parameter server are not "
-             "tested yet)")
-    _require(p.pp == 1 or t.sample_tokens == 0, "train.sample_tokens", f"sampling from a pipeline's last stage under "
-             f"tp_mode '{p.tp_mode}' is not built yet (its logits are split by batch and vocabulary); set it to 0")
+             f"means nothing under tp_mode '{p.tp_mode}': each rank already holds a batch chunk and a hidden chunk of "
+             "every activation, norms included, so nothing is replicated for it to split; set it to false")
+    _require(p.dp_arch == "allreduce" and (p.zero_stage <= 2 or p.pp == 1), "parallel.tp_mode",
+             f"'{p.tp_mode}' composes with dp, ZeRO-1/2/3 and pp so far (ZeRO-3 with a pipeline and the parameter "
+             "server are not tested yet)")
     _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
              f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
+
+
+def _check_uneven(cfg: Config) -> None:
+    """Heterogeneous devices (tessel.parallel.data.uneven, tessel.planner.hetero): per-rank declarations cover
+    every rank; an uneven dp split runs where each dp rank's micro-batches reduce once per step (plain DP or
+    ZeRO-1, no pipeline, no experts: their collectives run per micro-batch and would wait on a rank with fewer)."""
+    p, r = cfg.parallel, cfg.runtime
+    for name, values in (("device_speeds", r.device_speeds), ("device_memory_gib", r.device_memory_gib)):
+        if values is None:
+            continue
+        _require(len(values) == p.world_size or r.elastic, f"runtime.{name}",
+                 f"has {len(values)} entries; the layout has {p.world_size} ranks (one per rank)")
+        _require(all(v > 0 for v in values), f"runtime.{name}", "entries must be positive")
+    if p.dp_shares is not None:
+        _require(p.dp_split == "speed" or len(p.dp_shares) == p.dp, "parallel.dp_shares",
+                 f"has {len(p.dp_shares)} entries; dp is {p.dp} (one per dp rank)")
+        want = p.dp * cfg.train.grad_accum * p.micro_batches
+        _require(min(p.dp_shares) >= 1 and sum(p.dp_shares) == want, "parallel.dp_shares",
+                 f"entries must be >= 1 and sum to dp*grad_accum*micro_batches = {want}")
+    if p.dp_shares is not None or p.dp_split == "speed":
+        field = "parallel.dp_shares" if p.dp_shares is not None else "parallel.dp_split"
+        _require(p.pp == 1 and p.ep == 1 and cfg.model.n_experts == 0, field,
+                 "an uneven dp split needs pp = 1 and no experts (their collectives run per micro-batch)")
+        _require(p.cp == 1, field, "an uneven dp split is not built with context parallelism (cp = 1)")
+        _require(p.zero_stage <= 1 and p.dp_arch == "allreduce", field,
+                 "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """parallel.cp (tessel.parallel.context): every cp rank holds chunks r and 2cp-1-r of the same sequences (the
+    causal triangle balanced), so the sequence splits in 2*cp chunks, and under sequence parallelism each rank's
+    chunks split again over tp; Ulysses trades the sequence split for a head split, so each tp rank's heads and
+    kv heads split over cp. What is not built or tested yet is refused by name."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    _require(t.seq_len % (2 * p.cp) == 0, "train.seq_len", f"({t.seq_len}) must be divisible by 2*cp = {2 * p.cp} "
+             "(each cp rank holds a head and a tail chunk of every sequence)")
+    if p.sequence_parallel:
+        _require(t.seq_len % (p.cp * p.tp) == 0, "train.seq_len", f"({t.seq_len}) must be divisible by cp*tp = "
+                 f"{p.cp * p.tp} under sequence parallelism (each cp rank's chunks split over tp)")
+    if p.cp_mode == "ulysses":
+        heads, kv = m.n_head // p.tp, m.kv_heads // p.tp  # each tp rank's (1d, checked above)
+        _require(heads % p.cp == 0, "parallel.cp", f"ulysses splits each tp rank's {heads} heads over cp ({p.cp}): "
+                 "not divisible")
+        _require(kv % p.cp == 0, "parallel.cp", f"ulysses splits each tp rank's {kv} kv heads over cp ({p.cp}): "
+                 "not divisible")
+    _require(m.n_experts == 0, "parallel.cp", "context parallelism of MoE models is not built yet (routing "
+             "statistics and capacity are per sequence shard)")
+    _require(p.tp_mode == "1d", "parallel.cp", f"context parallelism composes with 1d tensor parallelism so far "
+             f"(not tp_mode '{p.tp_mode}')")
+    _require(p.dp_arch == "allreduce", "parallel.cp", "context parallelism is not supported with a parameter server")
+    if m.hf_config is not None:
+        kind = read_config(m.hf_config)["model_type"]
+        _require(kind == "llama", "parallel.cp", f"context parallelism of Hugging Face models covers the llama "
+                 f"family so far (not {kind!r})")
+        _require(not read_config(m.hf_config).get("attention_dropout"), "parallel.cp", "context parallelism "
+                 "computes attention without dropout; set the model's attention_dropout to 0")
+        _require(p.pp == 1, "parallel.cp", "context parallelism of a Hugging Face model under pp > 1 is not "
+                 "built yet")
+    # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
+    _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
+             "stages by 'layers' or 'params'")
 
 
 def _check_ps(cfg: Config) -> None:
@@ -620,10 +781,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return build_config(raw, overrides)
 
 
-def to_toml(cfg: Config) -> str:
-    """Write a config back as a recipe (used by `tessel plan --out`)."""
+def to_toml(cfg: Config, exclude_defaults: bool = False) -> str:
+    """Write a config back as a recipe (used by `tessel plan --out`); exclude_defaults: only the fields that
+    differ from their defaults (`tessel launch`'s frozen recipes)."""
     lines = []
-    for section, body in cfg.model_dump(exclude_none=True).items():
+    for section, body in cfg.model_dump(exclude_none=True, exclude_defaults=exclude_defaults).items():
         lines.append(f"[{section}]")
         for key, value in body.items():
             lines.append(f"{key} = {_toml_value(value)}")

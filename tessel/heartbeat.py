@@ -40,7 +40,8 @@ def _store_client(timeout_s: float):
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run = os.environ.get("TORCHELASTIC_RUN_ID", "spawn")
-    return dist.PrefixStore(f"tessel-hb/{run}/{attempt}/", store)
+    regroup = os.environ.get("TESSEL_REGROUP", "0")  # the ranks left after an eviction (tessel.adaptive.regroup)
+    return dist.PrefixStore(f"tessel-hb/{run}/{attempt}/{regroup}/", store)
 
 
 class Heartbeat:

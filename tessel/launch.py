@@ -28,8 +28,9 @@ from pathlib import Path
 from tessel.comm.topology import Topology
 from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
+from tessel.observe.trackers import check_installed
 from tessel.supervise import Supervisor
-from tessel.train.fault.elastic import rendezvous_args, replan, replan_for_world
+from tessel.train.fault.elastic import rendezvous_args, replan
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -188,6 +189,7 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
     opts.check()
     cfg = with_resume(cfg, opts.resume)
     cfg.runtime.elastic = cfg.runtime.elastic or opts.elastic
+    check_installed(cfg)  # logging.trackers' packages (optional extras)
     nproc = ranks_per_node(cfg, opts)
     check_devices(cfg, nproc)
     check_environment(cfg)
@@ -276,7 +278,7 @@ def run_rank(cfg: Config, control: ControlDir | None = None, run_id: str | None 
             claimed = claim(cfg, resume=cfg.checkpoint.resume is not None, overwrite=overwrite)
             run_id = claimed.run_id
         summary = train_rank(cfg, run_id, StopRequest(control))
-        if rank == 0:
+        if summary is not None and _rank_now(rank) == 0:  # None: evicted (fault.slow_policy = "evict")
             from tessel.observe.report import print_summary  # deferred: rich's tables, for the last line only
             print_summary(summary)
     except Stopped as stop:
@@ -290,6 +292,12 @@ def run_rank(cfg: Config, control: ControlDir | None = None, run_id: str | None 
         if claimed is not None:
             claimed.release()
     shutdown_and_exit(code)
+
+
+def _rank_now(rank: int) -> int:
+    """This rank's number now: an eviction renumbers the ranks that stay (tessel.adaptive.regroup)."""
+    import torch.distributed as dist  # deferred: loaded by the run already
+    return dist.get_rank() if dist.is_initialized() else rank
 
 
 def _stopped(stop: Stopped, rank: int, control: ControlDir | None) -> int:
@@ -312,40 +320,17 @@ def _fatal(err: Exception, rank: int, control: ControlDir | None) -> int:
 
 
 def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None = None):
-    import torch
-    import torch.distributed as dist
-
-    from tessel.mesh import make_mesh  # deferred: loads torch (see the module's note)
-    from tessel.models.build import build_model  # deferred: loads torch
-    from tessel.apply import parallelize  # deferred: loads torch and every strategy
-    from tessel.parallel.tensor_nd.apply import describe_mode  # deferred: loads torch
+    from tessel.adaptive import run_layouts  # deferred: loads torch and every strategy
     from tessel.runtime import init_distributed  # deferred: loads torch
     from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer
-    from tessel.train.trainer import Trainer  # deferred: loads torch and every strategy
 
     r = cfg.runtime
     if stop is not None:  # the ranks stop after their step on SIGINT, SIGTERM, SIGHUP
         stop.install()
     device = init_distributed(r.device, r.backend, r.threads_per_rank, r.timeout_s)
-    if r.elastic:
-        cfg = replan_for_world(cfg, dist.get_world_size(), dist.get_rank())
-    check_layout(cfg, world_size=dist.get_world_size())
     if cfg.parallel.dp_arch == "ps":  # no mesh over the world: the servers are ranks outside the dp layout
+        import torch.distributed as dist
+        check_layout(cfg, world_size=dist.get_world_size())
         return train_rank_ps(cfg, device, run_id, stop)
-    p = cfg.parallel
-    mesh = make_mesh(p.axis_sizes, order=p.rank_order, device=device)
-    rank = dist.get_rank()
-    if rank == 0:
-        print(mesh.describe(), flush=True)
-        if p.tp_mode != "1d" and p.tp > 1:  # the tp group's grid: which rank holds which block
-            print(describe_mode(mesh, p.tp_mode, p.tp, p.tp_depth), flush=True)
-    if r.topology and not r.nproc_per_node:  # a `tessel probe` file knows the node size
-        mesh.check_topology(Topology.load(r.topology).nproc_per_node)
-    else:
-        mesh.check_topology(r.nproc_per_node)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
-    model = build_model(cfg.model).to(device)
-    runner = parallelize(model, mesh, cfg)
-    return Trainer(cfg, mesh, runner, rank, run_id=run_id, stop=stop).fit()
+    # the mesh, the model, the runner and the trainer, again whenever a slow rank makes the run change layout
+    return run_layouts(cfg, device, run_id, stop)

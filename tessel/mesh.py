@@ -1,11 +1,11 @@
 """One device mesh with named axes, passed explicitly to everything that talks.
 
-Ranks are laid out on a grid whose axes are named (pp, dp, ep, tp). The
+Ranks are laid out on a grid whose axes are named (pp, dp, ep, cp, tp). The
 default order puts tp innermost, so a tensor-parallel group is a run of
-contiguous ranks (one node), and pp outermost, so pipeline stages cross nodes
-(Narayanan et al. 2021, "PTD-P"). Process groups are created once, for every
-single axis and for the axis combinations that the strategies need; nothing is
-kept in module globals.
+contiguous ranks (one node), cp next to it (tessel.axes), and pp outermost, so
+pipeline stages cross nodes (Narayanan et al. 2021, "PTD-P"). Process groups
+are created once, for every single axis and for the axis combinations that the
+strategies need; nothing is kept in module globals.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from tessel.axes import AXES
+from tessel.axes import AXES, TOKEN_AXES, full_order
 
 # Combinations that strategies reduce over: non-expert gradients over dp x ep,
-# the global gradient norm over everything that shards parameters.
-DEFAULT_COMBOS = (("dp", "ep"),)
+# the global gradient norm over everything that shards parameters; losses and replicated
+# gradients over every axis whose ranks see different tokens (tessel.axes.TOKEN_AXES).
+DEFAULT_COMBOS = (("dp", "ep"), TOKEN_AXES)
 
 
 @dataclass
@@ -32,6 +33,11 @@ class Mesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _groups: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
     _members: dict[tuple[str, ...], list[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        # sizes and orders written before an axis existed (cp) give it size 1 and its default place
+        self.sizes = {a: int(self.sizes.get(a, 1)) for a in AXES}
+        self.order = full_order(self.order)
 
     # ---- layout (pure arithmetic, no process group needed) -----------------
     @property
@@ -116,13 +122,14 @@ class Mesh:
         return "\n".join(lines)
 
     def check_topology(self, nproc_per_node: int | None) -> list[str]:
-        """Warn if a tensor-parallel group straddles nodes (its traffic is per layer)."""
-        if not nproc_per_node or self.sizes["tp"] == 1:
+        """Warn if a tensor- or context-parallel group straddles nodes (their traffic is per layer)."""
+        if not nproc_per_node:
             return []
         msgs = []
-        for g in self.all_groups(("tp",)):
-            if len({r // nproc_per_node for r in g}) > 1:
-                msgs.append(f"tp group {g} spans nodes (nproc_per_node={nproc_per_node})")
+        for axis in ("tp", "cp"):
+            for g in self.all_groups((axis,)) if self.sizes[axis] > 1 else []:
+                if len({r // nproc_per_node for r in g}) > 1:
+                    msgs.append(f"{axis} group {g} spans nodes (nproc_per_node={nproc_per_node})")
         for m in msgs:
             warnings.warn(m, stacklevel=2)
         return msgs
@@ -135,7 +142,7 @@ def make_mesh(sizes: dict[str, int], order: Sequence[str] = AXES, rank: int | No
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; known: {AXES}")
     mesh = Mesh(full, tuple(order), rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0),
-                device or torch.device("cpu"))
+                device or torch.device("cpu"))  # Mesh gives an order written before cp its place
     if dist.is_initialized() and mesh.world_size != dist.get_world_size():
         raise ValueError(f"mesh size {mesh.world_size} != world size {dist.get_world_size()}")
     if build and dist.is_initialized():

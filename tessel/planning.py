@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
+from tessel.observe.progress import work_progress
+from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
-from tessel.planner.layout import Layout, layout_config, parse_fix, parse_layout
+from tessel.planner.grid_cost import grid_sizes
+from tessel.planner.hetero import Gain, gain
+from tessel.planner.layout import Layout, layout_config, layout_text, parse_fix, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import MICRO_BATCHES, explain, plan_table, print_plan, search, simulated
 from tessel.planner.simulate import simulate_plan, write_png, write_trace
@@ -114,7 +119,9 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     the model profiled on it (seconds)."""
     check_problem_args(cluster, world, model, global_batch, precision)
     overrides, cluster_set = split_cluster_overrides(overrides)
-    with_overrides(get_cluster("a100"), cluster_set)  # every key and value checked before any measuring
+    checked = with_overrides(get_cluster("a100"), cluster_set)  # every key and value checked before any measuring
+    if world is not None and checked.speeds and len(checked.speeds) != world:
+        raise ConfigError("cluster.speeds", f"has {len(checked.speeds)} entries; give one per device ({world})")
     base, spec = _recipe_and_model(recipe, overrides, model, precision)
     gb = global_batch if global_batch is not None else spec.global_batch
     if world is None and recipe and not model:
@@ -123,6 +130,8 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
         world = 1 if cluster.lower() == "this" else get_cluster(cluster).world
     lay = checked_layout(base, world, gb, layout) if layout else None
     cl = with_overrides(cluster_named(cluster, world, refresh=refresh), cluster_set)
+    if cl.speeds and len(cl.speeds) != world:
+        raise ConfigError("cluster.speeds", f"has {len(cl.speeds)} entries; give one per device ({world})")
     cal = None
     if cl.name == "this" and calibrate:
         from tessel.calibrate.profile import profile_model  # deferred: loads torch and the trainer
@@ -130,6 +139,17 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
         cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
     cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
     return Problem(base, spec, cl, world, gb, cm, lay, fixed or {})
+
+
+def recipe_allows(base: Config):
+    """What a recipe rules out beyond the model: a grid (tp_mode) under ZeRO writes no checkpoints yet
+    (tessel.config), so a recipe that saves or resumes them keeps the search to the other layouts; an
+    asynchronous pipeline (stale weights) needs parallel.allow_async and no checkpoints, PipeDream also
+    train.grad_clip = 0."""
+    saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
+    stale_ok = base.parallel.allow_async and not saves
+    return lambda lay: not (saves and lay.tp_mode != "1d" and lay.zero > 0) and (
+        lay.schedule not in ASYNC_SCHEDULES or (stale_ok and (lay.schedule != "pipedream" or base.train.grad_clip == 0)))
 
 
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
@@ -183,13 +203,17 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        result = search(prob.cost, prob.world, prob.global_batch, prob.fixed,
-                        allow_async=prob.base.parallel.allow_async)
+        with work_progress("pricing layouts") as work:
+            result = search(prob.cost, prob.world, prob.global_batch, prob.fixed, progress=work.update,
+                            allow=recipe_allows(prob.base))
         ranked, lines = result.ranked[:top], explain(result, top)
         if not ranked:
             raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
     winner = ranked[0]
     outputs = _throughput(winner, opts.tokens)
+    hetero = _hetero(prob, winner)
+    if hetero is not None:
+        outputs.append(hetero.line())
     lines = lines + outputs
     terms = step_terms(winner) if opts.explain else []
     report = {"model": prob.spec.name, "params": prob.spec.total_params, "cluster": prob.cluster.name,
@@ -287,11 +311,14 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
     if prob.layout is not None:
         est = prob.cost.estimate(prob.layout)
     else:
-        best = search(prob.cost, prob.world, prob.global_batch).best
+        with work_progress("pricing layouts") as work:
+            best = search(prob.cost, prob.world, prob.global_batch, progress=work.update,
+                          allow=recipe_allows(prob.base)).best
         if best is None:
             raise ConfigError("--world", "no layout fits in memory; give one with --layout")
         est = best
-    result = simulate_plan(prob.cost, est.layout, est)
+    with work_progress("simulating") as work:
+        result = simulate_plan(prob.cost, est.layout, est, progress=work.update)
     write_trace(result, trace)
     write_png(result, png, f"{est.layout.describe()}: simulated step {result.step_s:.4g} s, "
                            f"bubble {100 * result.bubble:.1f}%")
@@ -299,6 +326,9 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
               "simulated_bubble": result.bubble, "analytic_step_s": est.step_s, "analytic_bubble": est.bubble,
               "events": len(result.events), "trace": trace, "png": png,
               "note": "one representative pipeline stands for all dp*ep replicas and tp ranks (symmetry)"}
+    hetero = _hetero(prob, est)
+    if hetero is not None:
+        report["heterogeneous"] = hetero.to_json()
     if as_json:
         print(json.dumps(report, indent=1))
     else:
@@ -306,5 +336,104 @@ def simulate(prob: Problem, trace: str, png: str, as_json: bool) -> dict:
                         f"{result.step_s:.4g} s (analytic {est.step_s:.4g} s), bubble {100 * result.bubble:.1f}% "
                         f"(analytic {100 * est.bubble:.1f}%), {len(result.events)} events\n"
                         f"trace: {trace}\ntimeline: {png}")
+        if hetero is not None:
+            Console().print(hetero.line())
     return report
 
+
+def _hetero(prob: Problem, est: Estimate) -> Gain | None:
+    """cluster.speeds: the layout's step split evenly and in proportion to speed (tessel.planner.hetero)."""
+    return gain(est, list(prob.cluster.speeds), prob.spec.cfg.n_layer) if prob.cluster.speeds else None
+
+
+# ---- tessel simulate --tp-modes: 1D, 2D, 2.5D and 3D at each tensor-parallel group size ----------------
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+
+
+def check_tp_modes_arg(text: str | None, layout: str | None) -> list[int]:
+    """--tp-modes 8,64,512: the tp group sizes to compare the modes at (each a positive integer)."""
+    if text is None:
+        return []
+    if layout is not None:
+        raise ConfigError("--tp-modes", "searches each mode's best layout at each group size; not with --layout")
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError("--tp-modes", f"'{text}' is not a comma-separated list of group sizes") from None
+    if not sizes or min(sizes) < 2:
+        raise ConfigError("--tp-modes", f"give tp group sizes >= 2, e.g. 8,64,512 (got '{text}')")
+    return sizes
+
+
+def tp_mode_rows(prob: Problem, sizes: list[int]) -> list[dict]:
+    """For each tp group size and mode: the fastest layout the search finds with tp and tp_mode pinned (the rest
+    searched), its step simulated event by event; or why there is none."""
+    rows = []
+    for size in sizes:
+        for mode in TP_MODES:
+            row = {"tp": size, "mode": mode}
+            try:
+                best = search(prob.cost, prob.world, prob.global_batch, {"tp": size, "tp_mode": mode},
+                              allow=recipe_allows(prob.base)).best
+            except ConfigError:
+                rows.append({**row, "why": _no_layout(prob.spec.cfg, mode, size)})
+                continue
+            if best is None:
+                rows.append({**row, "why": "out of memory"})
+                continue
+            sim = simulate_plan(prob.cost, best.layout, best)
+            rows.append({**row, "layout": layout_text(best.layout), "describe": best.layout.describe(),
+                         "simulated_step_s": sim.step_s, "analytic_step_s": best.step_s,
+                         "tp_comm_share": best.time["tp+ep comm"] / best.step_s,
+                         "memory_gib": best.memory_total / 2**30})
+        timed = [r for r in rows if r["tp"] == size and "simulated_step_s" in r]
+        if timed:
+            min(timed, key=lambda r: r["simulated_step_s"])["wins"] = True
+    return rows
+
+
+def _no_layout(cfg, mode: str, size: int) -> str:
+    """Why no layout has a tp group of `size` ranks in `mode` (tessel.config's rules)."""
+    if mode == "1d":
+        for name, value in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("d_ff", cfg.ffn_dim)):
+            if value % size:
+                return f"{name} ({value}) does not split {size} ways"
+    grids = {m for m, tp, _ in grid_sizes(size) if tp == size}
+    if mode != "1d" and mode not in grids:
+        return {"2d": f"{size} is no q x q grid", "2.5d": f"{size} is no q x q x d grid (2 <= d <= q)",
+                "3d": f"{size} is no c x c x c cube"}[mode]
+    return "no micro-batch, stage count or model width fits it"
+
+
+def simulate_tp_modes(prob: Problem, sizes: list[int], as_json: bool) -> dict:
+    """`tessel simulate --tp-modes`: which tensor-parallel mode wins at which group size on this cluster."""
+    rows = tp_mode_rows(prob, sizes)
+    inter = prob.cluster.inter
+    report = {"model": prob.spec.name, "cluster": prob.cluster.name, "world": prob.world,
+              "global_batch": prob.global_batch, "inter_gbps": inter.bandwidth / 1e9,
+              "intra_gbps": prob.cluster.intra.bandwidth / 1e9, "rows": rows}
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return report
+    console = Console(width=max(Console().width, 150))
+    console.print(f"{prob.spec.name} on {prob.world} x {prob.cluster.name} (NVLink "
+                  f"{prob.cluster.intra.bandwidth / 1e9:g} GB/s, network {inter.bandwidth / 1e9:g} GB/s per GPU), "
+                  f"global batch {prob.global_batch}: each "
+                  "mode's fastest layout at each tp group size, its step simulated")
+    table = Table()
+    for col in ("tp", "mode", "simulated s", "analytic s", "tp comm", "memory GiB", "layout"):
+        table.add_column(col, justify="left" if col in ("mode", "layout") else "right", no_wrap=True)
+    for r in rows:
+        if "why" in r:
+            table.add_row(str(r["tp"]), r["mode"], "-", "-", "-", "-", r["why"])
+            continue
+        table.add_row(str(r["tp"]), r["mode"] + (" *" if r.get("wins") else ""), f"{r['simulated_step_s']:.3g}",
+                      f"{r['analytic_step_s']:.3g}", f"{100 * r['tp_comm_share']:.0f}%", f"{r['memory_gib']:.1f}",
+                      r["describe"])
+    console.print(table)
+    console.print("* the fastest mode at that group size; each row again: tessel simulate (same flags) --layout ...")
+    for r in rows:
+        if "layout" in r:
+            console.print(f"  tp {r['tp']} {r['mode']}: --layout {r['layout']}", soft_wrap=True)
+    return report

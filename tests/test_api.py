@@ -153,6 +153,7 @@ def test_bad_layouts_name_what_is_wrong():
         (Mesh({"pp": 3, "dp": 1, "ep": 1, "tp": 1}), "", "parallel.pp: model.n_layer (2) is fewer than the pipeline"),
         (Mesh({"pp": 1, "dp": 2, "ep": 1, "tp": 1}), "", "mesh: holds 2 ranks but the process group has 1"),
         ({"dp": 1}, "", "mesh: expected a tessel.Mesh"),
+        (Mesh({"cp": 2}), "", "layout: cp > 1 trains through `tessel train`"),  # step() is handed whole rows
     ]
     for mesh, layout, message in cases:
         with pytest.raises(tessel.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -67,6 +67,11 @@ BAD = [
     (["simulate", "--world", "-1"], "--world"),
     (["simulate", "--trace", UNWRITABLE + "/trace.json"], "--trace"),
     (["simulate", "--png", "{tmp}"], "--png"),
+    (["simulate", "--tp-modes", "1"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8,x"], "--tp-modes"),
+    (["simulate", "--tp-modes", "8", "--layout", "dp=8"], "--tp-modes"),
+    (["plan", "--fix", "tp_mode=4d"], "--fix"),
+    (["plan", "--model", "gpt3-1.3b", "--world", "16", "--layout", "dp=4,tp=4,mb=8,tp_mode=2.5d"], "parallel.tp_depth"),
     # probe
     (["probe", "--world", "0"], "--world"),
     (["probe", "--size-mb", "0"], "--size-mb"),
@@ -129,12 +134,14 @@ BAD = [
       "--set", "model.vocab_size=257"], "model.vocab_size"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
       "--set", "train.global_batch=2"], "train.global_batch"),
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
-      "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),
-    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
-      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D: not tested yet
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
-      "--set", "train.sample_tokens=8"], "train.sample_tokens"),  # a pipeline's grid logits: not gathered yet
+      "--set", "model.tie_embeddings=true"], "model.tie_embeddings"),  # tied under a grid: without a pipeline
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4", "--set", "parallel.pp=2",
+      "--set", "parallel.zero_stage=3"], "parallel.tp_mode"),  # ZeRO-3 x 2D x pp: not tested yet
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.tp_mode="2d"', "--set", "parallel.tp=4",
+      "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # nothing replicated to split
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", 'parallel.tp_mode="2d"',
+      "--set", "parallel.tp=4", "--set", "parallel.pp=2", "--set", "parallel.dp=1"], "parallel.pp"),  # HF x grid x pp
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=-1"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", "train.seed=18446744073709551616"], "train.seed"),
     (["train", "{tmp}/tiny.toml", "--set", 'train.sample_prompt=""', "--set", "train.sample_tokens=8"],
@@ -170,6 +177,9 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", 'model.init_from="{assets}/gpt"'], "model.init_from"),  # no safetensors
     (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set",
       'model.init_from="{assets}/llama-no-norm.safetensors"'], "model.init_from"),  # one line, transformers' too
+    (["train", "{assets}/mixtral.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.pp=2", "--set",
+      "parallel.virtual_stages=2", "--set", 'parallel.schedule="interleaved"', "--set", "parallel.micro_batches=2"],
+     "parallel.virtual_stages"),  # Mixtral's router loss across stages: one chunk per pipeline rank
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/missing.json"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/not_json.jsonl"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{assets}/bpe300.json"'], "data.tokenizer"),  # > vocab
@@ -244,6 +254,95 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "parallel.pp=2", "--set", 'parallel.schedule="2bw"', "--set",
       "parallel.micro_batches=2", "--set", "parallel.allow_async=true", "--set", "parallel.zero_stage=1", "--set",
       "parallel.dp=2"], "parallel.schedule"),
+    # launch slurm (the tiny recipe's layout is dp=2)
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "2", "--set", "checkpoint.every=5"],
+     "--nodes"),  # 4 ranks for a layout of 2
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "0", "--procs-per-node", "2"], "--nodes"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2"], "--gpus-per-node"),  # neither GPUs nor processes
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--procs-per-node", "1"],
+     "--gpus-per-node"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1"], "checkpoint.every"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'runtime.device="cuda"'], "runtime.device"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "1:2:3:4"], "--time"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--time", "2", "--grace", "120"], "--grace"),  # the stop would come before the start
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--job-name", "my job"], "--job-name"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--port", "80"], "--port"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--sbatch-arg", "qos=high"], "--sbatch-arg"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--out", "{tmp}"], "--out"),
+    (["launch", "slurm", "{tmp}/tiny.toml", "--nodes", "2", "--procs-per-node", "1", "--set", "checkpoint.every=5",
+      "--set", 'data.source="bin"', "--set", 'data.path="{tmp}/oov.bin"'], "data.path"),
+    # logging.trackers
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["neptune"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.trackers=["mlflow", "mlflow"]'], "logging.trackers"),
+    (["train", "{tmp}/tiny.toml", "--set", "logging.tensorboard=false", "--set", 'logging.trackers=["tensorboard"]'],
+     "logging.tensorboard"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.wandb_mode="cloud"'], "logging.wandb_mode"),
+    # launch k8s
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "2", "--image", "img",
+      "--set", "checkpoint.every=5"], "--nodes"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--set", "checkpoint.every=5"],
+     "--image"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img"],
+     "checkpoint.every"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--name", "Tiny_Run"], "--name"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--storage", "lots"], "--storage"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--pvc", "Runs!"], "--pvc"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--max-restarts", "-1"], "--max-restarts"),
+    (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
+      "--set", "checkpoint.every=5", "--out", "{tmp}"], "--out"),
+    # train: re-planning and emulated devices (tessel.replan, tessel.models.emulated)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.emulate_flops=0"], "runtime.emulate_flops"),
+    # train and plan: heterogeneous devices (tessel.planner.hetero, tessel.parallel.data.uneven)
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, 2.0, 3.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_speeds=[1.0, -2.0]"], "runtime.device_speeds"),
+    (["train", "{tmp}/tiny.toml", "--set", "runtime.device_memory_gib=[8.0]"], "runtime.device_memory_gib"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[1, 2]"], "parallel.dp_shares"),  # sum != 2
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.dp_shares=[2]"], "parallel.dp_shares"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="speed"', "--set", "parallel.zero_stage=2"],
+     "parallel.dp_split"),  # ZeRO-2 reduces per micro-batch: a rank with fewer would leave the others waiting
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.dp_split="fast"'], "parallel.dp_split"),
+    (["plan", "--world", "8", "--set", "cluster.speeds=1,2"], "cluster.speeds"),  # one per device
+    (["plan", "--world", "2", "--set", "cluster.speeds=1,x"], "cluster.speeds"),
+    # train: slow ranks (tessel.train.fault.slow)
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="kill"'], "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_window=1"], "fault.slow_window"),
+    (["train", "{tmp}/tiny.toml", "--set", "fault.slow_factor=1.0"], "fault.slow_factor"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="evict"', "--set", 'parallel.dp_arch="ps"'],
+     "fault.slow_policy"),
+    (["train", "{tmp}/tiny.toml", "--set", 'fault.slow_policy="rebalance"', "--set", "parallel.pp=2",
+      "--set", "parallel.dp=1", "--set", "parallel.zero_stage=1"], "fault.slow_policy"),  # no checkpoint to go on from
+    # train: context parallelism (tessel.config._check_context_parallel)
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=0"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", 'parallel.cp_mode="star"'], "parallel.cp_mode"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=3"], "train.seq_len"),  # 16 tokens, 6 chunks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.tp=4", "--set",
+      "parallel.sequence_parallel=true", "--set", "train.seq_len=20"], "train.seq_len"),  # 10 a cp rank, tp4
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=8", "--set", 'parallel.cp_mode="ulysses"'],
+     "parallel.cp"),  # 4 heads over 8 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=4", "--set", 'parallel.cp_mode="ulysses"', "--set",
+      "model.n_kv_head=2"], "parallel.cp"),  # 2 kv heads over 4 ranks
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "model.n_experts=2"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", 'parallel.tp_mode="2d"', "--set",
+      "parallel.tp=4"], "parallel.cp"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.dp=1", "--set",
+      "runtime.nproc_per_node=1"], "runtime.nproc_per_node"),  # the world is cp*... = 2
+    (["train", "{assets}/llama.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.cp=2", "--set",
+      "parallel.pp=2"], "parallel.cp"),  # a Hugging Face model: cp without a pipeline so far
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.cp=2", "--set", "parallel.pp=2", "--set",
+      'parallel.pp_balance="time"'], "parallel.pp_balance"),  # times whole sequences through chunk attention
 ]
 
 
@@ -269,7 +368,8 @@ def tmp(tmp_path):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Files some rows need that cost more than a write: checkpoints (a tiny GPT, an MoE GPT, a corrupt
-    copy), weights missing a tensor, a 300-id BPE, a Llama config of 256 ids; made once per module."""
+    copy), weights missing a tensor, a 300-id BPE, a Llama config of 256 ids, a Mixtral recipe with its router
+    loss; made once per module."""
     import shutil
 
     from safetensors.torch import save_file
@@ -297,6 +397,10 @@ def assets(tmp_path_factory):
                                                     "intermediate_size": 64, "num_hidden_layers": 2,
                                                     "num_attention_heads": 4, "max_position_embeddings": 32}))
     (root / "llama.toml").write_text(to_toml(tiny_config(f'model.hf_config="{root / "llama256.json"}"')))
+    (root / "mixtral-router.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "max_position_embeddings": 32, "num_local_experts": 4, "output_router_logits": True}))
+    (root / "mixtral.toml").write_text(to_toml(tiny_config(f'model.hf_config="{root / "mixtral-router.json"}"')))
     llama = build_model(ModelConfig(hf_config=str(root / "llama256.json"))).state_dict()
     save_file({k: v for k, v in llama.items() if k != "model.norm.weight"}, str(root / "llama-no-norm.safetensors"))
     return root
@@ -339,7 +443,8 @@ def test_bad_input_is_refused_in_one_line(argv, field, tmp, assets, no_spawn, ca
 
 def test_the_table_covers_every_command():
     assert len(BAD) >= 30
-    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data"}
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "simulate", "probe", "bench", "plot", "export", "data",
+                                      "launch"}
 
 
 REAL = [  # the installed entry point, in a process of its own

@@ -1,5 +1,6 @@
 """Bad recipes are rejected before any process exists: exit 2, the field named, no traceback."""
 
+import json
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ BAD = [
     (['data.source="bin"'], "data.path"),
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
-    (["parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
+    (["parallel.tp=4", 'parallel.tp_mode="2d"', "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
     (["parallel.dp=2", 'parallel.zero_param_dtype="bf16"'], "parallel.zero_param_dtype"),  # needs ZeRO
     (["parallel.dp=2", 'parallel.zero_reduce_dtype="bf16"'], "parallel.zero_param_dtype"),
 ]
@@ -95,8 +96,34 @@ def test_overrides_parse_as_toml_and_round_trip():
     assert build_config(tomllib.loads(to_toml(cfg))) == cfg
 
 
-def test_zero_checkpoints_allowed_on_data_parallel_layouts():
-    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero.checkpoint) on dp-only layouts
+def test_zero_checkpoints_allowed_on_data_pipeline_and_expert_layouts():
+    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero.checkpoint) under dp, pp and ep
+    moe = ["model.n_experts=4"]
     for stage in (1, 2, 3):
-        cfg = build_config({}, ["parallel.dp=2", f"parallel.zero_stage={stage}", "checkpoint.every=10"])
-        assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage
+        for layout in (["parallel.dp=2"], ["parallel.dp=2", "parallel.pp=2"], [*moe, "parallel.ep=2"],
+                       [*moe, "parallel.ep=2", "parallel.pp=2"]):
+            cfg = build_config({}, [*layout, f"parallel.zero_stage={stage}", "checkpoint.every=10"])
+            assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage
+
+
+def test_cp_joins_the_world_size_and_an_older_rank_order():
+    cfg = build_config({}, ["parallel.cp=2", "parallel.tp=2", "parallel.dp=2", 'parallel.cp_mode="ulysses"',
+                            'parallel.rank_order=["pp", "dp", "ep", "tp"]'])
+    assert cfg.parallel.world_size == 8
+    assert cfg.parallel.axis_sizes == {"pp": 1, "dp": 2, "ep": 1, "cp": 2, "tp": 2}
+    assert cfg.parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
+    assert build_config({}).parallel.rank_order == ["pp", "dp", "ep", "cp", "tp"]
+
+
+def test_cp_refuses_what_it_does_not_cover_for_hugging_face_models(tmp_path):
+    llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    cases = {"gpt2": ({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                       "n_positions": 64}, "llama family"),
+             "dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout")}
+    for name, (doc, why) in cases.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=why) as err:
+            build_config({"data": {"source": "synthetic"}},
+                         [f'model.hf_config="{tmp_path / name}.json"', "parallel.cp=2", "train.seq_len=32"])
+        assert err.value.field == "parallel.cp"

@@ -108,26 +108,34 @@ def test_reference_gpt_dp2_tp2_pp2_checkpoint_exports_as_llama(tmp_path):
     assert_close(exported_loss(tmp_path / "hf"), torch.tensor(sharded), **SHARDED_LOSS)
 
 
-# a Hugging Face Llama's ZeRO checkpoints: dp2 x tp2 with ZeRO-1, and dp4 with ZeRO-3's flat shards
-# (dp2 x tp2 x pp2 below); a vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250
-# logical rows
-HF_LAYOUTS = {"dp2tp2zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"],
-              "dp4zero3": ["parallel.dp=4", "parallel.zero_stage=3"]}
+# Hugging Face checkpoints of every axis, on 4 ranks: a Llama under dp2 x tp2 with ZeRO-1, dp4 with ZeRO-3's
+# flat shards and pp2 x dp2 with ZeRO-1 (each stage's ZeRO names its parameters as the full model does); a
+# tied GPT-2 under dp2 x tp2 with ZeRO-2 (its fused q|k|v split per head, saved as pieces of the logical
+# tensor); a Mixtral under pp2 x ep2 with ZeRO-1 (experts sharded over ep) (dp2 x tp2 x pp2 below). A
+# vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250 logical rows.
+HF_LAYOUTS = {"dp2tp2zero1": (LLAMA, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"]),
+              "dp4zero3": (LLAMA, ["parallel.dp=4", "parallel.zero_stage=3"]),
+              "pp2dp2zero1": (LLAMA, ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"]),
+              "gpt2-dp2tp2zero2": (GPT2, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"]),
+              "mixtral-pp2ep2zero1": (MIXTRAL, ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"])}
 
 
-def test_hf_llama_sharded_checkpoints_export_under_their_own_names(tmp_path):
-    hf = f'model.hf_config="{config_file(tmp_path, {**LLAMA, "vocab_size": 250})}"'
-    runs = {name: [hf, *layout] for name, layout in HF_LAYOUTS.items()}
+def test_hf_sharded_checkpoints_export_under_their_own_names(tmp_path):
+    runs = {name: [f'model.hf_config="{config_file(tmp_path, {**doc, "vocab_size": 250})}"', *layout]
+                   for name, (doc, layout) in HF_LAYOUTS.items()}
     sharded = spawn(_train, 4, str(tmp_path), runs, 250, timeout=300)[0]
-    (tmp_path / "llama.json").unlink()  # the recipe's config is gone: the checkpoint carries its own copy
+    for doc in (LLAMA, GPT2, MIXTRAL):  # the recipe's config is gone: the checkpoint carries its own copy
+        (tmp_path / f"{doc['model_type']}.json").unlink()
     x = batch(250)
     for name in HF_LAYOUTS:
         checkpoint = tmp_path / name / "step_00000002"
         export(checkpoint, tmp_path / f"hf-{name}", "--shard-mb", "0.05")  # several files and an index
         assert len(list((tmp_path / f"hf-{name}").glob("*.safetensors"))) > 1
         cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
-        assert_close(hf_logits(tmp_path / f"hf-{name}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
-        assert_close(exported_loss(tmp_path / f"hf-{name}", 250), torch.tensor(sharded[name]), **SHARDED_LOSS)
+        assert_close(hf_logits(tmp_path / f"hf-{name}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE,
+                     msg=lambda m: f"{name}: {m}")
+        assert_close(exported_loss(tmp_path / f"hf-{name}", 250), torch.tensor(sharded[name]), **SHARDED_LOSS,
+                     msg=lambda m: f"{name}: {m}")
 
 
 def test_hf_llama_dp2_tp2_pp2_checkpoint_exports_under_its_own_names(tmp_path):

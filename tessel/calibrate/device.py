@@ -1,7 +1,8 @@
 """What this machine offers each rank, and whether a recipe fits it: `tessel train`'s memory check.
 
 The budget is a GPU's whole memory on CUDA, and on CPU the RAM Linux says it
-can give (MemAvailable) shared by the node's ranks. A rank's own runtime
+can give (MemAvailable) shared by the node's ranks, or less where each process
+is capped (RLIMIT_DATA: `prlimit --data`, `ulimit -d`; the ranks inherit it). A rank's own runtime
 footprint is the cached probe's measurement where `tessel plan --cluster this`
 ran one at this many ranks (tessel.calibrate.cache; never probed here), else
 the allowance below. tessel.planner.fit prices the recipe against it.
@@ -10,6 +11,7 @@ the allowance below. tessel.planner.fit prices the recipe against it.
 from __future__ import annotations
 
 import os
+import resource
 
 from tessel.calibrate.cache import cached_probe
 from tessel.config import Config, ConfigError
@@ -46,10 +48,20 @@ def device_budget(cfg: Config, ranks_per_node: int) -> Budget:
     share = ram / ranks_per_node
     text = (f"{ranks_per_node} ranks share {size_text(ram)} of RAM ({size_text(share)} each)" if ranks_per_node > 1
             else f"the rank has {size_text(ram)} of RAM")
+    cap = data_limit()
+    if cap is not None and cap < share:  # a rank allocating past it fails, whatever the RAM
+        share, text = cap, f"each rank is capped at {size_text(cap)} (RLIMIT_DATA)"
     if probe is None:
         return Budget(share, CPU_RANK_ALLOWANCE, {}, text)
     # the probe's RAM figure is the machine's total; MemAvailable, which also sees the other processes, stays
     return Budget(share, probe.baseline_memory, dict(probe.collective_workspace), text)
+
+
+def data_limit() -> float | None:
+    """The cap on one process's heap and private mappings (RLIMIT_DATA), which torch's CPU allocations count
+    against; None when there is none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    return None if soft == resource.RLIM_INFINITY else float(soft)
 
 
 def _uses_cuda(device: str) -> bool:

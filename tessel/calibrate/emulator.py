@@ -55,6 +55,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 PREFIX = "tslemu"
 SUBNET = "10.77.0"  # private, and only inside our own namespaces
@@ -91,9 +92,15 @@ class Emulator:
     burst: str = "256kb"  # token bucket depth: >= rate / HZ, small next to the messages measured
     queue_latency: str = "50ms"  # tbf queue bound (drops past it, as a switch buffer would)
     congestion: str | None = None  # TCP congestion control inside the nodes (e.g. "reno"); None: the host's
+    # an elastic job: torchrun's --nnodes MIN:MAX (None: all `nodes`), restarts per node, and how soon a lost
+    # node's rendezvous entry expires (keep-alive period in seconds x 3 missed beats)
+    min_nodes: int | None = None
+    max_restarts: int = 0
+    keep_alive_s: int = 5
     name: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_counter)}")
     _made: list[str] = field(default_factory=list, repr=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    _lost: set[int] = field(default_factory=set, repr=False)  # nodes kill_node took down
     _old_term: object = field(default=None, repr=False)  # the SIGTERM handler to restore on cleanup
 
     # ---- names --------------------------------------------------------------
@@ -182,17 +189,30 @@ class Emulator:
 
     # ---- running torchrun on every node -------------------------------------
     def torchrun_cmd(self, k: int, argv: list[str], run_id: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+        nnodes = f"{self.min_nodes}:{self.nodes}" if self.min_nodes is not None else str(self.nodes)
+        elastic = (f",last_call_timeout=3,keep_alive_interval={self.keep_alive_s},keep_alive_max_attempt=3"
+                   if self.min_nodes is not None else "")
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.ip(0)}:{RDZV_PORT}", f"--rdzv-id={run_id}",
-                f"--rdzv-conf=is_host={'true' if k == 0 else 'false'},join_timeout=120",
-                f"--local-addr={self.ip(k)}", "--max-restarts=0", *argv]
+                f"--rdzv-conf=is_host={'true' if k == 0 else 'false'},join_timeout=120{elastic}",
+                f"--local-addr={self.ip(k)}", f"--max-restarts={self.max_restarts}", *argv]
 
-    def run(self, argv: list[str], timeout: float = 300.0, env: dict[str, str] | None = None) -> list[NodeRun]:
+    def kill_node(self, k: int) -> None:
+        """Node k is lost: every process in its namespace, its torchrun agent too, dies at once (SIGKILL),
+        as when a machine goes down: no agent is left to close the rendezvous, so an elastic job's other
+        nodes restart without it."""
+        self._lost.add(k)
+        _kill_ns_pids(self.ns(k))
+
+    def run(self, argv: list[str], timeout: float = 300.0, env: dict[str, str] | None = None,
+            watch: Callable[["Emulator"], None] | None = None) -> list[NodeRun]:
         """Run `python -m torch.distributed.run ... <argv>` on every node; wait (bounded); return logs.
 
         Ranks see TESSEL_EMU_NODE (their node index: ground truth for tests) and
         GLOO_SOCKET_IFNAME=eth0 (gloo binds the namespace's own interface).
+        `watch(emulator)` is called every poll while the nodes run (a drill: kill_node when something
+        happened); a node it killed is not a failure that ends the wait.
         """
         run_id = uuid.uuid4().hex[:8]
         logdir = Path(tempfile.mkdtemp(prefix="tessel-emu-"))
@@ -211,8 +231,10 @@ class Emulator:
                                                     start_new_session=True))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in self._procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in self._procs):
+                if any(p.poll() not in (None, 0) for k, p in enumerate(self._procs) if k not in self._lost):
                     break  # one node failed: do not wait for the others to time out
+                if watch is not None:
+                    watch(self)
                 time.sleep(0.1)
             codes = [p.poll() for p in self._procs]
         finally:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from tessel.calibrate.cache import cache_path, probe_path
 from tessel.config import ModelConfig, TrainConfig
 from tessel.models.build import build_model
+from tessel.models.emulated import emulate_device
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.models.moe import MoE
 from tessel.models.plan import gpt_tp_plan
@@ -300,7 +301,14 @@ def _contiguous_group(size: int) -> tuple[object, int]:
 def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], precision: str,
                   tp_sizes: list[int], rounds: int = 5) -> dict:
     _own_session()
-    cfg = ModelConfig(**model_raw)
+    return profile_ranks(ModelConfig(**model_raw), seq_len, micro_batches, precision, tp_sizes, rounds)
+
+
+def profile_ranks(cfg: ModelConfig, seq_len: int, micro_batches: list[int], precision: str, tp_sizes: list[int],
+                  rounds: int = 5, emulate_flops: float | None = None) -> dict:
+    """This rank's timings of the model (see profile_model); collective over the default group: the ranks
+    spawned here, or a running job's own (tessel.replan). emulate_flops: the blocks run on an emulated
+    device of that speed, as the job's do (tessel.models.emulated)."""
     spec = ModelSpec("profile", cfg, seq_len, 1)
     dev = torch.device("cpu")
     batches = {mb: torch.randint(0, cfg.vocab_size, (mb, seq_len)) for mb in micro_batches}
@@ -311,6 +319,8 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
         for real in ((False, True) if tp > 1 else (False,)):
             torch.manual_seed(0)
             models[tp, real] = _tp_shaped(build_model(cfg), cfg, tp, *(groups[tp] if real else (None, 0)))
+            if emulate_flops is not None:
+                emulate_device(models[tp, real][0], emulate_flops)
 
     def fwd_bwd(key, x):
         model, loss_fn = models[key]
@@ -386,16 +396,25 @@ def profile_model(model_cfg, seq_len: int, world: int, micro_batches: list[int],
         d = json.loads(path.read_text())
     else:
         results = spawn(_profile_rank, world, raw, seq_len, sorted(micro_batches), precision, tps, timeout=600)
-
-        def across_ranks(field: str, tp) -> list[tuple[int, float]]:
-            rows = [r[field][tp] for r in results]
-            return [(x, statistics.median(row[i][1] for row in rows)) for i, (x, _) in enumerate(rows[0])]
-        d = {"points": {str(tp): across_ranks("points", tp) for tp in tps},
-             "tp_comm": {str(tp): across_ranks("tp_comm", tp) for tp in tps if tp > 1},
-             "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
-             "overhead": statistics.median(r["overhead"] for r in results)}
+        d = summarize_profile(results, tps)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(d, indent=1))
+    return calibration(d)
+
+
+def summarize_profile(results: list[dict], tps: list[int]) -> dict:
+    """Every rank's profile_ranks -> one profile (the median over ranks of each point), as JSON."""
+    def across_ranks(field: str, tp) -> list[tuple[int, float]]:
+        rows = [r[field][tp] for r in results]
+        return [(x, statistics.median(row[i][1] for row in rows)) for i, (x, _) in enumerate(rows[0])]
+    return {"points": {str(tp): across_ranks("points", tp) for tp in tps},
+            "tp_comm": {str(tp): across_ranks("tp_comm", tp) for tp in tps if tp > 1},
+            "opt_s_per_param": statistics.median(r["opt_s_per_param"] for r in results),
+            "overhead": statistics.median(r["overhead"] for r in results)}
+
+
+def calibration(d: dict) -> Calibration:
+    """A profile's JSON (summarize_profile) as the cost model's Calibration."""
     tp_points = {int(tp): [tuple(p) for p in pts] for tp, pts in d["points"].items()}
     tp_comm = {int(tp): [tuple(p) for p in pts] for tp, pts in d["tp_comm"].items()}
     return Calibration(tp_points.get(1, []), d["opt_s_per_param"], d["overhead"], tp_points, tp_comm)

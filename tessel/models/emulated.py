@@ -69,3 +69,35 @@ def emulate_devices(model: nn.Module, fwd_s: float) -> nn.Module:
     for i, block in enumerate(model.layers):
         model.layers[i] = EmulatedBlock(block, fwd_s)
     return model
+
+
+class EmulatedDevice:
+    """An accelerator of `flops` FLOP/s, emulated: each block it runs waits its matmul FLOPs / flops.
+
+    The wait follows the work: a block's forward does 2 FLOPs per parameter it holds per token
+    (Kaplan et al. 2020), so a tensor-parallel shard (1/tp of the parameters) waits 1/tp as long,
+    a bigger micro-batch longer, and backward twice the forward. Hooks, not wrappers: parameter
+    names, checkpoints and tensor-parallel plans see the plain model. `flops` may change while it
+    runs (a device that slows down).
+    """
+
+    def __init__(self, flops: float):
+        self.flops = flops
+
+    def seconds(self, block: nn.Module, tokens: int) -> float:
+        params = sum(p.numel() for p in block.parameters())
+        return 2 * params * tokens / self.flops
+
+    def _hook(self, block: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation and sampling: not a training step's work
+            return out
+        fwd_s = self.seconds(block, out.shape[0] * out.shape[1])  # (B, T, d): B*T tokens
+        return DeviceTime.apply(out, fwd_s, 2 * fwd_s)
+
+
+def emulate_device(model: nn.Module, flops: float) -> EmulatedDevice:
+    """Put every block of a GPT (`model.layers`) on an emulated device of `flops` FLOP/s; returns it."""
+    device = EmulatedDevice(flops)
+    for block in model.layers:
+        block.register_forward_hook(device._hook)
+    return device

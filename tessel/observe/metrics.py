@@ -67,9 +67,10 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard and the
+    experiment trackers (tessel.observe.trackers), which also get the summary when the log closes."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False, trackers=()):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -78,6 +79,7 @@ class MetricsLog:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def log(self, step: int, values: dict) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
@@ -87,11 +89,17 @@ class MetricsLog:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.log(step, row)
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        """summary: the run's, for the trackers; None when the run stopped early."""
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.finish(summary)
+        self.trackers = []
 
 
 def _plain(v):

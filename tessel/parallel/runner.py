@@ -109,10 +109,12 @@ class LocalRunner:
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  vocab_size: int | None = None, max_seq_len: int | None = None,
                  extra_metrics: Callable[[], dict] | None = None,
-                 optimizer: CheckpointableOptimizer | None = None):
+                 optimizer: CheckpointableOptimizer | None = None, loss_weight: float = 1.0):
         self.model = model
         self.loss_fn = loss_fn
         self.chunks = chunks
+        # an uneven dp split's factor on this rank's mean loss (tessel.parallel.data.uneven); 1 when even
+        self.loss_weight = loss_weight
         self.device = device
         self.precision = precision
         self.full_logits = full_logits or model
@@ -149,6 +151,8 @@ class LocalRunner:
             with self.model.no_sync() if accumulates and not last else contextlib.nullcontext():
                 with autocast_for(self.device, self.precision):
                     loss = self.loss_fn(self.model(xc.to(self.device)), yc.to(self.device)) / len(pairs)
+                    if self.loss_weight != 1.0:
+                        loss = loss * self.loss_weight
                 loss.backward()
             total += loss.detach()
         return total

@@ -76,6 +76,9 @@ class Cluster:
     rails: bool = False  # rail-optimised: each GPU's own NIC on its own rail switch
     sharp: bool = False  # in-network all-reduce in the switches (NVIDIA SHARP)
     pxn: bool = False  # NCCL's PXN: all-to-all through NVLink to the rail-aligned GPU, then one rail hop
+    # heterogeneous devices: each device's speed relative to the one described above, in rank order
+    # (empty: all alike); tessel.planner.hetero prices the even and the speed-proportional splits
+    speeds: tuple[float, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -106,6 +109,7 @@ class Cluster:
         d = asdict(self)
         d["intra"], d["inter"] = asdict(self.intra), asdict(self.inter)
         d["attention_efficiency"] = list(self.attention_efficiency)
+        d["speeds"] = list(self.speeds)
         return d
 
     @staticmethod
@@ -114,6 +118,7 @@ class Cluster:
         d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
         if "attention_efficiency" in d:
             d["attention_efficiency"] = tuple(d["attention_efficiency"])
+        d["speeds"] = tuple(d.get("speeds", ()))
         return Cluster(**d)
 
 
@@ -239,6 +244,8 @@ def override(cluster: Cluster, key: str, raw: str) -> Cluster:
         raise ConfigError(f"cluster.{key}", f"unknown cluster field; one of {', '.join(cluster_fields())}")
     head, _, sub = key.partition(".")
     current = getattr(cluster, head)
+    if head == "speeds":  # a list: cluster.speeds=1,2,1,2
+        return replace(cluster, speeds=tuple(_number(key, x) for x in raw.strip("[]()").split(",") if x.strip()))
     if isinstance(current, Link):
         return replace(cluster, **{head: replace(current, **{sub: _number(key, raw)})})
     if head == "peak_flops":

@@ -81,6 +81,7 @@ class Shape:
     experts: int = 0  # MoE: experts on this rank (0: dense block)
     expert_rows: int = 0  # MoE: token rows each local expert computes
     router: int = 0  # MoE: experts the router scores
+    cp: int = 1  # context parallelism: tokens hold seq/cp positions of each sequence, attending to all seq
 
 
 def gemm_seconds(g: Gemm, cl: Cluster, dtype: str) -> float:
@@ -135,16 +136,16 @@ def block_forward(s: Shape) -> tuple[list, list]:
 def attention_core(s: Shape) -> list:
     """Rotary on q and k, the kv heads repeated for grouped-query attention, and the attention."""
     t, a, hd = s.tokens, s.act, s.head_dim
-    mb = t // s.seq
+    mb, q_len = t * s.cp // s.seq, s.seq // s.cp  # under cp a rank's queries see the whole sequence
     ops: list = [Stream(ROTARY_BYTES * (s.heads + s.kv_heads) * hd * t)]
     if s.kv_heads < s.heads:  # repeat_interleave writes whole k and v
         ops.append(Stream(2 * a * (s.heads + s.kv_heads) * hd * t))
     if s.fused:
-        ops.append(FusedAttention(2 * mb * s.heads * s.seq * s.seq * hd))  # 4 T^2 hd per head, halved by causality
+        ops.append(FusedAttention(2 * mb * s.heads * q_len * s.seq * hd))  # 4 T^2 hd per head, halved by causality
     else:
-        squares = mb * s.heads * s.seq * s.seq
-        ops += [Gemm(s.seq, s.seq, hd, mb * s.heads), Stream((3 * a + 1) * squares),  # scores; mask + softmax
-                Gemm(s.seq, hd, s.seq, mb * s.heads)]
+        squares = mb * s.heads * q_len * s.seq
+        ops += [Gemm(q_len, s.seq, hd, mb * s.heads), Stream((3 * a + 1) * squares),  # scores; mask + softmax
+                Gemm(q_len, hd, s.seq, mb * s.heads)]
     return ops
 
 

@@ -20,7 +20,10 @@ Links are shared: every collective and message also holds its device's NVLink
 or NIC for a while, and a step is never shorter than its busiest link's total
 (nor than its compute), however much of that traffic overlaps compute.
 
-Placement: ranks are ordered pp > dp > ep > tp (tp innermost), as tessel.mesh
+Context parallelism (cp) divides every rank's tokens by cp and adds its ring
+or Ulysses traffic per block (tessel.planner.context).
+
+Placement: ranks are ordered pp > dp > ep > cp > tp (tp innermost), as tessel.mesh
 lays them out; a group's geometry (members per node, nodes) says which links
 it uses (tessel.planner.cluster.group_geometry).
 """
@@ -34,7 +37,10 @@ from dataclasses import dataclass, field, replace
 
 from tessel.axes import AXES
 from tessel.planner.cluster import Cluster, Geometry, Link, group_geometry, link_for
+from tessel.planner import grid_cost
 from tessel.planner.compute import Shape, block_seconds, edge_seconds
+from tessel.planner.context import (cp_block_calls, local_tokens, mlp_half_bytes, ring_backward_bytes,
+                                    ring_exposed, ring_kv_saving)
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, layer_activation_bytes,
                                    recompute_layer_bytes, unfused_attention_bytes, zero_state_bytes)
@@ -81,8 +87,16 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.rate
 
 
+def chain_time(nbytes: float, n: int, link: Link) -> float:
+    """Pipelined chain broadcast (or reduce): the whole buffer crosses each link, n-1 hops of latency."""
+    if n <= 1:
+        return 0.0
+    return nbytes / link.rate + (n - 1) * link.latency
+
+
 FORMULAS = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
-            "all_to_all": all_to_all_time, "p2p": lambda nbytes, n, link: p2p_time(nbytes, link)}
+            "all_to_all": all_to_all_time, "p2p": lambda nbytes, n, link: p2p_time(nbytes, link),
+            "broadcast": chain_time, "reduce": chain_time}
 
 
 def sent_bytes(calls: list[Call], n: int) -> float:
@@ -301,6 +315,8 @@ class CostModel:
 
     def _chunk_roofline(self, layers: list[int], first: bool, last: bool, lay: Layout,
                         tokens: int) -> tuple[float, float, float]:
+        if lay.tp_mode != "1d" and lay.tp > 1:
+            return self._grid_chunk_roofline(layers, first, last, lay, tokens)
         f = b = core = 0.0
         for i in layers:
             bf, bb, bc = self._block(self._shape(lay, tokens, self.moe_flags[i]))
@@ -311,6 +327,22 @@ class CostModel:
             ef, eb = edge_seconds(self._shape(lay, tokens, False), vocab, self.cluster, self._dtype(), first, last)
             f, b = f + ef, b + eb
         return f, b, rc
+
+    def _grid_chunk_roofline(self, layers: list[int], first: bool, last: bool, lay: Layout,
+                             tokens: int) -> tuple[float, float, float]:
+        """_chunk_roofline on a 2D / 2.5D / 3D grid (tessel.planner.grid_cost: the rank's shapes, its GEMMs
+        in the grid's steps)."""
+        grid = grid_cost.layout_grid(lay)
+        key = (grid, tokens, self._param_bytes(lay), first, last)
+        if key not in self._block_memo:  # (block, edges) seconds: thousands of layouts share a few
+            shape = grid_cost.rank_shape(grid, self._shape(replace(lay, tp=1, sp=False, tp_mode="1d"), tokens, False))
+            edges = grid_cost.edge_seconds(shape, grid, self.spec.cfg.vocab_size, self.cluster, self._dtype(),
+                                           first, last) if first or last else (0.0, 0.0)
+            self._block_memo[key] = grid_cost.block_seconds(shape, grid, self.cluster, self._dtype()), edges
+        (bf, bb, bc), (ef, eb) = self._block_memo[key]
+        n = len(layers)
+        rc = {"none": 0.0, "full": n * bf, "selective": n * bc}[lay.recompute]
+        return n * bf + ef, n * bb + eb, rc
 
     def _dtype(self) -> str:
         return "bf16" if self.precision == "bf16" else "fp32"
@@ -331,18 +363,18 @@ class CostModel:
                      sp_tokens=tokens // lay.tp if lay.sp else tokens, act=act,
                      resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
-                     experts=local_experts,
+                     experts=local_experts, cp=lay.cp,
                      expert_rows=max(1, round(tokens * lay.ep * c.moe_top_k / c.n_experts)) if moe else 0,
                      router=c.n_experts if moe else 0)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: link_for(self.cluster, sizes, ORDER, axes) for name, axes in GROUP_AXES.items()}
 
     def groups(self, lay: Layout) -> dict[str, Geometry]:
         """How each of the layout's groups lies on the nodes (tp innermost)."""
-        sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
+        sizes = lay.axis_sizes
         return {name: group_geometry(sizes, ORDER, axes, self.cluster.devices_per_node)
                 for name, axes in GROUP_AXES.items()}
 
@@ -390,10 +422,36 @@ class CostModel:
         """_chunk_comm and the links its collectives hold."""
         n_moe = sum(self.moe_flags[i] for i in layers)
         key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute == "full", tokens,
-               lay.dp, lay.pp)
+               lay.dp, lay.pp, lay.tp_mode, lay.tp_depth)
         if key not in self._comm_memo:  # thousands of layouts share a few chunk shapes
-            self._comm_memo[key] = self._chunk_comm_priced(*key[:9], self.groups(lay))
+            grid = grid_cost.layout_grid(lay)
+            self._comm_memo[key] = (self._grid_chunk_comm(grid, len(layers), first, last, lay, tokens) if grid
+                                    else self._chunk_comm_priced(*key[:9], self.groups(lay)))
         return self._comm_memo[key]
+
+    def grid_groups(self, lay: Layout) -> dict[int, Geometry]:
+        """{grid dim: how its groups lie on the nodes} of a 2D / 2.5D / 3D layout (tp innermost, the grid
+        row-major inside the tp group)."""
+        sizes = {a: getattr(lay, a) for a in ORDER}
+        return grid_cost.grid_geometry(sizes, ORDER, grid_cost.layout_grid(lay), self.cluster.devices_per_node)
+
+    def _grid_calls(self, grid, n_blocks: int, first: bool, last: bool, lay: Layout, tokens: int):
+        """(forward, backward) (grid dim, call) lists of one chunk for one micro-batch (tessel.planner.grid_cost)."""
+        resid = 2 if self.act_bytes == 2 and self._param_bytes(lay) == 2 else 4
+        return grid_cost.chunk_calls(grid, self.spec, tokens, self.act_bytes, self._param_bytes(lay), resid, n_blocks,
+                                     lay.recompute == "full", first, last)
+
+    def _grid_chunk_comm(self, grid, n_blocks: int, first: bool, last: bool, lay: Layout,
+                         tokens: int) -> tuple[float, float, dict, Cost]:
+        """_chunk_comm_priced on a grid: each call priced on the groups of its grid dim."""
+        fwd, bwd = self._grid_calls(grid, n_blocks, first, last, lay, tokens)
+        geo = self.grid_groups(lay)
+
+        def priced(calls) -> Cost:
+            return sum((self.price_group(merged([c for d, c in calls if d == a]), geo[a]) for a in geo), NONE)
+        tf, tb = priced(fwd), priced(bwd)
+        sent = sum(sent_bytes([c], grid.dims[a]) for a, c in fwd + bwd)
+        return tf.seconds, tb.seconds, {"tp": sent, "ep": 0.0}, tf + tb
 
     def _chunk_comm_priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, ep: int, sp: bool,
                            recompute: bool, tokens: int, groups) -> tuple[float, float, dict, Cost]:
@@ -441,7 +499,57 @@ class CostModel:
 
     def _p2p_bytes(self, lay: Layout) -> float:
         """One pipeline message: a micro-batch's activation (sequence-sharded under SP)."""
-        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if lay.sp else 1)
+        split = lay.sp or lay.tp_mode != "1d"  # a grid splits the activation over all of its ranks
+        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1) / lay.cp
+
+    # -- context parallelism (tessel.planner.context) ------------------------------------
+    def _widths(self, lay: Layout) -> tuple[int, int]:
+        """Query and key/value widths (heads x head_dim) on one tp rank."""
+        c = self.spec.cfg
+        return c.n_head // lay.tp * self.spec.head_dim, max(1, c.kv_heads // lay.tp) * self.spec.head_dim
+
+    def _cp_calls(self, lay: Layout, tokens: int) -> tuple[list[Call], list[Call]]:
+        """One block's cp calls for `tokens` local tokens; full recompute repeats the forward's in backward."""
+        q, kv = self._widths(lay)
+        f, b = cp_block_calls(lay.cp_mode, lay.cp, tokens, q, kv, self.act_bytes)
+        return f, (b + f if lay.recompute == "full" else b)
+
+    def _chunk_cp(self, layers: list[int], lay: Layout, tokens: int,
+                  geo: Geometry) -> tuple[float, float, float, Cost]:
+        """(forward, backward) exposed seconds, bytes sent and links of one chunk's cp calls for a micro-batch.
+        The ring's hops hide behind the blocks of the attention core (forward's once, backward's twice its work)."""
+        f, b = self._cp_calls(lay, tokens)
+        fc, bc = self.price_group(f, geo), self.price_group(b, geo)
+        n = len(layers)
+        if lay.cp_mode == "ring":
+            core = self._core_seconds(lay, tokens)
+            # cp - 1 steps pass blocks while one computes; backward's last hop (the gradient home) waits
+            fwd = ring_exposed(fc.seconds, lay.cp - 1, core, lay.cp) * n
+            bwd = ring_exposed(bc.seconds, lay.cp - 1, 2 * core, lay.cp) * n
+        else:
+            fwd, bwd = fc.seconds * n, bc.seconds * n
+        return fwd, bwd, sent_bytes(f + b, 2 if lay.cp_mode == "ring" else lay.cp) * n, (fc + bc).times(n)
+
+    def _core_seconds(self, lay: Layout, tokens: int) -> float:
+        """Forward seconds of one block's attention core on `tokens` local tokens."""
+        if self.roofline:
+            return self._block(self._shape(lay, tokens, False))[2]
+        return self.attention_core_flops(tokens) / self.flops_per_s(tokens, lay.tp)
+
+    def _ring_saving(self, lay: Layout, tokens: int) -> float:
+        if lay.cp == 1 or lay.cp_mode != "ring":
+            return 0.0
+        q, kv = self._widths(lay)
+        return ring_kv_saving(tokens, q, kv, 2 if self.precision == "bf16" else 4)
+
+    def _ring_buffers(self, lay: Layout, tokens: int) -> float:
+        """What the ring's backward adds to a block's: its buffers, less the MLP half's saved bytes already freed."""
+        if lay.cp == 1 or lay.cp_mode != "ring":
+            return 0.0
+        q, kv = self._widths(lay)
+        c = self.spec.cfg
+        freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, lay.tp, lay.sp, self.precision)
+        return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if self.precision == "bf16" else 4) - freed)
 
     # -- memory ----------------------------------------------------------------------
     def _param_bytes(self, lay: Layout) -> int:
@@ -468,22 +576,27 @@ class CostModel:
             dense += self.spec.head_params
             if self.spec.cfg.tie_embeddings and 0 not in chunks:  # the last stage's copy of the tied embedding
                 dense += self.spec.cfg.vocab_size * self.spec.cfg.d_model
-        return dense / lay.tp, expert / (lay.tp * lay.ep)
+        shards = grid_cost.weight_shards(lay)  # tp, or a grid's pieces (2.5D's depth layers hold copies)
+        return dense / shards, expert / (shards * lay.ep)
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
         """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):
-        dense parameters sharded over dp x ep, experts over dp."""
+        dense parameters sharded over dp x ep (x cp), experts over dp (x cp)."""
         pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
         whole = lay.pp > 1  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
-        d = zero_state_bytes(dense, lay.zero, lay.dp * lay.ep, pb, rb, whole)
-        e = zero_state_bytes(expert, lay.zero, lay.dp, pb, rb, whole)
+        d = zero_state_bytes(dense, lay.zero, lay.token_shards, pb, rb, whole)
+        e = zero_state_bytes(expert, lay.zero, lay.dp * lay.cp, pb, rb, whole)
         return {k: d[k] + e[k] for k in d}
 
     def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
         dense, expert = self._stage_params(chunks, lay, all_chunks)
         mem = self.state_memory(dense, expert, lay)
-        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
-                     for k in chunks for i in all_chunks[k]] or [0.0]
+        grid = grid_cost.layout_grid(lay)
+        if grid is not None:  # dense blocks only: every one keeps the same (cp > 1 is refused with a grid)
+            per_layer = [grid_cost.layer_activation_bytes(self.spec, tokens, grid, self.precision)]
+        else:
+            per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+                         - self._ring_saving(lay, tokens) for k in chunks for i in all_chunks[k]] or [0.0]
         one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
         fused = self.cluster.fused_attention
         if not fused:  # the T x T probabilities of every head
@@ -493,16 +606,18 @@ class CostModel:
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         core = attention_core_bytes(self.spec, tokens, lay.tp, self.precision, fused)
         if lay.recompute == "full":
-            kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp, lay.sp)
+            kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp,
+                                                                        lay.sp or grid is not None)
             kept += biggest  # one block rebuilt at a time
         elif lay.recompute == "selective":
             kept = in_flight * layers_per_chunk * (one_layer - core) + core  # one core rebuilt at a time
         else:
             kept = in_flight * layers_per_chunk * one_layer
-        # backward of a block materialises gradients about as large as what it saved
-        workspace = biggest
+        # backward of a block materialises gradients about as large as what it saved (the ring its blocks too);
+        # the head's backward comes first, when no block's has begun: the peak is the larger of the two
+        workspace = biggest + self._ring_buffers(lay, tokens)
         if len(all_chunks) - 1 in chunks:
-            workspace += head_activation_bytes(self.spec, tokens, lay.tp, self.precision)
+            workspace = max(workspace, head_activation_bytes(self.spec, tokens, lay.tp, self.precision))
         mem["activations"] = kept + workspace
         mem["weight_copies"] = self._weight_copies(lay, chunks, all_chunks, in_flight)
         if lay.schedule in NEW_SCHEDULES and lay.pp > 1:
@@ -512,7 +627,7 @@ class CostModel:
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
             transient = pb * (dense + expert)
         elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
-            transient = 2 * pb / 4 * self._largest_block_bytes(lay.tp)
+            transient = 2 * pb / 4 * self._largest_block_bytes(grid_cost.weight_shards(lay))
         elif lay.zero == 2:  # one bucket in flight, never more than the gradients it holds
             transient = min(self.bucket_bytes, self._reduce_bytes(lay) * (dense + expert))
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
@@ -549,14 +664,14 @@ class CostModel:
         """bf16 copies of fp32 weights that autocast makes on each forward and autograd keeps until that
         micro-batch's backward: every in-flight chunk-forward holds its own (the cast cache lives for one
         autocast region). A fully recomputed block makes its copies inside the checkpoint: one block's."""
-        if self.act_bytes != 2 or self._param_bytes(lay) == 2:
-            return 0.0
+        if self.act_bytes != 2 or self._param_bytes(lay) == 2 or lay.tp_mode != "1d":
+            return 0.0  # a grid multiplies the blocks it holds or gathers (grid_cost.layer_activation_bytes)
         matrices = [sum(self.layer_params[i]) / lay.tp for k in chunks for i in all_chunks[k]] or [0.0]
         if lay.recompute == "full":
             return 2 * max(matrices)
         return 2 * in_flight * sum(matrices) / len(chunks)
 
-    def _largest_block_bytes(self, tp: int) -> float:
+    def _largest_block_bytes(self, tp: int) -> float:  # tp: the pieces a weight is split into
         """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
         return 4 * max(sum(p) for p in self.layer_params) / tp
 
@@ -570,14 +685,14 @@ class CostModel:
         fp32 parameters before sharding (one bucket at most holds them all).
         """
         w = self.cluster.workspace()
-        if not w or lay.dp * lay.ep == 1:
+        if not w or lay.token_shards == 1:
             return 0.0
         bucket = min(self.bucket_bytes, param_bytes)
         if lay.zero in (1, 2):
             per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
             return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
         if lay.zero >= 3:
-            block = self._largest_block_bytes(lay.tp)
+            block = self._largest_block_bytes(grid_cost.weight_shards(lay))
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
 
@@ -586,19 +701,19 @@ class CostModel:
         """Bytes on pipeline rank `stage` (estimate() keeps the first and last stage's, or all when v > 1)."""
         all_chunks = chunk_layers(self.spec.cfg.n_layer, lay.pp, lay.v)
         return self._memory(stage, device_chunks(lay.schedule, lay.pp, lay.v, stage), lay, all_chunks,
-                            lay.mb * self.spec.seq_len)
+                            local_tokens(lay.mb * self.spec.seq_len, lay.cp))
 
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
-        tokens = lay.mb * spec.seq_len
+        tokens = local_tokens(lay.mb * spec.seq_len, lay.cp)  # one rank's share of a micro-batch
         geo = self.groups(lay)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         last_chunk = len(all_chunks) - 1
         p2p_bytes = self._p2p_bytes(lay)
         p2p = self.cost("p2p", p2p_bytes, geo["pp"]) if lay.pp > 1 else NONE
         chunk_times, stage_busy, mems = [], [], {}
-        comm_sent = {"tp": 0.0, "ep": 0.0}
-        t_tp_ep = t_rc = 0.0
+        comm_sent = {"tp": 0.0, "ep": 0.0, "cp": 0.0}
+        t_tp_ep = t_rc = t_cp = 0.0
         busy = NONE  # the links one device's collectives hold over the step (the busiest stage's)
         for s in range(lay.pp):
             chunks = device_chunks(lay.schedule, lay.pp, lay.v, s)
@@ -606,13 +721,19 @@ class CostModel:
             for k in chunks:
                 f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens, first=k == 0)
                 cf, cb, sent, links = self._chunk_comm_links(all_chunks[k], lay, tokens, k == 0, k == last_chunk)
+                pf = pb = 0.0
+                if lay.cp > 1:  # the ring's hops (or Ulysses' all-to-alls) of each block
+                    pf, pb, cp_sent, cp_links = self._chunk_cp(all_chunks[k], lay, tokens, geo["cp"])
+                    links, sent = links + cp_links, {**sent, "cp": cp_sent}
+                cf, cb = cf + pf, cb + pb
                 row.append((f + cf, b + rc + cb))
                 held = held + links.times(lay.chunks)
                 if s == 0:
-                    t_tp_ep += (cf + cb) * lay.chunks
+                    t_tp_ep += (cf + cb - pf - pb) * lay.chunks
+                    t_cp += (pf + pb) * lay.chunks
                     t_rc += rc * lay.chunks
                     for key in comm_sent:
-                        comm_sent[key] += sent[key] * lay.chunks
+                        comm_sent[key] += sent.get(key, 0.0) * lay.chunks
             if lay.pp > 1:
                 held = held + p2p.times(sum(c.count for c in pp_calls(p2p_bytes, chunks, len(all_chunks),
                                                                         lay.chunks)))
@@ -642,8 +763,8 @@ class CostModel:
         model_flops = self.model_flops_tok * global_tokens / t_step / lay.world
         hw_flops = (self.model_flops_tok + self._recompute_flops_per_token(lay)) * global_tokens / t_step / lay.world
         peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
-        time = {"compute": busy_compute - t_tp_ep - t_rc,
-                "recompute": t_rc, "tp+ep comm": t_tp_ep,
+        time = {"compute": busy_compute - t_tp_ep - t_rc - t_cp,
+                "recompute": t_rc, "tp+ep comm": t_tp_ep, "cp comm": t_cp,
                 "pp comm": 2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga if lay.pp > 1 else 0.0,
                 "bubble": lay.ga * (t_pipe - compute_busy) - (2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga
                                                              if lay.pp > 1 else 0.0),
@@ -654,7 +775,7 @@ class CostModel:
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
                         comm_sent, bubble, fits, chunk_times, p2p.seconds, dp_total, mems,
-                        {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep")
+                        {a: ("intra" if geo[a].nodes == 1 else "inter") for a in ("tp", "pp", "dp", "ep", "cp")
                          if getattr(lay, a) > 1}, hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path,
                         t_pipe, link_bound, "formula", *dp_split)
 
@@ -681,7 +802,7 @@ class CostModel:
         What hides behind compute still holds the links: the step's link bound
         (estimate) sees all of it.
         """
-        n = lay.dp * lay.ep
+        n = lay.token_shards
         if n == 1:
             return 0.0, 0.0, 0.0, NONE, (0.0, 0.0, 0.0)
         g = geo["dp"]
@@ -712,7 +833,7 @@ class CostModel:
     def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         c = self.spec.cfg
         tied = 4 * c.vocab_size * c.d_model / lay.tp if c.tie_embeddings and lay.pp > 1 else 0.0
-        return bookkeeping_calls(lay.tp, lay.pp, lay.dp * lay.ep, lay.zero, stage, tied)
+        return bookkeeping_calls(lay.tp, lay.pp, lay.token_shards, lay.zero, stage, tied)
 
     def _bookkeeping_time(self, lay: Layout, geo) -> tuple[float, Cost]:
         """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
@@ -730,7 +851,7 @@ class CostModel:
         lists the estimate prices, whole (tests/planner/test_traffic_matches_runtime.py compares
         them with a real step's)."""
         c = self.spec.cfg
-        tokens = lay.mb * self.spec.seq_len
+        tokens = local_tokens(lay.mb * self.spec.seq_len, lay.cp)
         all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
         mine = [stage + j * lay.pp for j in range(lay.v)]
         out: dict[str, list[Call]] = collections.defaultdict(list)
@@ -738,20 +859,28 @@ class CostModel:
         for k in mine:
             layers = all_chunks[k]
             n_moe = sum(self.moe_flags[i] for i in layers)
-            if lay.tp > 1:
+            grid = grid_cost.layout_grid(lay)
+            if grid is not None:  # on the grid's groups: "tp.0", "tp.1", ... (grid dims, outermost first)
+                f, b = self._grid_calls(grid, len(layers), k == 0, k == len(all_chunks) - 1, lay, tokens)
+                for dim, c in f + b:
+                    out[f"tp.{dim}"] += times([c], lay.chunks)
+            elif lay.tp > 1:
                 f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, full, k == 0,
                                       k == len(all_chunks) - 1)
                 out["tp"] += times(f + b, lay.chunks)
             if n_moe and lay.ep > 1:
                 f, b = self._ep_calls(n_moe, tokens, full)
                 out["ep"] += times(f + b, lay.chunks)
+            if lay.cp > 1:
+                f, b = self._cp_calls(lay, tokens)
+                out["cp"] += times(f + b, lay.chunks * len(layers))
         if lay.pp > 1:
             out["pp"] += pp_calls(self._p2p_bytes(lay), mine, len(all_chunks), lay.chunks)
-        if lay.dp * lay.ep > 1:
+        if lay.token_shards > 1:
             dense, expert = self._stage_params(mine, lay, all_chunks)
             per_mb, per_step = self._dp_calls(lay, 4 * (dense + expert), mine, all_chunks)
             out["dp"] += times(per_mb, lay.chunks) + per_step
-        for calls in (self._bookkeeping(lay, stage), trainer_calls(lay.world, lay.dp * lay.ep)):
+        for calls in (self._bookkeeping(lay, stage), trainer_calls(lay.world, lay.token_shards)):
             for group, more in calls.items():
                 out[group] += more
         return {group: merged(calls) for group, calls in out.items() if calls}
@@ -761,7 +890,7 @@ class CostModel:
         """(per micro-batch, per step) dp x ep calls of a rank holding `chunks`, `grad_bytes` of whole
         fp32 gradients: ZeRO-3's units are the blocks of its first chunk, the root the rest. Under
         bf16 storage the gathers move bf16 parameters and the reductions the reduce dtype's gradients."""
-        units = [4 * sum(self.layer_params[i]) / lay.tp for i in all_chunks[chunks[0]]]
+        units = [4 * sum(self.layer_params[i]) / grid_cost.weight_shards(lay) for i in all_chunks[chunks[0]]]
         root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
         per_mb, per_step = dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root,
                                          whole_step=lay.pp > 1)
@@ -783,4 +912,6 @@ class CostModel:
         return n_params * per_param / self.cluster.mem_bandwidth
 
 
-GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "ep": ("ep",), "dp": ("dp", "ep"), "dp_expert": ("dp",)}
+# dp: the gradients' group, every axis that sees different tokens (tessel.axes.TOKEN_AXES)
+GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "ep": ("ep",), "dp": ("dp", "ep", "cp"), "dp_expert": ("dp", "cp"),
+              "cp": ("cp",)}

@@ -69,7 +69,7 @@ def check_fit(cfg: Config, budget: Budget, force: bool = False) -> MemoryFit:
         fit = estimate_memory(cfg, budget)
     if not fit.fits and not force:
         raise ConfigError("memory", f"{fit.need()} but {fit.budget.text}; shrink the model or the batch, "
-                                    "shard it over more ranks (tp, pp, ZeRO), or pass --force")
+                                    "shard it over more ranks (tp, pp, cp, ZeRO), or pass --force")
     return fit
 
 

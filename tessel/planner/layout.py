@@ -14,13 +14,16 @@ from dataclasses import asdict, dataclass, replace
 from tessel.config import Config, ConfigError, build_config
 
 KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "zero": int, "mb": int, "m": int, "ga": int,
-        "schedule": str, "v": int, "sp": bool, "recompute": str, "param_dtype": str}
+        "schedule": str, "v": int, "sp": bool, "recompute": str, "param_dtype": str, "tp_mode": str,
+        "tp_depth": int, "cp": int, "cp_mode": str}
 ALIASES = {"zero_stage": "zero", "micro_batch": "mb", "micro_batches": "m", "grad_accum": "ga",
            "virtual_stages": "v", "sequence_parallel": "sp", "rc": "recompute", "zero_param_dtype": "param_dtype"}
 # what each key means, for `tessel plan --help` and the errors below
 KEY_HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree (inside a node)", "pp": "pipeline stages",
-    "ep": "expert-parallel degree (MoE)", "zero": "ZeRO stage 0-3 over dp x ep",
+    "ep": "expert-parallel degree (MoE)", "zero": "ZeRO stage 0-3 over dp x ep (x cp)",
+    "cp": "context-parallel degree: each sequence split over cp ranks (inside a node)",
+    "cp_mode": "ring | ulysses: how cp computes attention",
     "mb": "sequences per micro-batch", "m": "micro-batches per pipeline flush",
     "ga": "accumulation steps per optimizer step",
     "schedule": "gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv | 2bw | pipedream (2bw, pipedream: the recipe "
@@ -28,9 +31,12 @@ KEY_HELP = {
     "v": "virtual stages per pipeline rank (interleaved; zbv: 2)", "sp": "sequence parallelism (true/false)",
     "recompute": "none | full | selective (true = full, false = none)",
     "param_dtype": "fp32 | bf16: ZeRO's parameter storage (bf16 needs zero >= 1 and pp = 1)",
+    "tp_mode": "1d | 2d | 2.5d | 3d: the tp group as Megatron's, a q x q grid, q x q x tp_depth, a cube",
+    "tp_depth": "2.5d: the grid's depth d (tp = q*q*d)",
 }
-CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "2bw", "pipedream"), "recompute": ("none", "full", "selective"),
-           "param_dtype": ("fp32", "bf16")}
+CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "2bw", "pipedream"),
+           "recompute": ("none", "full", "selective"),
+           "param_dtype": ("fp32", "bf16"), "tp_mode": ("1d", "2d", "2.5d", "3d"), "cp_mode": ("ring", "ulysses")}
 RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
              "yes": "full", "no": "none", "on": "full", "off": "none"}
 
@@ -58,13 +64,28 @@ class Layout:
     sp: bool = False
     recompute: str = "none"  # none | full (every block) | selective (the attention core, Korthikanti et al. 2022)
     param_dtype: str = "fp32"  # ZeRO's parameter storage (parallel.zero_param_dtype): fp32 or bf16
+    tp_mode: str = "1d"  # 1d (Megatron) | 2d | 2.5d | 3d: the tp group as a grid (tessel.planner.grid_cost)
+    tp_depth: int = 1  # 2.5d: the grid's depth
+    cp: int = 1  # context parallelism: each sequence in chunks over cp ranks (tessel.parallel.context)
+    cp_mode: str = "ring"  # ring attention or Ulysses' all-to-all (parallel.cp_mode)
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))  # True/False: full/none
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp * self.ep * self.cp
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Every mesh axis's degree (tessel.axes), as ParallelConfig.axis_sizes gives a recipe's."""
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def token_shards(self) -> int:
+        """Ranks that see different tokens of a step (dp x ep x cp): losses and replicated gradients are
+        averaged over them, and ZeRO shards over them."""
+        return self.dp * self.ep * self.cp
 
     @property
     def batch_shards(self) -> int:
@@ -80,7 +101,12 @@ class Layout:
         return self.ga * self.m
 
     def describe(self) -> str:
-        parts = [f"{a}{getattr(self, a)}" for a in ("dp", "tp", "pp", "ep") if getattr(self, a) > 1] or ["dp1"]
+        parts = [f"{a}{getattr(self, a)}" for a in ("dp", "tp", "pp", "ep", "cp") if getattr(self, a) > 1] or ["dp1"]
+        if self.tp_mode != "1d":  # tp64(2d), tp32(2.5d,d2)
+            parts = [p + f"({self.tp_mode}{f',d{self.tp_depth}' if self.tp_mode == '2.5d' else ''})"
+                     if p == f"tp{self.tp}" else p for p in parts]
+        if self.cp > 1 and self.cp_mode != "ring":
+            parts[-1] += f"({self.cp_mode})"
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.v})" if self.v > 1 else ""))
         parts.append(f"mb{self.mb}x{self.chunks}")
@@ -100,7 +126,16 @@ class Layout:
     def parallel_fields(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "zero_stage": self.zero,
                 "micro_batches": self.m, "sequence_parallel": self.sp, "schedule": self.schedule,
-                "virtual_stages": self.v, "recompute": self.recompute, "zero_param_dtype": self.param_dtype}
+                "virtual_stages": self.v, "recompute": self.recompute, "zero_param_dtype": self.param_dtype,
+                "tp_mode": self.tp_mode, "tp_depth": self.tp_depth, "cp": self.cp, "cp_mode": self.cp_mode}
+
+
+def layout_text(lay: Layout) -> str:
+    """The --layout text of a layout (parse_layout's inverse): the fields that differ from the defaults."""
+    default = Layout()
+    keys = [k for k in ("dp", "tp", "pp", "ep", "mb", "m", "ga", "zero", "schedule", "v", "sp", "recompute",
+                        "param_dtype", "tp_mode", "tp_depth", "cp", "cp_mode") if getattr(lay, k) != getattr(default, k)]
+    return ",".join(f"{k}={str(getattr(lay, k)).lower()}" for k in keys) or "dp=1"
 
 
 def parse_layout(text: str, global_batch: int | None = None) -> Layout:
@@ -195,4 +230,5 @@ def config_layout(cfg: Config) -> Layout:
     mb = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)  # exact: check_layout divides
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero_stage, mb=mb, m=p.micro_batches,
                   ga=t.grad_accum, schedule=p.schedule, v=p.virtual_stages, sp=p.sequence_parallel,
-                  recompute=p.recompute, param_dtype=p.zero_param_dtype)
+                  recompute=p.recompute, param_dtype=p.zero_param_dtype, tp_mode=p.tp_mode, tp_depth=p.tp_depth,
+                  cp=p.cp, cp_mode=p.cp_mode)

@@ -58,9 +58,12 @@ NONE = Cost(0.0)
 
 # ring traffic per member, as a fraction of the buffer (all_gather: the output, reduce_scatter: the input)
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               # a pipelined chain (NCCL's broadcast and reduce rings): every link carries the whole buffer
+               "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
-              "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+              "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+              "broadcast": lambda n: n - 1, "reduce": lambda n: n - 1}
 
 
 def ring(op: str, nbytes: float, n: int, link: Link) -> tuple[float, float]:
@@ -108,7 +111,7 @@ def _all_reduce(nbytes: float, geo: Geometry, cl: Cluster) -> Cost:
 
 
 def _gather_scatter(op: str, nbytes: float, geo: Geometry, cl: Cluster) -> Cost:
-    """All-gather or reduce-scatter across nodes (NCCL runs them as rings)."""
+    """All-gather, reduce-scatter, broadcast or reduce across nodes (NCCL runs them as rings)."""
     n, k, N = geo.n, geo.k, geo.nodes
     nv, ib = cl.intra, cl.inter
     if cl.rails and k > 1:

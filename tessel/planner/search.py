@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
 
-from tessel.config import ConfigError
+from tessel.config import ConfigError, tp_grid_refusal
 from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
+from tessel.planner.grid_cost import grid_of, grid_sizes
 from tessel.planner.layout import Layout
 from tessel.planner.simulate import simulate_pipeline
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# context parallelism splits sequences from this length on (a bound on the search, as MICRO_BATCHES is):
+# below it a micro-batch's activations fit beside tp, pp and recompute on any preset, and cp only adds
+# traffic; `--fix cp=N` prices it at any length
+CP_MIN_SEQ = 8192
 RECOMPUTE = ("none", "selective", "full")
 # the closed form of a flush is exact for even stages; uneven ones (a remainder of layers, the LM
 # head) can be off by 10-20% (tests/planner/test_pipeline_pricing.py), so the pipelined layouts
@@ -35,20 +41,27 @@ def tp_degrees(cfg, world: int) -> list[int]:
 
 # the pipeline schedules the search tries. ZB-H2 prices as ZB-H1's bubble with more memory (a step ends in a
 # synchronous update, tessel.parallel.pipeline.zero_bubble), PipeDream as 2BW's time with more weight versions:
-# neither can win, so they are priced only when --fix names them. Asynchronous ones only where allowed.
-SEARCHED = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
-SEARCHED_ASYNC = ("2bw",)
+# neither can win, so they are priced only when --fix names them. Asynchronous ones (stale weights) only
+# where `allow` is given and allows them (tessel.planning.recipe_allows: the recipe's parallel.allow_async).
+SEARCHED = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "2bw")
 
 
 def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-                      allow_async: bool = False) -> list[Layout]:
+                      allow: Callable[[Layout], bool] | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
-    `fixed` (tessel.planner.layout.parse_fix), only those with these fields; asynchronous pipelines
-    (stale weights) only with allow_async (the recipe's parallel.allow_async)."""
-    schedules = SEARCHED + (SEARCHED_ASYNC if allow_async else ())
+    `fixed` (tessel.planner.layout.parse_fix), only those with these fields; with `allow`, only those it
+    allows (a recipe's own rules: tessel.planning.recipe_allows)."""
+    # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design),
+    # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
+    tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
+    grids = cm.cluster.source == "preset" or (fixed or {}).get("tp_mode", "1d") != "1d"
+    schedules = tuple(s for s in SEARCHED if allow is not None or s not in ASYNC_SCHEDULES)
     if fixed and "schedule" in fixed:
-        schedules = (fixed["schedule"],) if allow_async or fixed["schedule"] not in ASYNC_SCHEDULES else ()
-    every = _all_layouts(cm, world, global_batch, schedules)
+        schedules = (fixed["schedule"],) if allow is not None or fixed["schedule"] not in ASYNC_SCHEDULES else ()
+    every = _all_layouts(cm, world, global_batch, tp_cap, (fixed or {}).get("cp"), schedules)
+    every += grid_layouts(cm, world, global_batch) if grids else []  # cp = 1: cp with a grid is refused
+    if allow is not None:
+        every = [lay for lay in every if allow(lay)]
     if not fixed:
         return every
     if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
@@ -56,13 +69,25 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
-def _all_layouts(cm: CostModel, world: int, global_batch: int, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
+def cp_degrees(cm: CostModel, world: int, tp: int, fixed: int | None = None) -> list[int]:
+    """Context-parallel degrees tessel.config accepts beside `tp` (the sequence in 2*cp chunks, dense models),
+    inside a node with tp; cp > 1 only for long sequences (CP_MIN_SEQ) unless `fixed`."""
+    c, seq = cm.spec.cfg, cm.spec.seq_len
+    if fixed is not None:
+        return [fixed] if world % (tp * fixed) == 0 and seq % (2 * fixed) == 0 else []
+    if seq < CP_MIN_SEQ or c.n_experts:
+        return [1]
+    return [k for k in divisors(world // tp) if k == 1 or (k * tp <= cm.cluster.devices_per_node and seq % (2 * k) == 0)]
+
+
+def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None,
+                 fixed_cp: int | None = None, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
-    tps = [t for t in tp_degrees(c, world) if t <= cm.cluster.devices_per_node]
-    for tp in tps:
-        for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
-            rest = world // (tp * pp)
+    tps = [t for t in tp_degrees(c, world) if t <= (tp_cap or cm.cluster.devices_per_node)]
+    for tp, cp in ((t, k) for t in tps for k in cp_degrees(cm, world, t, fixed_cp)):
+        for pp in (p for p in divisors(world // (tp * cp)) if p <= c.n_layer):
+            rest = world // (tp * cp * pp)
             eps = [e for e in divisors(rest) if c.n_experts % e == 0] if c.n_experts else [1]
             for ep in eps:
                 dp = rest // ep
@@ -70,31 +95,79 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int, schedules: tuple[
                     continue
                 per_shard = global_batch // (dp * ep)
                 for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
-                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb)
-                    out += _variants(base, per_shard // mb, c.n_layer, seq, schedules)
+                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb, cp=cp)
+                    out += [replace(v, cp_mode=mode)
+                            for v in _variants(base, per_shard // mb, c.n_layer, seq, schedules)
+                            for mode in _cp_modes(c, tp, cp)]
     return out
 
 
-def _variants(base: Layout, chunks: int, n_layer: int, seq: int, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
+def _cp_modes(cfg, tp: int, cp: int) -> tuple[str, ...]:
+    """ring always; Ulysses where each tp rank's heads and kv heads split over cp."""
+    if cp == 1:
+        return ("ring",)
+    return ("ring", "ulysses") if (cfg.n_head // tp) % cp == 0 and (cfg.kv_heads // tp) % cp == 0 else ("ring",)
+
+
+def _variants(base: Layout, chunks: int, n_layer: int, seq: int,
+              schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")) -> list[Layout]:
     if base.pp == 1:
         pipes = [replace(base, m=1, ga=chunks)]
     else:
-        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe", "zb-h1", "zb-h2") if s in schedules]
+        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe") if s in schedules]
         pipes += [replace(base, m=chunks, schedule="interleaved", v=v) for v in (2, 4)
                   if "interleaved" in schedules and base.pp * v <= n_layer and chunks % base.pp == 0]
-        # ZBV: two stages a rank in a V, at least pp micro-batches (tessel.config)
-        pipes += [replace(base, m=chunks, schedule="zbv", v=2)
-                  for _ in range("zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp)]
-    zeros = (0, 1, 2, 3) if base.batch_shards > 1 else (0,)
-    sps = (False, True) if base.tp > 1 and seq % base.tp == 0 else (False,)
+        pipes += _zero_bubble_pipes(base, chunks, n_layer, schedules)
+    zeros = (0, 1, 2, 3) if base.token_shards > 1 else (0,)
+    sps = (False, True) if base.tp > 1 and seq % (base.tp * base.cp) == 0 else (False,)
     # a split backward's W would rebuild a fully recomputed block once per weight group: tessel.config
     # refuses the pairing
     out = [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
            for rc in RECOMPUTE if not (rc == "full" and p.schedule in ("zb-h1", "zb-h2", "zbv"))]
-    if base.pp > 1 and base.tp == 1 and base.ep == 1 and chunks >= base.pp:
-        # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, ep or recompute (tessel.config)
+    if base.pp > 1 and base.tp == 1 and base.ep == 1 and base.cp == 1 and chunks >= base.pp:
+        # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, cp, ep or recompute (tessel.config)
         out += [replace(base, m=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
     return out
+
+
+def _zero_bubble_pipes(base: Layout, chunks: int, n_layer: int, schedules: tuple[str, ...]) -> list[Layout]:
+    """ZB-H1, ZB-H2 (one stage a rank) and ZBV (two, in a V, with at least pp micro-batches), as tessel.config
+    takes them: 1D tensor parallelism, no context or expert parallelism."""
+    if base.tp_mode != "1d" or base.cp > 1 or base.ep > 1:
+        return []
+    pipes = [replace(base, m=chunks, schedule=s) for s in ("zb-h1", "zb-h2") if s in schedules]
+    if "zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp:
+        pipes.append(replace(base, m=chunks, schedule="zbv", v=2))
+    return pipes
+
+
+def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
+    """Layouts whose tp group is a 2D, 2.5D or 3D grid (tessel.parallel.tensor_nd), by tessel.config's rules:
+    the model's (tp_grid_refusal: the grid's sizes, what its side divides, each micro-batch over the grid's
+    batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3 with a pipeline, experts: ep = 1)."""
+    c, seq = cm.spec.cfg, cm.spec.seq_len
+    out = []
+    for mode, tp, depth in grid_sizes(world):
+        for pp in (p for p in divisors(world // tp) if p <= c.n_layer):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_shard = global_batch // dp
+            for mb in grid_micro_batches(per_shard, mode, tp, depth):
+                if tp_grid_refusal(c, mode, tp, depth, mb, pp) is not None:
+                    continue
+                base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
+                out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq)
+                        if not lay.sp and (lay.zero <= 2 or lay.pp == 1)]
+    return out
+
+
+def grid_micro_batches(per_shard: int, mode: str, tp: int, depth: int) -> list[int]:
+    """Micro-batch sizes a grid can take: the search's, and 1, 2 or 4 sequences for each of the grid's batch
+    chunks (a 512-rank cube splits each micro-batch 64 ways)."""
+    chunks = grid_of(mode, tp, depth).batch_chunks
+    sizes = set(MICRO_BATCHES) | {chunks * b for b in (1, 2, 4)}
+    return sorted(b for b in sizes if per_shard % b == 0 and b % chunks == 0)
 
 
 @dataclass
@@ -109,19 +182,25 @@ class SearchResult:
 
 
 def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
-           simulate_top: int = SIMULATE_TOP, allow_async: bool = False) -> SearchResult:
+           simulate_top: int = SIMULATE_TOP, progress: Callable[[int, int], None] | None = None,
+           allow: Callable[[Layout], bool] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
     re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
-    allow_async: the recipe accepts stale updates (parallel.allow_async), so 2BW is a candidate."""
-    layouts = candidate_layouts(cm, world, global_batch, fixed, allow_async)
+    progress(done, total) hears of each layout priced (a bar in tessel.planning). Asynchronous pipelines
+    are candidates only under an `allow` that keeps them (the recipe's parallel.allow_async)."""
+    layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"
         why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
-        if (fixed or {}).get("schedule") in ASYNC_SCHEDULES and not allow_async:
+        if (fixed or {}).get("schedule") in ASYNC_SCHEDULES:
             why = " (asynchronous schedules update on stale weights: the recipe needs parallel.allow_async = true)"
         raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}{why}")
-    estimates = [cm.estimate(lay) for lay in layouts]
+    estimates = []
+    for lay in layouts:
+        estimates.append(cm.estimate(lay))
+        if progress is not None:
+            progress(len(estimates), len(layouts))
     fits = sorted((e for e in estimates if e.fits), key=_rank)
     rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total)
     return SearchResult(simulated(fits, simulate_top), len(estimates), rejected)

@@ -21,6 +21,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tessel.parallel.pipeline.schedules import COMPUTE, is_vshape, owner_of, stage_of
 from tessel.planner.cluster import Link
@@ -107,6 +108,8 @@ class PipelineSim:
         self.b_hook = None  # called as b_hook(stage, start, end, is_last_backward) when a backward starts
         self.f_hook = None  # called as f_hook(stage, start) when a forward starts
         self.compute_end = [0.0] * self.p
+        self.on_op = None  # called as on_op(done, total) when a compute op finishes (a progress bar)
+        self.ops_done, self.ops_total = 0, sum(len(ops) for ops in self.ops)
         for r, done in enumerate(carried(schedule, self.p, m) or ()):  # an asynchronous step's inheritance
             for kind, mb, chunk in done:
                 g = self._global_chunk(r, chunk)
@@ -156,6 +159,9 @@ class PipelineSim:
         self.running[s] = False
         self.next_op[s] = i + 1
         self.compute_end[s] = self.now
+        self.ops_done += 1
+        if self.on_op is not None:
+            self.on_op(self.ops_done, self.ops_total)
         g = self._global_chunk(s, chunk)
         last = self.p * self.v - 1
         if kind == "F" and g < last:
@@ -228,12 +234,15 @@ def simulate_pipeline(chunk_times, schedule: str, m: int, v: int = 1, p2p_bytes:
     return SimResult(end, end, 1 - busy / end if end else 0.0, sim.events)
 
 
-def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None) -> SimResult:
-    """One optimizer step of `lay`: grad_accum pipeline flushes, the gradient traffic, the optimizer."""
+def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """One optimizer step of `lay`: grad_accum pipeline flushes, the gradient traffic, the optimizer;
+    progress(done, total) hears of each compute op of the simulated flush."""
     est = est or cm.estimate(lay)
     links = cm.links(lay)
     cls = {k: ("inter" if v == cm.cluster.inter else "intra") for k, v in links.items()}
-    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if lay.sp else 1)
+    split = lay.sp or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
+    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1) / lay.cp
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
     args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, links["pp"], cls["pp"])
     # earlier accumulation steps are identical flushes without gradient traffic (ZeRO<2):
@@ -241,6 +250,7 @@ def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None) -> Si
     offset = (lay.ga - 1) * PipelineSim(*args).run() if lay.ga > 1 and lay.zero < 2 else 0.0
     sim = PipelineSim(*args)
     sim.now = offset
+    sim.on_op = progress
     _attach_dp(sim, cm, lay, est, links["dp"], cls["dp"])
     end = sim.run()
     if lay.zero >= 2 and lay.ga > 1:  # every flush carries its own traffic: repeat the whole thing
@@ -291,7 +301,7 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     SHARP, NCCL's ring or tree), as bytes at the link's bandwidth, so what
     the simulator adds is the queueing of these transfers on shared links.
     """
-    n = lay.dp * lay.ep
+    n = lay.token_shards
     if n == 1:
         return
     whole_step = lay.zero >= 2 and lay.pp > 1

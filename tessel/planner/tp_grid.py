@@ -23,7 +23,10 @@ element, per rank:
 
 from __future__ import annotations
 
+from tessel.planner.traffic import Call
+
 MODES = ("1d", "2d", "2.5d", "3d")
+STREAM, MIXED = (2, 1), (1, 2)  # 3D: the layouts L(s, r) a linear reads (tessel.parallel.tensor_nd.cube)
 
 
 def linear_bytes(mode: str, n: int, k: int, m: int, side: int, depth: int = 1, elem: int = 4) -> float:
@@ -36,6 +39,35 @@ def linear_bytes(mode: str, n: int, k: int, m: int, side: int, depth: int = 1, e
     if mode == "3d":
         return 2 * (side - 1) / side ** 3 * (n * k + k * m + n * m) * elem
     raise ValueError(f"no traffic model for tp_mode {mode!r}")
+
+
+Calls = list[tuple[int, Call]]  # (grid dimension the collective runs along, the call)
+
+
+def linear_calls(mode: str, n: int, k: int, m: int, side: int, depth: int = 1, elem: int = 4,
+                 layout: tuple[int, int] = STREAM) -> tuple[Calls, Calls]:
+    """(forward, backward) collectives of one linear layer, call by call, each along a dimension of the grid
+    (tessel.parallel.tensor_nd.grid's: (i, j) for 2D, (depth, i, j) for 2.5D, (a, b, e) for 3D; the row group
+    varies j, the column group i). Sizes by tessel.planner.traffic's convention; what they send adds up to
+    linear_bytes (tests/planner/test_tp_grid.py), the runtime's calls are recorded against them in
+    tests/parallel/tensor_nd. n: the tokens of the whole micro-batch (the grid splits them over its rows)."""
+    if mode in ("2d", "2.5d"):
+        row, col = (2, 1) if mode == "2.5d" else (1, 0)
+        x = n // (side * depth) * (k // side) * elem  # this rank's panel of X: (n / (q d), k / q)
+        w = (k // side) * (m // side) * elem  # of W: (k / q, m / q)
+        fwd = [(row, Call("broadcast", x, side)), (col, Call("broadcast", w, side))]  # Xu et al., Algorithm 1
+        bwd = [(col, Call("broadcast", w, side)), (row, Call("reduce", x, side)),  # dX = dY W^T
+               (row, Call("broadcast", x, side)), (col, Call("reduce", w, side))]  # dW = X^T dY
+        if mode == "2.5d":  # Tesseract: each depth layer's dW summed over the depth
+            bwd.append((0, Call("all_reduce", w)))
+        return fwd, bwd
+    if mode == "3d":
+        s, r = layout
+        x, w, y = n // side * (k // side) * elem, (m // side) * (k // side) * elem, n // side * (m // side) * elem
+        fwd = [(s, Call("all_gather", x)), (0, Call("all_gather", w)), (r, Call("reduce_scatter", y))]
+        bwd = [(r, Call("all_gather", y)), (0, Call("reduce_scatter", w)), (s, Call("reduce_scatter", x))]
+        return fwd, bwd
+    raise ValueError(f"no call list for tp_mode {mode!r}")
 
 
 # ---- the README's table: per layer, per rank, from the formulas above --------------------------

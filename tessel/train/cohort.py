@@ -47,6 +47,9 @@ class Cohort(Protocol):
     def shards(self) -> tuple[Shard, Shard]:
         """This rank's shard of the training batches and of the validation batches."""
 
+    def sequence_columns(self, seq_len: int) -> list[int] | None:
+        """The positions of every sequence this rank reads (its context-parallel chunks); None: all of them."""
+
     def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> StepOutcome:
         """After the runner's backward, with this rank's loss: the update applied, the learning-rate
         schedule advanced, the step's loss and decisions agreed."""

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tessel.config import Config, ConfigError, DataConfig, builtin_bpe_vocab
+from tessel.parallel.data.uneven import rows
 from tessel.train.tokenizer import ByteCodec, Codec, TokenizerError, encode_file, read_tokenizer, token_dtype, train_bpe
 
 
@@ -331,10 +332,14 @@ def _write_stats(path: Path, doc: dict) -> None:
 
 
 class BatchSampler:
-    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s)."""
+    """Random windows of seq_len+1 tokens; step s's global batch is a pure function of (seed, s).
+
+    A rank reads rows `shard` of `num_shards` of it; under context parallelism only `columns` of each
+    row (its chunks of the same sequences: inputs and targets at the same positions)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 shard: int = 0, num_shards: int = 1, vocab_size: int | None = None):
+                 shard: int = 0, num_shards: int = 1, vocab_size: int | None = None,
+                 shares: list[int] | None = None, columns: list[int] | None = None):
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"the token source has {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
         if global_batch % num_shards:
@@ -342,6 +347,11 @@ class BatchSampler:
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.seed, self.shard, self.num_shards = seed, shard, num_shards
         self.vocab_size = vocab_size  # None: ids are not checked
+        # an uneven dp split: shard i reads shares[i] micro-batches' rows (tessel.parallel.data.uneven)
+        per = global_batch // num_shards
+        self.rows = rows(shares, shard, global_batch) if shares else slice(shard * per, (shard + 1) * per)
+        # context parallelism: this rank's chunks of every sample (tessel.parallel.context.layout)
+        self.columns = torch.tensor(columns, dtype=torch.long) if columns is not None else None
         self.step = 0
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,9 +377,10 @@ class BatchSampler:
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.global_batch_at(step)
-        per = self.global_batch // self.num_shards
-        sl = slice(self.shard * per, (self.shard + 1) * per)
-        return x[sl], y[sl]
+        x, y = x[self.rows], y[self.rows]
+        if self.columns is not None:
+            return x[:, self.columns], y[:, self.columns]
+        return x, y
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.batch_at(self.step)

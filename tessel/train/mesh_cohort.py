@@ -1,8 +1,9 @@
 """The cohort of every rank of a device mesh: each step is one SPMD step over the mesh.
 
-Plain, DP, TP, PP, EP and ZeRO runs: every rank reads its data shard (ranks
-that hold the same shard, tp and pp peers, read the same rows), losses are
-averaged over the data shards (dp x ep), the gradient norm is taken and
+Plain, DP, TP, PP, EP, CP and ZeRO runs: every rank reads its data shard (ranks
+that hold the same shard, tp, cp and pp peers, read the same rows; cp peers each
+their own chunks of them), losses are averaged over the ranks that see
+different tokens (dp x ep x cp), the gradient norm is taken and
 clipped over the mesh, every rank steps its own optimizer, and all ranks
 agree in one all-reduce on skipping a non-finite step and on stopping.
 Checkpoints are written by all ranks together; every rank's heartbeat is
@@ -16,9 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessel.axes import TOKEN_AXES
 from tessel.config import Config, FaultConfig
 from tessel.heartbeat import Heartbeat
 from tessel.mesh import Mesh
+from tessel.parallel.context import layout
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.manager import CheckpointManager
@@ -50,8 +53,13 @@ class MeshCohort:
         shard = (self.mesh.local_rank_in("dp", "ep"), self.mesh.size("dp", "ep"))
         return shard, shard
 
+    def sequence_columns(self, seq_len: int) -> list[int] | None:
+        """Context parallelism: this rank's chunks of every sequence (tessel.parallel.context.layout)."""
+        cp = self.mesh.size("cp")
+        return layout.positions(seq_len, cp, self.mesh.coord("cp")) if cp > 1 else None
+
     def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> StepOutcome:
-        loss = mean_over(loss.float(), self.mesh, "dp", "ep")  # also a sync point for timing
+        loss = mean_over(loss.float(), self.mesh, *TOKEN_AXES)  # also a sync point for timing
         # the norm is over what the optimizer steps (a sharded optimizer's gradients are marked)
         grad_norm = clip_grad_norm_(optimizer_params(state.optimizer), self.grad_clip, self.mesh)
         lr = state.optimizer.param_groups[0]["lr"]
@@ -64,7 +72,7 @@ class MeshCohort:
         return StepOutcome(loss.item(), lr, grad_norm.item(), not finite, stop_signal)
 
     def eval_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        return mean_over(loss, self.mesh, "dp", "ep")
+        return mean_over(loss, self.mesh, *TOKEN_AXES)
 
     def total(self, value: float) -> float:
         """Summed over every rank, so MFU compares the whole run with the whole machine."""

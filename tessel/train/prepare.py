@@ -27,15 +27,16 @@ import os
 import shutil
 import tempfile
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tessel.config import ConfigError, DataConfig, check_tokenizer, load_config
 from tessel.hf_shape import HFConfigError, model_shape
+from tessel.observe.progress import Work, work_progress
 from tessel.train.data import text_codec, tokenizer_file
 from tessel.train.tokenizer import TokenizerCodec, TokenizerError, read_tokenizer, token_dtype
 
@@ -222,15 +223,15 @@ def prepare(job: PrepareJob, progress: bool = True) -> dict:
     try:
         files = {split: open(tmp / f"{split}.bin", "wb") for split in counts}
         # fork: the workers need only this module, and the pool starts before the bar's thread does
+        # a bar on a terminal only (tessel.observe.progress): nothing in a log
+        bar = work_progress("tokenizing", total, in_bytes=True) if progress else nullcontext(Work())
         with multiprocessing.get_context("fork").Pool(job.workers, _start_worker, (str(job.tokenizer),)) as pool, \
-                Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                         disable=not progress) as bar:
-            task = bar.add_task("tokenizing", total=total)
+                bar as work:
             for train, val, nbytes in pool.imap(_encode, batches(job)):
                 for split, ids in (("train", train), ("val", val)):
                     ids.tofile(files[split])
                     counts[split] += len(ids)
-                bar.advance(task, nbytes)
+                work.advance(nbytes)
         for f in files.values():
             f.close()
         report = _finish(job, tmp, counts)

@@ -98,6 +98,9 @@ class WorkerCohort:
         # validation on the whole batch: worker 0 alone reports it
         return (self.mesh.local_rank_in("dp"), self.mesh.size("dp")), (0, 1)
 
+    def sequence_columns(self, seq_len: int) -> list[int] | None:
+        return None  # workers hold whole models and read whole sequences
+
     def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> StepOutcome:
         """The runner's push had the servers apply it; the schedule advances with theirs."""
         lr = state.optimizer.param_groups[0]["lr"]

@@ -61,6 +61,19 @@ def _alive(owner: dict) -> bool:
     return recorded is None or _start_time(pid) in (None, recorded)
 
 
+def _slurm_attempt() -> dict:
+    """The Slurm job and attempt that holds a lock (tessel launch slurm requeues jobs), if any."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {} if job is None else {"slurm_job": job, "slurm_attempt": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
+
+
+def _earlier_attempt(owner: dict, me: dict) -> bool:
+    """A lock left by an earlier attempt of the same Slurm job: Slurm runs one attempt at a time, so its
+    holder is gone even when it was on another host (a requeued job's rank 0 may land elsewhere)."""
+    return ("slurm_job" in me and owner.get("slurm_job") == me["slurm_job"]
+            and int(owner.get("slurm_attempt", 0)) < me["slurm_attempt"])
+
+
 class OutDirLock:
     """An exclusive claim on a folder for a process's lifetime (see the module docstring)."""
 
@@ -70,7 +83,7 @@ class OutDirLock:
 
     def acquire(self, run_id: str) -> None:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid()),
-              "run_id": run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "run_id": run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S"), **_slurm_attempt()}
         for _ in range(3):
             if self._try_create(me):
                 self.held = True
@@ -78,7 +91,7 @@ class OutDirLock:
             owner = self._owner()
             if owner is None:
                 continue  # released between our attempts
-            if owner.get("host") != me["host"] or _alive(owner):
+            if not _earlier_attempt(owner, me) and (owner.get("host") != me["host"] or _alive(owner)):
                 raise ConfigError(self.field, f"{self.path.parent} is in use by run {owner.get('run_id')} (pid "
                                   f"{owner.get('pid')} on {owner.get('host')} since {owner.get('since')}); wait "
                                   f"for it to finish or choose another folder (if that run is gone, delete "

@@ -25,10 +25,12 @@ from tessel.models.flops import training_flops_per_token
 from tessel.models.gpt import count_params
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
+from tessel.observe.trackers import open_trackers
 from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort
 from tessel.train.data import BatchSampler, load_tokens, text_codec
+from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.guard import Guard, checkpoint_root
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
@@ -69,10 +71,10 @@ def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops
             "mfu": flops_per_token * tokens / elapsed / peak_flops, "peak_mem_mb": peak_memory_mb(device)}
 
 
-def close_log(log: MetricsLog, tensorboard: bool = True) -> dict[str, str]:
-    """Close rank 0's metrics log and plot its curves; the files the run wrote there."""
+def close_log(log: MetricsLog, tensorboard: bool = True, summary: dict | None = None) -> dict[str, str]:
+    """Close rank 0's metrics log (its trackers get `summary`) and plot its curves; the files the run wrote."""
     from tessel.observe.plots import plot_metrics  # deferred: matplotlib, for the run's last moment
-    log.close()
+    log.close(summary)
     files = {"metrics": str(log.path)}
     if tensorboard:
         files["tensorboard"] = str(Path(log.dir) / "tensorboard")
@@ -92,6 +94,13 @@ def summarize(history: list[dict], val_loss: float | None, n_params: int, sample
                    sample=sample, files=files)
 
 
+def tracker_summary(summary: Summary) -> dict:
+    """What the experiment trackers keep of a finished run."""
+    return {"steps": summary.steps, "final_loss": summary.losses[-1], "val_loss": summary.val_loss,
+            "tokens_per_s": summary.tokens_per_s, "mfu": summary.mfu, "peak_mem_mb": summary.peak_mem_mb,
+            "params": summary.params}
+
+
 class Trainer:
     """One rank's training loop, the same for every layout: the runner computes, the cohort
     (tessel.train.cohort) says how ranks share the data and agree, the guard checkpoints and recovers.
@@ -99,8 +108,9 @@ class Trainer:
     cohort: None for every rank of `mesh` (MeshCohort); a parameter server's workers bring theirs."""
 
     def __init__(self, cfg: Config, mesh: Mesh, runner: Runner, rank: int = 0, run_id: str | None = None,
-                 stop: StopRequest | None = None, cohort: Cohort | None = None):
+                 stop: StopRequest | None = None, cohort: Cohort | None = None, replanned: Replanned | None = None):
         self.cfg, self.runner, self.rank = cfg, runner, rank
+        self.replanned = replanned  # the layout was re-planned for this world: its step time is reported
         self.cohort = cohort or MeshCohort(mesh, cfg.train.grad_clip)
         self.stop = stop or StopRequest()  # the launcher's ranks install its signal handlers
         self.stop_signal = 0  # set when every rank has agreed to stop after the current step
@@ -115,8 +125,9 @@ class Trainer:
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
         # a resumed run appends to the metrics of the attempt it continues
-        self.log = MetricsLog(cfg.logging.out_dir, cfg.logging.tensorboard,
-                              append=cfg.checkpoint.resume is not None) if rank == 0 else None
+        resumed = cfg.checkpoint.resume is not None
+        self.log = MetricsLog(cfg.logging.out_dir, "tensorboard" in cfg.logging.active_trackers, append=resumed,
+                              trackers=open_trackers(cfg, run_id, resumed)) if rank == 0 else None
         self.history: list[dict] = []
 
     def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
@@ -124,8 +135,10 @@ class Trainer:
         t, vocab = self.cfg.train, self.cfg.model.vocab_size
         tokens = load_tokens(self.cfg.data, vocab, seed=t.seed)
         train, val = self.cohort.shards()
-        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab),
-                BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab))
+        columns = self.cohort.sequence_columns(t.seq_len)
+        return (BatchSampler(tokens.train, t.seq_len, t.global_batch, t.seed, *train, vocab,
+                             shares=self.cfg.parallel.dp_shares, columns=columns),
+                BatchSampler(tokens.val, t.seq_len, t.global_batch, t.seed + 1, *val, vocab, columns=columns))
 
     def _build_state(self, run_id: str | None, sampler: BatchSampler) -> TrainState:
         """The optimizer (the runner's own, or AdamW over its parameters), the schedule, the data
@@ -179,7 +192,7 @@ class Trainer:
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
         val_loss = None
         # resumes from a checkpoint when asked (state.step); checkpoints, heartbeat, rollback
-        guard = Guard(self.cfg, state, self.cohort, self.faults)
+        guard = Guard(self.cfg, state, self.cohort, self.faults, self.replanned)
         with progress:
             while state.step < t.steps and not self.stop_signal:
                 step = state.step
@@ -190,9 +203,15 @@ class Trainer:
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
                     val_loss = row["val_loss"] = self.evaluate()
                 self.history.append(row)
-                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal):
+                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal
+                                             or guard.relayout is not None):
                     self.log.log(step, row)
                 progress.update(step, row)
+                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
+                    guard.close()
+                    if self.log is not None:
+                        self.log.close()
+                    raise guard.relayout
         if self.stop_signal:
             guard.preempt(state.step)  # a preemption checkpoint (when checkpoints are on)
             if self.log is not None:
@@ -204,12 +223,13 @@ class Trainer:
     def _summary(self, val_loss: float | None) -> Summary:
         if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run
             if self.log is not None:
-                self.log.close()
+                self.log.close({})  # finished, nothing new for the trackers
             return summary_from_metrics(self.cfg)
         # collective: every rank hands in its events
         files = dict(self.runner.write_timeline(self.cfg.logging.out_dir))
         if self.log is not None:
-            files.update(close_log(self.log, tensorboard=self.cfg.logging.tensorboard))
+            for_trackers = tracker_summary(summarize(self.history, val_loss, self.n_params, "", {}))
+            files.update(close_log(self.log, "tensorboard" in self.cfg.logging.active_trackers, for_trackers))
         return summarize(self.history, val_loss, self.n_params, self.sample(), files)
 
 

@@ -59,10 +59,11 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 # doubly counted shard (a tp or pp shard is >= 1% of the squared norm here).
 NORM_TOL = dict(rtol=1e-4, atol=1e-6)
 # Final weights: AdamW divides by sqrt(v), so where a gradient is near zero the
-# ~1e-7 relative differences above grow to ~1e-5 absolute in a weight; the same
-# bounds as tests/parallel/zero/test_zero_parallel.py. A lost tied-gradient sum or a stale
-# stage moves weights by ~lr = 1e-2.
-WEIGHT_TOL = dict(rtol=1e-4, atol=2e-5)
+# ~1e-7 relative differences above grow to ~1e-5 absolute in a weight (measured:
+# up to 4.2e-5, one element of a tied embedding under dp2 x pp2 ZeRO-1, on an
+# AVX-512 machine whose kernels round differently from AVX2's). 1e-4 covers that;
+# a lost tied-gradient sum or a stale stage moves weights by ~lr = 1e-2.
+WEIGHT_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def _train(cfg) -> dict:

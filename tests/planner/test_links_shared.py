@@ -23,6 +23,7 @@ def test_step_never_beats_its_busiest_link_nor_its_compute():
         cm = CostModel(spec, get_cluster(cluster, world), "bf16")
         layouts = candidate_layouts(cm, world, spec.global_batch)
         assert len(layouts) > 100
+        assert {lay.tp_mode for lay in layouts} == {"1d", "2d", "2.5d", "3d"}  # the grids are held to it too
         for lay in layouts:
             est = cm.estimate(lay)
             compute = max(sum(f + b for f, b in row) for row in est.chunk_times) * lay.chunks

@@ -145,3 +145,15 @@ def test_the_check_stays_out_of_the_runtime():
             "('torch', 'tessel.train', 'tessel.cli'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_data_cap_is_each_ranks_budget_and_cp_fits_a_sequence_one_rank_cannot(monkeypatch):
+    """recipes/long_context.toml: 8192 tokens a step; with each process capped at 768 MiB of heap
+    (RLIMIT_DATA, `prlimit --data`), one rank is refused before spawning and two cp ranks fit (the README's
+    run trains under that cap; cp1 with --force dies allocating)."""
+    monkeypatch.setattr(device, "data_limit", lambda: 768 * MiB)
+    alone = load_config(ROOT / "recipes/long_context.toml", ["parallel.cp=1"])
+    with pytest.raises(ConfigError, match="capped at 768 MiB \\(RLIMIT_DATA\\).*cp"):
+        check_memory(alone, ranks_per_node=1)
+    split = check_memory(load_config(ROOT / "recipes/long_context.toml"), ranks_per_node=2)
+    assert split.fits and split.memory["activations"] < 0.55 * check_memory(alone, 1, force=True).memory["activations"]

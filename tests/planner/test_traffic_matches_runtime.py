@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessel.axes import AXES
+from tessel.axes import AXES, TOKEN_AXES
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import config_layout
@@ -145,6 +145,8 @@ LAYOUTS = {  # the tiny GPT: 2 blocks, d_model 32, vocab 256; 8 sequences of 16 
     "pp2_1f1b": ["parallel.pp=2", "parallel.micro_batches=4", 'parallel.schedule="1f1b"'],
     # two accumulation steps: see test_zero2_with_accumulation_reduces_once_per_step
     "zero2_dp2_ga2": ["parallel.dp=2", "parallel.zero_stage=2", "train.grad_accum=2"],
+    "cp2_ring": ["parallel.cp=2"],
+    "cp2_ulysses": ["parallel.cp=2", 'parallel.cp_mode="ulysses"'],
 }
 
 
@@ -165,13 +167,15 @@ def planned(name: str, stage: int) -> collections.Counter:
     cost = CostModel(from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch), get_cluster("a100"),
                      cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
     # the planner's group names as the recorder names the runtime's groups
-    dp = "+".join(a for a in ("dp", "ep") if getattr(lay, a) > 1)
-    label = {"tp": "tp", "pp": "pp", "ep": "ep", "dp": dp, "world": "world"}
+    dp = "+".join(a for a in TOKEN_AXES if getattr(lay, a) > 1)
+    label = {"tp": "tp", "pp": "pp", "ep": "ep", "dp": dp, "world": "world", "cp": "cp"}
     out = collections.Counter()
     for group, calls in cost.step_calls(lay, stage).items():
         for c in calls:
             assert c.count == int(c.count) and c.nbytes == int(c.nbytes), c
-            out[c.op, label[group], int(c.nbytes)] += int(c.count)
+            # a ring hop is one isend and one irecv at once: the runtime issues both, the planner prices the hop
+            hop = 2 if group == "cp" and c.op == "p2p" else 1
+            out[c.op, label[group], int(c.nbytes)] += int(c.count) * hop
     return out
 
 
@@ -205,3 +209,14 @@ def test_pp2_1f1b_step(recorded):
 def test_zero2_with_accumulation_reduce_scatters_every_micro_batch(recorded):
     """ZeRO-2 keeps gradients sharded through accumulation, as its memory table and the planner say."""
     assert_same_calls(recorded, "zero2_dp2_ga2")
+
+
+def test_cp2_ring_step(recorded):
+    """Per block: the key/value block's one hop forward; backward its hop again and its fp32 gradient's two
+    (the last one home); the gradient all-reduce and the loss's mean over cp, which sees different tokens."""
+    assert_same_calls(recorded, "cp2_ring")
+
+
+def test_cp2_ulysses_step(recorded):
+    """Per block: q, k, v to the head split and the output back, each one all-to-all, mirrored in backward."""
+    assert_same_calls(recorded, "cp2_ulysses")

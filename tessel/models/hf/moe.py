@@ -14,7 +14,8 @@ E * sum_i f_i * P_i with f_i counting every top-k choice, f and P taken over the
 tokens of all layers together), added with router_aux_loss_coef when the config
 sets output_router_logits, as MixtralForCausalLM.forward does. tessel computes it
 from the router logits of the latest training forward so that the statistics can
-span the whole batch (tessel.models.moe.BalanceStatistics).
+span the whole batch (tessel.models.moe.BalanceStatistics), and, under a pipeline,
+every stage's layers (mixtral_statistics; tessel.parallel.expert.cross_stage).
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def mixtral_modules(model: nn.Module, kind: str) -> list[tuple[str, nn.Module]]:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
     cls = {"router": MixtralTopKRouter, "experts": MixtralExperts}[kind]
     return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def mixtral_statistics(router_logits: list[torch.Tensor], n_experts: int, top_k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What load_balancing_loss_func sums over the rows of every layer given, (N, E) logits each: the top-k
+    choices of each expert C (E,), the sum of each expert's router probabilities S (E,), differentiable, and
+    the rows R (); its loss is E * sum(C * S) / R^2 (a pipeline stage's share: tessel.parallel.expert.cross_stage)."""
+    probs = torch.cat([logits.float().softmax(-1) for logits in router_logits])  # (L*N, E)
+    chosen = probs.topk(top_k, dim=-1).indices  # (L*N, k)
+    counts = torch.bincount(chosen.reshape(-1), minlength=n_experts)
+    return counts, probs.sum(0), torch.tensor(probs.size(0), device=probs.device)
 
 
 def mixtral_balance_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int,
@@ -60,10 +72,15 @@ class MixtralRouterLoss:
                 self.logits[name] = output[0]  # MixtralTopKRouter -> (logits, top-k weights, top-k ids)
         return record
 
-    def __call__(self) -> torch.Tensor | None:
-        if not self.logits:
-            return None
+    def take_logits(self) -> list[torch.Tensor]:
+        """The router logits (N, E) of every layer in the latest training forward ([] if none ran since)."""
         logits, self.logits = list(self.logits.values()), {}
+        return logits
+
+    def __call__(self) -> torch.Tensor | None:
+        logits = self.take_logits()
+        if not logits:
+            return None
         return self.coef * mixtral_balance_loss(logits, self.n_experts, self.top_k, self.balance)
 
 

@@ -50,6 +50,9 @@ class TPRules:
     replicated: tuple[str, ...] = ()  # computed whole on every tp rank (MoE blocks)
     kept: tuple[str, ...] = ()  # parameters left whole outside the split region (position embeddings)
     widths: tuple[tuple[str, tuple[str, ...]], ...] = ()  # pattern -> attributes holding a width tp divides
+    # the base model reshapes its final norm's output to its input's (B, T) (GPT-2): under sequence parallelism
+    # a pipeline stage before the last makes the sequence whole there and sends its own shard
+    reshapes_output: bool = False
 
 
 LLAMA_TP = TPRules(  # also Mistral and Qwen2: the same module names
@@ -62,7 +65,8 @@ GPT2_TP = TPRules(
     linear=(("transformer.h.*.attn.c_attn", "colwise_qkv"), ("transformer.h.*.attn.c_proj", "rowwise"),
             ("transformer.h.*.mlp.c_fc", "colwise"), ("transformer.h.*.mlp.c_proj", "rowwise")),
     kept=("transformer.wpe",),
-    widths=(("transformer.h.*.attn", ("split_size",)),))  # it splits c_attn's output at the whole width
+    widths=(("transformer.h.*.attn", ("split_size",)),),  # it splits c_attn's output at the whole width
+    reshapes_output=True)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ AllToAllDispatcher, the one the reference GPT's MoE uses. Mixtral has no capacit
 factor, so nothing is dropped: every top-k choice reaches its expert.
 
 The load-balancing loss (tessel.models.hf.moe.MixtralRouterLoss) joins the loss
-function; with model.aux_loss_scope = "global" its statistics span the ranks that
-split the batch, so any layout trains on transformers' single-process loss.
+function (under a pipeline, each stage adds its share: tessel.parallel.expert.cross_stage);
+with model.aux_loss_scope = "global" its statistics span the ranks that split the
+batch, so any layout trains on transformers' single-process loss.
 """
 
 from __future__ import annotations

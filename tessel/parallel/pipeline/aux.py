@@ -10,6 +10,8 @@ reaches the router on the stage where it lives, inside the stage's own backward.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn as nn
 
@@ -33,11 +35,21 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+class StageLoss(Protocol):
+    """What one chunk's latest training forward adds to the step's loss (None: nothing); `present`: whether
+    it ever adds anything (the runner then sums the step's loss over the pipeline)."""
+    present: bool
+
+    def __call__(self) -> torch.Tensor | None: ...
+
+
 class StageAux:
-    """The sum of one chunk's MoE aux losses from its latest forward (None: no MoE block)."""
+    """The sum of one chunk's MoE aux losses from its latest forward (None: no MoE block). A family whose
+    aux loss spans stages brings a StageLoss of its own (tessel.parallel.expert.cross_stage: Mixtral's)."""
 
     def __init__(self, chunk: nn.Module):
         self.layers = moe_layers(chunk)
+        self.present = bool(self.layers)
 
     def __call__(self) -> torch.Tensor | None:
         losses = [m.aux_loss for m in self.layers if m.aux_loss is not None]

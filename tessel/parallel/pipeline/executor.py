@@ -63,8 +63,9 @@ class ScheduleExecutor:
         self.chunks, self.placement, self.links = list(chunks), placement, links
         self.recorder, self.spec, self.sync = recorder, spec, sync
         self.device, self.m = links.device, spec.micro_batches
-        self.aux = [StageAux(c) for c in chunks]  # MoE aux losses: each stage back-propagates its own
-        self.has_aux = any(a.layers for a in self.aux)
+        # MoE aux losses: each stage back-propagates its own
+        self.aux = list(spec.stage_losses) if spec.stage_losses is not None else [StageAux(c) for c in chunks]
+        self.has_aux = any(a.present for a in self.aux)
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
         self.split = splits_backward(spec.schedule)  # B, then W later (split_backward.py)
         self.first_hidden: torch.Tensor | None = None  # the hidden states entering the first stage's blocks

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
 from tessel.models.parts import ModelParts
 from tessel.parallel.data.data_parallel import DataParallel, Reducer
@@ -59,8 +60,8 @@ class GradientSync:
     def __init__(self, chunks: Sequence[nn.Module], mesh: Mesh, zero: ZeroDataParallel | None = None,
                  tied: TiedEmbedding | None = None, reducer: Reducer | None = None, bucket_mb: float = 25.0):
         dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
-        data_parallel = mesh.size("dp", "ep") > 1 and zero is None
-        self.dp = [DataParallel(c, mesh, ("dp", "ep"), bucket_mb, **dp_kwargs) if data_parallel else None
+        data_parallel = mesh.size(*TOKEN_AXES) > 1 and zero is None
+        self.dp = [DataParallel(c, mesh, TOKEN_AXES, bucket_mb, **dp_kwargs) if data_parallel else None
                    for c in chunks]
         self.zero, self.tied = zero, tied
         # ZeRO-2/3 on a rank with a tied copy: reduce-scatter after the flush, once the copies

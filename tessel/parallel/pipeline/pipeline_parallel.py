@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.parts import GPT_PARTS, ModelParts
@@ -59,11 +60,12 @@ def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
                     extra_metrics=None, param_groups: list[dict] | None = None,
-                    parts: ModelParts = GPT_PARTS) -> PipelineRunner:
+                    parts: ModelParts = GPT_PARTS, stage_losses=None) -> PipelineRunner:
     """param_groups: the chunks' AdamW groups, for ZeRO's optimizer (tessel.train.optim.param_groups);
-    parts: where the tied embedding and head live."""
+    parts: where the tied embedding and head live; stage_losses: one aux.StageLoss per chunk (default:
+    each chunk's MoE aux losses)."""
     p, t = cfg.parallel, cfg.train
-    reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size("dp", "ep") > 1 else None
+    reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size(*TOKEN_AXES) > 1 else None
     zero = optimizer = None
     placement = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"), is_vshape(p.schedule))
     if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
@@ -71,18 +73,18 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
             if placement.is_last(c):  # the first stage's copy is the one the norm counts
                 mark_replica(chunk.get_parameter(parts.tied[1]))
     if p.zero_stage == 3:  # whole parameters for a step, shards at rest (tessel.parallel.zero.pipeline)
-        zero = pipeline_zero3(chunks, mesh, axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+        zero = pipeline_zero3(chunks, mesh, axes=TOKEN_AXES, bucket_mb=p.bucket_mb)
         optimizer = ZeroAdamW(zero, param_groups, lr=t.lr, betas=(t.beta1, t.beta2))
     elif p.zero_stage:  # ZeRO 1/2 over all of this rank's chunks; the runner syncs on its last backward
         zero, optimizer = zero_parallel(chunks, mesh, p.zero_stage, param_groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                                        axes=("dp", "ep"), bucket_mb=p.bucket_mb)
+                                        axes=TOKEN_AXES, bucket_mb=p.bucket_mb, chunks=True)
     tied = TiedEmbedding(mesh, chunks, placement, parts) if cfg.model.tie_embeddings else None
     sync = GradientSync(chunks, mesh, zero=zero, tied=tied, reducer=reducer, bucket_mb=p.bucket_mb)
     spec = PipelineSpec(p.schedule, t.grad_accum * p.micro_batches, cfg.model.d_model, loss_fn, t.precision,
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
                         vocab_size=cfg.model.vocab_size,
                         max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
-                        blocks=parts.blocks)
+                        stage_losses=None if stage_losses is None else tuple(stage_losses), blocks=parts.blocks)
     micro = None
     if p.schedule == "pipedream":  # the stage updates after every micro-batch (async_executor.py)
         micro = torch.optim.AdamW(param_groups or [{"params": list(chunks.parameters())}], lr=t.lr,

@@ -156,6 +156,7 @@ class PipelineRunner:
     def _last_logits(self, window: torch.Tensor) -> torch.Tensor | None:
         """The (B, V) logits of the window's last token on the last stage; None elsewhere."""
         window, last = self._split_window(window)
+        window = window.repeat(self.spec.grid_shards[0], 1)  # a tp grid: every batch chunk holds the whole prompt
         logits = self.executor.forward_only(window)
         if logits is None:
             return None

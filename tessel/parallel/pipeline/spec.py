@@ -25,6 +25,8 @@ class PipelineSpec:
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: the last stage's logits are shards
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. MoE routing stats of this rank's blocks
     blocks: str = "layers"  # the block list in a stage (ModelParts.blocks): a split backward's first-stage cut
+    # one per chunk: what its forward adds to the loss (aux.StageLoss); None: its MoE blocks' aux losses
+    stage_losses: tuple | None = None
 
     def act_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """The (B, T, C) of this rank's activation (and gradient) messages for a micro-batch of (batch, seq)."""

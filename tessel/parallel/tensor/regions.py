@@ -76,6 +76,32 @@ def split_sequence(module: nn.Module, ctx: TPContext) -> None:
         on_input(module, lambda x: comm.scatter_seq(x, ctx.seq_dim, ctx.group))
 
 
+def sequence_parallel_stage(stage: nn.Module, ctx: TPContext, hidden_input: str | None, first_layer: nn.Module,
+                            whole_at: nn.Module | None = None) -> None:
+    """A pipeline stage of a model that reads its positions and causal mask from the length of its input
+    (a Hugging Face model), under sequence parallelism; stages exchange sequence shards (B, T/tp, C).
+
+    - hidden_input (a stage after the first: the keyword its hidden states arrive by): they are all-gathered
+      into the whole sequence the model measures (backward: this rank's slice, the gradient being whole and
+      alike on every tp rank), and `first_layer`, this stage's first decoder layer, splits them again, as the
+      model's first layer does on the first stage (split_sequence).
+    - whole_at (a stage before the last whose model reshapes its final norm's output to the input's (B, T),
+      GPT-2): the stand-in of that norm makes the sequence whole, and the stage sends its own slice of what
+      the model returns.
+    """
+    if not ctx.sequence_parallel:
+        return
+    if hidden_input is not None:
+        def gather_hidden(module: nn.Module, args: tuple, kwargs: dict):
+            return args, {**kwargs, hidden_input: comm.gather_seq_to_replica(kwargs[hidden_input], ctx.seq_dim,
+                                                                              ctx.group)}
+        stage.register_forward_pre_hook(gather_hidden, with_kwargs=True)
+        split_sequence(first_layer, ctx)
+    if whole_at is not None:
+        whole_at.register_forward_hook(lambda mod, args, out: comm.gather_seq_to_replica(out, ctx.seq_dim, ctx.group))
+        stage.register_forward_hook(lambda mod, args, out: comm.scatter_seq(out, ctx.seq_dim, ctx.group))
+
+
 def replicate(module: nn.Module, ctx: TPContext) -> None:
     """Computed whole on every tp rank: input, output and parameter gradients are replicated,
     so the gradients need no tp reduction (MoE blocks: experts split over ep, not tp).

@@ -3,7 +3,8 @@
 The reference GPT's TP plan (tessel.models.plan, module name -> Megatron style) says what each
 module is; here each style maps to its grid layer instead: a column- or row-parallel linear
 becomes the mode's linear (both sides of a matmul are split on the grid, so the two kinds
-coincide), the vocab embedding and head the mode's, a norm the mode's norm. Attention and the
+coincide), the vocab embedding and head the mode's, a norm the mode's norm; a head tied to the
+embedding (model.tie_embeddings) multiplies by the embedding's own table. Attention and the
 SwiGLU need no change: the heads and the feed-forward split over the grid's columns, and the
 reference model reads head counts from tensor shapes.
 """
@@ -18,9 +19,12 @@ import torch.nn as nn
 
 from tessel.mesh import Mesh
 from tessel.parallel.tensor.tensor_parallel import match_plan
-from tessel.parallel.tensor_nd.cube import MIXED, STREAM, Cube, Embedding3D, FullLogits3D, Linear3D, Loss3D, RMSNorm3D
+from tessel.parallel.tensor import comm
+from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, FullLogits3D, Linear3D, Loss3D, RMSNorm3D,
+                                            TiedHead3D)
 from tessel.parallel.tensor_nd.grid import Grid, build_grid, describe_grid
-from tessel.parallel.tensor_nd.summa import Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa
+from tessel.parallel.tensor_nd.summa import (Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa,
+                                             TiedHead2D)
 
 GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "2d": lambda tp, depth: (round(tp ** 0.5),) * 2,
@@ -31,10 +35,23 @@ GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
 
 @dataclass
 class GridModel:
-    """What a grid mode hands tessel.apply: the model, its loss and logits for sampling."""
+    """What a grid mode hands tessel.apply: the model, its loss, logits for sampling, and the vocab gather a
+    pipeline's last stage samples through."""
     model: nn.Module
     loss_fn: Callable
     full_logits: Callable
+    gather_vocab: Callable
+
+
+class GatherVocab:
+    """A grid's logits [batch chunk, :, vocab chunk] -> [batch chunk, :, V] along the group that splits the
+    vocabulary (a pipeline's last stage samples from them); collective over that group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather_dim(logits.contiguous(), -1, self.group)
 
 
 def grid_shape(mode: str, tp: int, depth: int = 1) -> tuple[int, ...]:
@@ -42,6 +59,17 @@ def grid_shape(mode: str, tp: int, depth: int = 1) -> tuple[int, ...]:
 
 
 Layers = dict[str, Callable[[nn.Module], nn.Module]]
+# a Hugging Face plan's styles (tessel.models.hf.tp_plan) as the grid reads them: the embedding's output, the
+# first layer's input and the final norm's output need nothing on a grid (nothing is replicated to split)
+HF_STYLES = {"vocab_embedding_whole": "vocab_embedding", "vocab_head_entered": "vocab_head",
+             "final_norm": "sequence_norm", "split_sequence": "enter"}
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """A norm's epsilon: torch's RMSNorm's (None: its dtype's), or a Hugging Face RMSNorm's variance_epsilon."""
+    if isinstance(norm, nn.RMSNorm):
+        return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+    return float(norm.variance_epsilon)
 
 
 def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
@@ -52,42 +80,52 @@ def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
     return {"2d": side, "2.5d": side * depth, "3d": side * side}[mode], side
 
 
-def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> tuple[Layers, Callable, Callable]:
-    """2D, and 2.5D (SUMMA in each depth layer): the layers, the loss, the sampling logits."""
+Mode = tuple[Layers, Callable, Callable, Callable]  # layers by style, the loss, sampling logits, the vocab gather
+
+
+def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
+    """2D, and 2.5D (SUMMA in each depth layer). "tied_head" takes the embedding's grid layer."""
     s = Summa(grid)
-    linear = lambda m: Linear2D(m, s)
+    linear = lambda m: Linear2D(m, s)  # noqa: E731
     layers = {"colwise": linear, "rowwise": linear, "vocab_head": linear,
-              "vocab_embedding": lambda m: Embedding2D(m, s),
-              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden), "enter": lambda m: m}
-    return layers, Loss2D(s, vocab_size), FullLogits2D(model, s)
+              "vocab_embedding": lambda m: Embedding2D(m, s), "tied_head": lambda emb: TiedHead2D(emb, s),
+              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), "enter": lambda m: m}
+    return layers, Loss2D(s, vocab_size), FullLogits2D(model, s), GatherVocab(s.row_group)
 
 
-def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> tuple[Layers, Callable, Callable]:
+def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
     """3D: layers that read the residual stream take its layout to the mixed one, those that write it back."""
     cube = Cube(grid)
     layers = {"colwise": lambda m: Linear3D(m, cube, STREAM), "vocab_head": lambda m: Linear3D(m, cube, STREAM),
               "rowwise": lambda m: Linear3D(m, cube, MIXED),
-              "vocab_embedding": lambda m: Embedding3D(m, cube),
-              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden), "enter": lambda m: m}
-    return layers, Loss3D(cube, vocab_size), FullLogits3D(model, cube)
+              "vocab_embedding": lambda m: Embedding3D(m, cube), "tied_head": lambda emb: TiedHead3D(emb, cube),
+              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)), "enter": lambda m: m}
+    return layers, Loss3D(cube, vocab_size), FullLogits3D(model, cube), GatherVocab(cube.groups[MIXED[1]])
 
 
 MODES = {"2d": _summa_mode, "2.5d": _summa_mode, "3d": _cube_mode}
 
 
 def apply_grid_mode(model: nn.Module, plan: dict[str, str], mesh: Mesh, mode: str, depth: int,
-                    vocab_size: int) -> GridModel:
-    """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups)."""
+                    vocab_size: int, hidden: int) -> GridModel:
+    """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups).
+    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face Llama's (tessel.models.hf.tp_plan)."""
     grid = build_grid(mesh, grid_shape(mode, mesh.size("tp"), depth))
-    layers, loss_fn, full_logits = MODES[mode](grid, model.cfg.d_model, vocab_size, model)
-    for name, style in match_plan(model, plan).items():  # parents before children
+    layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model)
+    embeddings = {}  # id of a table -> its grid embedding: a head with the same weight is tied to it
+    for name, style in match_plan(model, plan).items():  # parents before children, the embedding before the head
+        style = HF_STYLES.get(style, style)
         if style not in layers:
             raise ValueError(f"tp_mode {mode!r} cannot place {name!r} as {style!r}")
-        new = layers[style](model.get_submodule(name))
-        if new is not model.get_submodule(name):
+        old = model.get_submodule(name)
+        tied = style == "vocab_head" and id(old.weight) in embeddings
+        new = layers["tied_head"](embeddings[id(old.weight)]) if tied else layers[style](old)
+        if style == "vocab_embedding":
+            embeddings[id(old.weight)] = new
+        if new is not old:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, new)
-    return GridModel(model, loss_fn, full_logits)
+    return GridModel(model, loss_fn, full_logits, gather_vocab)
 
 
 class GridLayer(Protocol):

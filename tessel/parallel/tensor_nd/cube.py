@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
 from tessel.parallel.tensor_nd.summa import MeanOverColumn, SumOverRow
 from tessel.sharding import mark_sharded, set_placement
 
@@ -92,8 +92,8 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, r = self.layout
         g = self.cube.groups
-        x = gather_cube(x, 0, g[s])  # (B/c, T, in/c)
-        w = gather_cube(self.weight, 0, g[0])  # [out/c, in/c]
+        x = gather_cube(to_compute_dtype(x), 0, g[s])  # (B/c, T, in/c)
+        w = gather_cube(to_compute_dtype(self.weight), 0, g[0])  # [out/c, in/c]
         return reduce_scatter_cube(F.linear(x, w), 0, g[r])  # (B/c^2, T, out/c), layout L(r, s)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
@@ -123,24 +123,43 @@ class Embedding3D(nn.Module):
 
     def __init__(self, emb: nn.Embedding, cube: Cube):
         super().__init__()
-        self.cube = cube
+        self.cube, self.padding_idx = cube, emb.padding_idx  # a padding row gets no gradient
         self.weight = _param(_hidden_piece(emb.weight, cube), cube, emb.weight, HIDDEN_ORDER, (1, 1, 1))  # (V, H/c^3)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mine = idx.chunk(self.cube.c ** 2, dim=0)[self.cube.batch_chunk(STREAM)]
-        return F.embedding(mine, _gather_hidden(self.weight, self.cube))  # (B/c^2, T, H/c)
+        return F.embedding(mine, _gather_hidden(self.weight, self.cube), self.padding_idx)  # (B/c^2, T, H/c)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return _full_hidden(t, self.cube)
 
 
+class TiedHead3D(nn.Module):
+    """The output head tied to the token embedding on the cube: the table's hidden chunk coord[1], gathered as
+    the embedding gathers it, holds the rows of the head's block [vocab chunk coord[2], hidden chunk coord[1]]
+    (a Linear3D head's on L(2, 1)): no further communication for the weight; the input gathered and the
+    output reduce-scattered as Linear3D does. No parameter of its own."""
+
+    def __init__(self, embedding: Embedding3D, cube: Cube):
+        super().__init__()
+        self.cube = cube
+        self._embedding = (embedding,)  # not a submodule: the table is the embedding's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, r = STREAM
+        cube, g = self.cube, self.cube.groups
+        table = _gather_hidden(self._embedding[0].weight, cube)  # (V, H/c)
+        w = table.chunk(cube.c, 0)[cube.coords[s]]  # (V/c, H/c)
+        x = gather_cube(to_compute_dtype(x), 0, g[s])  # (B/c, T, H/c)
+        return reduce_scatter_cube(F.linear(x, to_compute_dtype(w)), 0, g[r])  # (B/c^2, T, V/c), L(1, 2)
+
+
 class RMSNorm3D(nn.Module):
     """RMSNorm on the stream's layout: the sum of squares summed over axis 1 (the hidden chunks)."""
 
-    def __init__(self, norm: nn.RMSNorm, cube: Cube, hidden: int):
+    def __init__(self, norm: nn.Module, cube: Cube, hidden: int, eps: float):
         super().__init__()
-        self.cube, self.hidden = cube, hidden
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        self.cube, self.hidden, self.eps = cube, hidden, eps
         self.weight = _param(_hidden_piece(norm.weight, cube), cube, norm.weight, HIDDEN_ORDER, (0, 0, 0))  # (H/c^3,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,16 @@ def describe_grid(mesh: Mesh, shape: tuple[int, ...], coordinates: str) -> str:
     return "\n".join(lines)
 
 
+def to_compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    """`t` in autocast's dtype where autocast is on (bf16 training), else unchanged. A grid linear casts its
+    panels before it communicates them, as autocast would cast them at the matmul: the collectives move
+    bf16, and SUMMA's custom matmul (which autocast does not see) multiplies in it."""
+    kind = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(kind):
+        return t.to(torch.get_autocast_dtype(kind))
+    return t
+
+
 @dataclass(frozen=True)
 class GridPlacement:
     """A grid block's place in its logical tensor, as a DTensor (tessel.sharding.Placement): the grid's axes

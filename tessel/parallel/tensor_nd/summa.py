@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
-from tessel.parallel.tensor_nd.grid import Grid, GridPlacement
+from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
 from tessel.sharding import mark_replica, mark_sharded, set_placement
 
 
@@ -131,6 +131,25 @@ class SummaMatmul(torch.autograd.Function):
         return summa_abt(grad, w, ctx.summa), summa_atb(x, grad, ctx.summa), None
 
 
+class SummaMatmulTransposed(torch.autograd.Function):
+    """Y = X B^T on a q x q grid, B's block (i, j) being B[row chunk i, column chunk j] (Xu et al. 2021, section
+    3.2's C = A B^T, Colossal-AI's Matmul_ABT_2D, as the forward): the tied output head multiplies by the token
+    table this way, its rows (the vocabulary) split like the logits' columns. Backward: dX = dY B (SUMMA's
+    A B) and dB = dY^T X (A^T B)."""
+
+    @staticmethod
+    def forward(ctx, x, b, s: Summa):
+        ctx.save_for_backward(x, b)
+        ctx.summa = s
+        return summa_abt(x, b, s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        return summa_ab(grad, b, ctx.summa), summa_atb(grad, x, ctx.summa), None
+
+
 def gather_column(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather a parameter's q pieces down the grid's column (forward), reduce-scatter its gradient
     (backward): Colossal-AI's all_gather_tensor_2d / reduce_scatter_tensor_2d for the 2D embedding and
@@ -224,7 +243,8 @@ class Linear2D(nn.Module):
         self.weight = _param(block, s, linear.weight, 1, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = SummaMatmul.apply(x.flatten(0, -2), self.s.shared(self.weight).t(), self.s)  # (N, out/q)
+        x2d, w = to_compute_dtype(x.flatten(0, -2)), to_compute_dtype(self.s.shared(self.weight).t())
+        y = SummaMatmul.apply(x2d, w, self.s)  # (N, out/q)
         return y.view(*x.shape[:-1], -1)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
@@ -241,25 +261,44 @@ class Embedding2D(nn.Module):
 
     def __init__(self, emb: nn.Embedding, s: Summa):
         super().__init__()
-        self.s = s
+        self.s, self.padding_idx = s, emb.padding_idx  # a padding row gets no gradient (Hugging Face Llama's)
         self.weight = _param(hidden_piece(emb.weight, s), s, emb.weight, 1, 1, j_outer=True)  # (V, H/q^2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         table = gather_column(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
         mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
-        return F.embedding(mine, table)  # (B/q, T, H/q)
+        return F.embedding(mine, table, self.padding_idx)  # (B/q, T, H/q)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return gather_pieces(t, self.s, -1)
 
 
-class RMSNorm2D(nn.Module):
-    """RMSNorm over hidden chunks: the sum of squares is summed along the row (SumOverRow)."""
+class TiedHead2D(nn.Module):
+    """The output head tied to the token embedding (model.tie_embeddings): Y = X E^T. Rank (i, j) gathers the
+    table's hidden chunk j down its column, as the embedding does, and multiplies by its rows of vocabulary
+    chunk i (SummaMatmulTransposed): the logits come out as a Linear2D head's, [batch chunk i, vocab chunk j].
+    No parameter of its own: the gradient reaches the embedding's pieces through the gather's reduce-scatter."""
 
-    def __init__(self, norm: nn.RMSNorm, s: Summa, hidden: int):
+    def __init__(self, embedding: Embedding2D, s: Summa):
         super().__init__()
-        self.s, self.hidden = s, hidden
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        self.s = s
+        self._embedding = (embedding,)  # not a submodule: the table is the embedding's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        table = gather_column(s.shared(self._embedding[0].weight), -1, s.col_group)  # (V, H/q)
+        rows = table.chunk(s.q, 0)[s.i]  # (V/q, H/q): vocabulary chunk i of hidden chunk j
+        y = SummaMatmulTransposed.apply(to_compute_dtype(x.flatten(0, -2)), to_compute_dtype(rows), s)  # (N, V/q)
+        return y.view(*x.shape[:-1], -1)
+
+
+class RMSNorm2D(nn.Module):
+    """RMSNorm over hidden chunks: the sum of squares is summed along the row (SumOverRow). Any RMSNorm whose
+    weight scales the normalised input (torch's, Hugging Face Llama's), its epsilon given."""
+
+    def __init__(self, norm: nn.Module, s: Summa, hidden: int, eps: float):
+        super().__init__()
+        self.s, self.hidden, self.eps = s, hidden, eps
         self.weight = _param(hidden_piece(norm.weight, s), s, norm.weight, 0, 0, j_outer=True)  # (H/q^2,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,12 @@ on save and the whole model's state on load: fine at tessel's scale, but a
 rank-local DTensor/chunked layout would be needed for models that do not fit
 one rank. A parameter that is itself a tp shard is saved as that shard, whole
 over the ZeRO axes; tessel.train.checkpoint.logical makes it a DTensor over tp and, on
-load, cuts this rank's piece from the logical tensor (`localize`). ZeRO with ep
-or pp is still rejected for checkpoints in tessel.config (pipeline chunks would
-need their names mapped back to the full model's).
+load, cuts this rank's piece from the logical tensor (`localize`); an expert
+sharded over ep likewise. Under a pipeline the engine wraps the rank's list of
+chunks, and names a parameter as the full model does (ZeroDataParallel.model_name),
+so a stage holds a subset of the keys. A tied weight's optimizer state is saved
+under each of its names: a pipeline's last stage holds the head as a copy of
+its own and reads that copy's state by the head's name.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def param_names(engine: ZeroDataParallel) -> dict[int, list[str]]:
     """id(param) -> every name it has in the wrapped module (tied weights have two)."""
     names: dict[int, list[str]] = {}
     for n, p in engine.module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
+        names.setdefault(id(p), []).append(engine.model_name(n))
     return names
 
 
@@ -111,10 +114,10 @@ def checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Optimize
             ns = names[id(p)]
             for n in ns:
                 out[MODEL + n] = flats["param"][start: start + p.numel()].view(p.shape).clone()
-            if step >= 0:
-                out[f"{OPTIM}{ns[0]}/step"] = torch.tensor(step, dtype=torch.float32)
+            for n in ns if step >= 0 else ():  # every name of a tied weight (a pipeline's last stage reads
+                out[f"{OPTIM}{n}/step"] = torch.tensor(step, dtype=torch.float32)  # the head's by its own)
                 for key in MOMENTS:
-                    out[f"{OPTIM}{ns[0]}/{key}"] = flats[key][start: start + p.numel()].view(p.shape).clone()
+                    out[f"{OPTIM}{n}/{key}"] = flats[key][start: start + p.numel()].view(p.shape).clone()
     return out
 
 

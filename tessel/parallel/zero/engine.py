@@ -53,17 +53,19 @@ class ZeroDataParallel(GradientSyncWrapper):
 
     The interface the optimizer (ZeroAdamW), its checkpoint hook and the pipeline
     runner use: `module`, `stage`, `groups` (the flat groups, gradient order),
-    `sync_gradients`, publish, zero_grad_buffers, reduce_gradients, gathered and
-    step_gathered."""
+    `sync_gradients`, model_name, publish, zero_grad_buffers, reduce_gradients, gathered and
+    step_gathered. chunks: `module` is a pipeline rank's list of chunks (tessel.parallel.pipeline), whose
+    parameters the checkpoint names as the full model does (model_name)."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, axes: Sequence[str] = ("dp",),
                  bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None, broadcast: bool = True,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, chunks: bool = False):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (0 is tessel.parallel.data.data_parallel), got {stage}")
         self.module, self.stage, self.axes = module, stage, tuple(axes)
+        self.chunks = chunks  # module: a pipeline rank's chunks, each under the full model's names
         self.defer_reduction = stage == 1  # stages 2, 3: gradients stay sharded across micro-steps
         # mixed precision (tessel.parallel.zero.zero_parallel): the module computes with
         # parameters in param_dtype, gradients are reduced in reduce_dtype (default: param_dtype)
@@ -99,6 +101,11 @@ class ZeroDataParallel(GradientSyncWrapper):
         return map_tensors((args, kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     # ---- parameters --------------------------------------------------------------------
+    def model_name(self, name: str) -> str:
+        """A parameter's name in the full model (checkpoints): a pipeline's chunks keep those names under
+        their index in the rank's list ('1.layers.3.mlp.w1.weight' -> 'layers.3.mlp.w1.weight')."""
+        return name.split(".", 1)[1] if self.chunks else name
+
     def gathered(self) -> ContextManager[None]:
         """Every parameter whole for the duration (stage 3; a no-op otherwise): state dicts, checks."""
         return self.placement.gathered()

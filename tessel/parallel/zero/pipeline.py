@@ -63,4 +63,4 @@ def pipeline_zero3(chunks: nn.Module, mesh: Mesh, axes: Sequence[str] = ("dp", "
     hooks): the runner wraps each step (or evaluation) in `step_gathered()`, which
     makes them whole and holds them until the step's end, past the
     end-of-backward resharding of every micro-batch."""
-    return ZeroDataParallel(chunks, mesh, 3, axes, bucket_mb, units=[])
+    return ZeroDataParallel(chunks, mesh, 3, axes, bucket_mb, units=[], chunks=True)

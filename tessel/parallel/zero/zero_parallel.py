@@ -97,7 +97,7 @@ def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, params: Iterable[nn
                   lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                   axes: Sequence[str] = ("dp",), bucket_mb: float = 25.0, units: Sequence[nn.Module] | None = None,
                   param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                  broadcast_buffers: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+                  broadcast_buffers: bool = True, chunks: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """tessel's ZeRO for any nn.Module: returns (wrapped model, AdamW over what this rank owns).
 
     `params`: the module's parameters or parameter groups, as torch.optim.AdamW takes
@@ -108,7 +108,8 @@ def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, params: Iterable[nn
     param_dtype / reduce_dtype (stages 1-3): the dtype the module computes with and the
     gradients are reduced in; the optimizer keeps fp32 masters (module docstring).
     broadcast_buffers: as DDP's, the first rank's persistent buffers to every rank before each
-    forward that a synchronised backward follows."""
+    forward that a synchronised backward follows. chunks: `module` is a pipeline rank's list of chunks
+    (their checkpoint names drop the chunk's index: ZeroDataParallel.model_name)."""
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if stage == 0:
         if param_dtype not in (None, torch.float32) or reduce_dtype not in (None, torch.float32):
@@ -116,7 +117,7 @@ def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, params: Iterable[nn
         return (data_parallel(module, mesh, axes, bucket_mb, broadcast_buffers=broadcast_buffers),
                 torch.optim.AdamW(params, **hyper))
     model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units, param_dtype=param_dtype,
-                             reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers)
+                             reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers, chunks=chunks)
     return model, ZeroAdamW(model, params, **hyper)
 
 

@@ -13,6 +13,9 @@ dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
 - Padded shards (a vocabulary padded to a multiple of tp) may carry
   `tessel_logical_shape`; the padding rows are dropped on save and left as
   they are on load.
+- A packed shard (GPT-2's fused q|k|v split per head over tp,
+  tessel.sharding.mark_packed) is several pieces of its logical tensor: it
+  becomes a ShardedTensor of them (tessel.train.checkpoint.packed).
 - Optimizer state is keyed by parameter name (`optim/<name>/<key>`), not by
   index, and is sharded like its parameter.
 - Strategies whose state does not follow mark_sharded (flat ZeRO buffers)
@@ -28,13 +31,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessel.axes import AXES
 from tessel.mesh import Mesh
 from tessel.parallel.runner import Runner, strip_wrappers
-from tessel.sharding import logical_shape, placement, shard_axes, shard_dims
+from tessel.sharding import logical_shape, packed_dims, placement, shard_axes, shard_dims
 from tessel.train.checkpoint.manifest import CheckpointError
+from tessel.train.checkpoint.packed import logical_size, packed_local, packed_slice, packed_tensor
 
 OPTIM_PREFIX = "optim/"
 
@@ -74,10 +79,22 @@ class LogicalView:
                              "mark it with mark_sharded(p, axis, dim=...) to checkpoint it")
         return [Shard(dims[a]) if a in axes else Replicate() for a in self.axes]
 
+    def _packed(self, like: torch.Tensor, name: str) -> tuple[str, int, int] | None:
+        """(axis, dim, parts) of a packed shard over one of this mesh's axes (and no other); None if unpacked."""
+        packed = [(a, *dp) for a, dp in packed_dims(like).items() if a in self.axes]
+        if not packed:
+            return None
+        if len(packed) > 1 or any(a in self.axes for a in shard_axes(like) if a != packed[0][0]):
+            raise ValueError(f"{name} is packed over {packed[0][0]} and sharded over other axes too: not checkpointed")
+        return packed[0]
+
     def logical_shape(self, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Size:
         own = placement(like)
         if own is not None:  # a tp grid's block (tessel.parallel.tensor_nd)
             return torch.Size(own.shape)
+        packed = self._packed(like, name)
+        if packed is not None:
+            return logical_size(local.shape, packed[1], self.mesh.size(packed[0]))
         given = logical_shape(like)
         if given is not None:
             return torch.Size(given)
@@ -93,6 +110,9 @@ class LogicalView:
         own = placement(like)
         if own is not None:  # a tp grid's block: its own DTensor over the grid (tessel.parallel.tensor_nd)
             return own.as_dtensor(local.detach())
+        packed = self._packed(like, name)
+        if packed is not None:  # pieces of the logical tensor (tessel.train.checkpoint.packed)
+            return packed_tensor(local.detach(), self.mesh, *packed)
         placements = self._placements(like, name)
         local = local.detach()
         if placements is None:
@@ -122,6 +142,10 @@ class LogicalView:
     def local_slice(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the logical tensor `full`, in `like`'s local layout (DTensor's
         ceil-chunks; rows past the logical size, vocabulary padding, are zeros)."""
+        packed = self._packed(like, "")
+        if packed is not None:
+            axis, dim, parts = packed
+            return packed_slice(full, dim, parts, self.mesh.size(axis), self.mesh.coord(axis))
         dims = shard_dims(like)
         out = full
         for a in shard_axes(like):
@@ -142,9 +166,21 @@ class LogicalView:
         return self.to_logical(torch.zeros_like(like, dtype=dtype or like.dtype), like, name).detach()
 
 
+def is_distributed(loaded: torch.Tensor) -> bool:
+    """A load target that holds this rank's part of a logical tensor (a DTensor, or a packed shard's pieces)."""
+    return isinstance(loaded, (DTensor, ShardedTensor))
+
+
+def local_part(loaded: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a loaded target, in its local layout."""
+    if isinstance(loaded, DTensor):
+        return loaded.to_local()
+    return packed_local(loaded) if isinstance(loaded, ShardedTensor) else loaded
+
+
 def copy_local_(dst: torch.Tensor, loaded: torch.Tensor) -> None:
     """Write a loaded target back into a local tensor (padding rows stay as they are)."""
-    src = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    src = local_part(loaded)
     with torch.no_grad():
         region = dst
         for d in range(src.dim()):

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tessel.errors import FatalError
 from tessel.hf_shape import config_file
 from tessel.models.build import build_model
+from tessel.observe.progress import Work, work_progress
 from tessel.train.checkpoint.logical import LogicalView, check_shapes, module_shapes
 from tessel.train.checkpoint.manifest import (FORMAT, MANIFEST, CheckpointError, check_model, check_owner,
                                               read_manifest, regular_file, run_model, run_of)
@@ -76,12 +78,22 @@ def fresh_dir(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, work: Work | None = None) -> str:
+    """The file's sha256; `work` (a progress bar) hears of every MiB read."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+            if work is not None:
+                work.advance(len(block))
     return h.hexdigest()
+
+
+def checksum_bar(folder: Path, what: str, names: list[str] | None = None):
+    """A bar over the bytes of the folder's files (all, or `names`) on a terminal; quiet in a log."""
+    files = [folder / n for n in names] if names is not None else [f for f in folder.iterdir() if f.is_file()]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    return work_progress(f"{what} {folder.name}", total, in_bytes=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -121,9 +133,10 @@ def commit(tmp: Path, final: Path, step: int, info: dict, run_id: str | None = N
     refuse_others(final, run_id)
     embed_hf_config(tmp, info.get("model"))
     files = {}
-    for f in sorted(tmp.iterdir()):
-        if f.is_file():
-            files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    with checksum_bar(tmp, "checksumming") as work:  # a large state's files take a while to hash
+        for f in sorted(tmp.iterdir()):
+            if f.is_file():
+                files[f.name] = {"sha256": sha256_file(f, work), "bytes": f.stat().st_size}
     write_manifest(tmp, {"format": FORMAT, "step": step, "created": time.time(), **info, "run_id": run_id,
                          "files": files})
     _fsync_dir(tmp)
@@ -159,10 +172,12 @@ def _check_files(path: Path, files: dict) -> None:
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {want['bytes']} "
                                   "(truncated or overwritten)")
-        got = sha256_file(f)
-        if got != want["sha256"]:
-            raise CheckpointError(f"{path}: {name} fails its checksum (sha256 {got[:12]}..., "
-                                  f"manifest {want['sha256'][:12]}...): the file is corrupt")
+    with checksum_bar(path, "verifying", list(files)) as work:
+        for name, want in files.items():
+            got = sha256_file(path / name, work)
+            if got != want["sha256"]:
+                raise CheckpointError(f"{path}: {name} fails its checksum (sha256 {got[:12]}..., "
+                                      f"manifest {want['sha256'][:12]}...): the file is corrupt")
 
 
 def _check_metadata(path: Path, files: dict) -> None:
@@ -309,6 +324,7 @@ class CheckpointManager:
         self.rank = dist.get_rank() if together else 0  # the rank that decides (_on_rank0)
         self.view = LogicalView(mesh)
         speaks = not dist.is_initialized() or dist.get_rank() == 0
+        self.speaks = speaks  # the one rank whose progress bars a terminal shows
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True) if speaks else None)
         # a group of its own (gloo: DCP's plans travel on CPU): an async save's collectives run in a
         # background thread and must not interleave with the training step's
@@ -335,10 +351,15 @@ class CheckpointManager:
             return
         self.pending = Pending(None, tmp, final, step, info)
         try:
-            dcp.save(state, **storage)
+            with self._bar(f"writing step {step}"):
+                dcp.save(state, **storage)
         except CheckpointException as err:  # on every rank, once every rank is done writing
             self.pending.failure = err
         self._finish()
+
+    def _bar(self, what: str):
+        """A pulse while DCP writes or reads (it reports no progress of its own), on rank 0's terminal."""
+        return work_progress(what) if self.speaks else nullcontext()
 
     def _prepare(self, tmp: Path, final: Path) -> str:
         refuse_others(final, self.run_id)  # before anything is written
@@ -398,7 +419,9 @@ class CheckpointManager:
         except CheckpointError as err:
             raise CheckpointError(f"{path}: {err}") from None
         try:  # collective even where this rank has nothing to read (its planner still takes part)
-            dcp.load(targets, storage_reader=SafeReader(path), process_group=self.group, no_dist=self.group is None)
+            with self._bar(f"loading {path.name}"):
+                dcp.load(targets, storage_reader=SafeReader(path), process_group=self.group,
+                         no_dist=self.group is None)
         except CheckpointException as err:
             raise CheckpointError(f"{path}: could not be loaded: {_root_causes(err)}") from None
         for fqn, apply in put_back:

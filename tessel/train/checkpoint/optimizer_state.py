@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.nn as nn
 
 from tessel.parallel.runner import CheckpointableOptimizer
-from tessel.train.checkpoint.logical import OPTIM_PREFIX, LogicalView, check_shapes, copy_local_, unique_params
+from tessel.train.checkpoint.logical import (OPTIM_PREFIX, LogicalView, check_shapes, copy_local_, is_distributed,
+                                             unique_params)
 
 PutBack = tuple[str, Callable[[torch.Tensor], None]]  # (fqn, what to do with the loaded tensor)
 
@@ -49,8 +50,12 @@ class PerParameterState:
         self.optimizer = optimizer
 
     def tensors(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # under every name of a tied weight: a pipeline's last stage holds the head as a copy of its own,
+        # whose state it reads by the head's name (tessel.parallel.pipeline.grad_sync.TiedEmbedding)
         out = {}
-        for name, p in unique_params(named).items():
+        for name, p in named.items():
+            if not isinstance(p, nn.Parameter):
+                continue
             for key, value in self.optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
                     raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
@@ -76,7 +81,7 @@ class PerParameterState:
         return targets, put_back
 
     def _set(self, p: torch.Tensor, key: str, loaded: torch.Tensor) -> None:
-        local = torch.zeros_like(p, dtype=loaded.dtype) if isinstance(loaded, DTensor) else None
+        local = torch.zeros_like(p, dtype=loaded.dtype) if is_distributed(loaded) else None
         if local is not None:
             copy_local_(local, loaded)
         self.optimizer.state[p][key] = local if local is not None else loaded.clone()

@@ -28,9 +28,13 @@ import torch.distributed as dist
 
 from tessel.config import Config
 from tessel.heartbeat import log
-from tessel.train.checkpoint.manager import run_model
+from tessel.models.emulated import DeviceTime
+from tessel.planner.hetero import rebalanced
+from tessel.train.checkpoint.manager import run_model, step_dir
 from tessel.train.cohort import Cohort
+from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.injection import FaultInjector
+from tessel.train.fault.slow import Relayout, SlowRank, SlowRanks
 from tessel.train.fault.stragglers import ForwardTimer, straggler_report
 from tessel.train.state import TrainState
 
@@ -40,8 +44,10 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 class Guard:
-    def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector):
+    def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector,
+                 replanned: Replanned | None = None):
         self.cfg, self.state, self.cohort, self.injector = cfg, state, cohort, injector
+        self.replanned = replanned  # a re-planned layout: rank 0 reports its measured step time
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # the run id: pruning and --resume auto touch only this run's checkpoints
@@ -49,6 +55,9 @@ class Guard:
         self.heartbeat = cohort.heartbeat(self.rank, cfg.fault)
         self.timer = self._watch_compute()
         self.bad_in_row, self.rollbacks = 0, 0
+        self.slow = SlowRanks(cfg.fault)  # fault.slow_policy's evidence
+        self.relayout: Relayout | None = None  # what a slow-rank policy decided, raised by the trainer
+        self._t_forward = 0.0
         self.saved_step: int | None = None  # the step of this run's newest checkpoint
         c = cfg.checkpoint
         if c.resume:
@@ -66,6 +75,9 @@ class Guard:
         """Forward timing (stragglers), heartbeat phases and injected delays, by hooks on the runner's
         timed modules."""
         modules = self.state.runner.timed_modules()
+        for module in modules:  # a device slowed by a factor: around the timer's hooks, so that it counts
+            module.register_forward_pre_hook(self._slow_start)
+            module.register_forward_hook(self._slow_end)
         timer = ForwardTimer(modules, self.cohort.device)  # its hooks first: an injected delay counts
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward)
@@ -78,6 +90,18 @@ class Guard:
         if delay and torch.is_grad_enabled():
             time.sleep(delay)
 
+    def _slow_start(self, *_):
+        self._t_forward = time.perf_counter()
+
+    def _slow_end(self, module, args, out):
+        """TESSEL_FAULT slow:...:factor=F: this forward takes F times as long, and its backward too
+        (the output's backward waits (F-1) x twice the forward: tessel.models.emulated.DeviceTime)."""
+        factor = self.injector.slow_factor(self.heartbeat.step)
+        if factor == 1.0 or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor):
+            return out
+        extra = (factor - 1) * (time.perf_counter() - self._t_forward)
+        return DeviceTime.apply(out, extra, 2 * extra)
+
     # ---- per step -----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.heartbeat.set(step, "data", flush=True)
@@ -86,9 +110,12 @@ class Guard:
     def end_step(self, step: int, row: dict) -> int:
         self.heartbeat.set(step, "step-end")
         self.ckpt.poll()
+        if self.replanned is not None and self.rank == 0:
+            self.replanned.observe(step, row)
         f = self.cfg.fault
-        if f.straggler_every and step % f.straggler_every == 0:
-            self._stragglers(step, row)
+        every = 1 if f.slow_policy != "warn" else f.straggler_every  # acting needs every step's evidence
+        if every and step % every == 0:
+            self._watch_ranks(step, row, every)
         if row.get("skipped"):
             self.bad_in_row += 1
             self._say(f"[tessel fault] step {step}: non-finite loss or gradient (loss {row['loss']}, "
@@ -104,19 +131,51 @@ class Guard:
         every = self.cfg.checkpoint.every
         if every and nxt % every == 0 and self.bad_in_row == 0:  # never checkpoint a suspect state
             self.save(nxt)
+        if self.relayout is not None:  # a slow rank's policy: continue from this state in another layout
+            if self.saved_step != nxt:
+                self.save(nxt)
+            self.ckpt.wait()
+            self.relayout.checkpoint = str(step_dir(checkpoint_root(self.cfg), nxt))
         return nxt
 
-    def _stragglers(self, step: int, row: dict) -> None:
+    def _watch_ranks(self, step: int, row: dict, steps: int) -> None:
+        """Every rank's forward time since the last look: straggler warnings, the slow-rank policy."""
         f = self.cfg.fault
         times = self.cohort.forward_times(self.timer.take())
         if times is None:  # this cohort's ranks are not compared
             return
+        if f.straggler_every and step % f.straggler_every == 0:
+            self._stragglers(step, row, times)
+        found = self.slow.observe(step, [t / steps for t in times], row.get("step_time_s", 0.0))
+        if found is not None:
+            row.update(slow_rank=found.rank, slow_ratio=found.ratio)
+            self._act_on(found)
+
+    def _stragglers(self, step: int, row: dict, times: list[float]) -> None:
+        f = self.cfg.fault
         rep = straggler_report(times, f.straggler_factor, f.straggler_min_s)
         row.update(rep)
         if rep["straggler_rank"] >= 0:
             self._say(f"[tessel straggler] step {step}: rank {rep['straggler_rank']} is a straggler: forward "
                       f"{rep['rank_time_max_s']:.3f}s vs median {rep['rank_time_median_s']:.3f}s "
                       f"({rep['straggler_ratio']:.1f}x)")
+
+    def _act_on(self, found: SlowRank) -> None:
+        """fault.slow_policy on a persistently slow rank: log the evidence and the decision; rebalance and
+        evict end the step with a checkpoint and a Relayout the trainer raises."""
+        policy = self.cfg.fault.slow_policy
+        self._say(found.line())
+        if policy == "rebalance":
+            new, what = rebalanced(self.cfg, found.forward_s)
+            if new is not None:
+                self.relayout = Relayout(new, "", [], f"rebalance: {what}")
+            self._say(f"[tessel slow] policy rebalance: {what}" + ("" if new is not None else "; nothing to do"))
+        elif policy == "evict" and self.world > 1:
+            self.relayout = Relayout(self.cfg, "", [found.rank], f"evict rank {found.rank}")
+            self._say(f"[tessel slow] policy evict: checkpoint, then continue on {self.world - 1} ranks without "
+                      f"rank {found.rank}, re-planned (fault.replan = '{self.cfg.fault.replan}')")
+        else:
+            self._say(f"[tessel slow] policy {policy}: no action")
 
     # ---- checkpoints ----------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -165,5 +224,7 @@ class Guard:
         self.close()
 
     def close(self) -> None:
+        if self.replanned is not None and self.rank == 0:
+            self.replanned.finish()
         self.ckpt.wait()
         self.heartbeat.stop()

@@ -6,9 +6,11 @@ are summed over the ranks that split the batch (dp x ep) within one forward call
 
 - ep2 and dp2 x ep2, one micro-batch: the reference is one process on the whole
   batch (grad_accum = 1).
-- pp2 x ep2, two micro-batches: micro-batch c is global over the ep ranks' c-th
+- pp2 x ep2, two micro-batches, 1F1B: micro-batch c is global over the ep ranks' c-th
   micro-batches, so the reference accumulates two chunks, chunk c being exactly
   the rows of the ranks' c-th micro-batches (the global batch reordered below).
+- pp2 x ep2, two micro-batches, GPipe: the whole step's statistics (every forward
+  precedes every backward), so the reference is one process on the whole batch.
 
 With aux_loss_scope = "local" the same ep2 run is up to 2.3e-3 off one process in
 the loss over 5 steps (9e-4 at step 5) and 5e-2 in weights (measured); global:
@@ -29,7 +31,11 @@ MOE = ["model.n_experts=4", "model.moe_every=1", "model.moe_top_k=2", "model.cap
 CASES = {
     2: {"ep2": (["parallel.ep=2"], 1, (2, 1))},
     4: {"dp2_ep2": (["parallel.dp=2", "parallel.ep=2"], 1, (4, 1)),
-        "pp2_ep2": (["parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2"], 2, (2, 2))},
+        "pp2_ep2": (["parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2"], 2, (2, 2)),
+        # GPipe: every forward of the step before every backward, so the statistics are the whole step's
+        # (StepBalance); full recompute calls the routers again inside the backwards, which must add nothing
+        "pp2_ep2_gpipe": (["parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2", 'parallel.schedule="gpipe"',
+                           "parallel.recompute=true"], 1, (2, 1))},
 }
 
 # fp32. Routing makes the same choices on numbers a few ulps apart (no token sits

@@ -9,7 +9,8 @@ internal parallelize() the trainer calls; the losses of every step and the final
 (every stage's, gathered whole over tp) are compared. One spawn of 2 ranks (pp2 1F1B for Llama
 with and without full recompute, GPT-2 with its tied head across stages, and the zero-bubble
 schedules ZB-H1, ZBV (Llama) and ZB-H2 (GPT-2), whose split backward runs on the decoder layers) and one of 8 ranks
-(Llama dp2 x tp2 x pp2, the issue's headline layout).
+(Llama dp2 x tp2 x pp2, the issue's headline layout; Llama and GPT-2 dp2 x tp2 x pp2 with sequence
+parallelism).
 """
 
 import json
@@ -46,7 +47,13 @@ WORLD2 = {
     "llama_pp2_zbv": ("llama", [*PP2, 'parallel.schedule="zbv"', "parallel.virtual_stages=2"]),
     "gpt2_pp2_zb_h2": ("gpt2", [*PP2, 'parallel.schedule="zb-h2"']),  # W's gradient of the tied head, summed
 }
-WORLD8 = {"llama_dp2_tp2_pp2": ("llama", ["parallel.dp=2", "parallel.tp=2", *PP2])}
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+# tp2 + SP under pp: stages exchange sequence shards; a later stage makes its input whole (the model measures
+# its positions and causal mask from it) and splits it at its first layer; GPT-2's first stage makes the
+# sequence whole at its final norm's stand-in (the model reshapes there) and sends its shard
+WORLD8 = {"llama_dp2_tp2_pp2": ("llama", ["parallel.dp=2", "parallel.tp=2", *PP2]),
+          "llama_dp2_tp2sp_pp2": ("llama", ["parallel.dp=2", *SP, *PP2]),
+          "gpt2_dp2_tp2sp_pp2": ("gpt2", ["parallel.dp=2", *SP, *PP2])}
 # fp32 throughout. A pipeline runs each micro-batch's forward and backward as one process does;
 # what changes the order of sums is the split of the batch into micro-batches (gradients summed
 # per micro-batch, then added), the data-parallel all-reduce and tensor parallelism's partial
@@ -132,9 +139,10 @@ def test_pp2_matches_the_single_process_transformers_model(world2, references, n
         _check(rank[name], want)
 
 
-def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references):
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references, name):
     for rank in world8:
-        _check(rank["llama_dp2_tp2_pp2"], references["llama"])
+        _check(rank[name], references[WORLD8[name][0]])
 
 
 def test_a_model_without_pipeline_parts_is_refused_naming_a_module(configs):

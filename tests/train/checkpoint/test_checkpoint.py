@@ -29,22 +29,42 @@ from tessel.train.checkpoint.tensors import LocalTensors
 from tests.helpers import build_trainer, tiny_config
 
 # Layouts are recipe overrides; a strategy joins the matrix by adding its own.
-# Saved in data, tensor x data, pipeline, ZeRO-2 and tensor x ZeRO-2 layouts; loaded
-# in tensor, wider data, pipeline x data, ZeRO-1 and tensor x ZeRO-3 layouts (ZeRO
+# Saved in data, tensor x data, pipeline, ZeRO-2, tensor x ZeRO-2 and pipeline x ZeRO-1 layouts; loaded
+# in tensor, wider data, pipeline x data, ZeRO-1, tensor x ZeRO-3 and pipeline x ZeRO-3 layouts (ZeRO
 # saves and loads logical whole tensors through its optimizer's hook,
-# tessel.parallel.zero.checkpoint; tessel.train.checkpoint.logical puts a tp shard's whole tensor
-# together on save and cuts this rank's piece on load).
+# tessel.parallel.zero.checkpoint, under the full model's names on a pipeline's stages;
+# tessel.train.checkpoint.logical puts a tp or ep shard's whole tensor together on save and cuts this
+# rank's piece on load). The moe- layouts train an MoE model with tied embeddings, saved under ep x ZeRO-2
+# and loaded under pipeline x ep x ZeRO-1: a pipeline's last stage holds the tied head as a copy of its
+# own and reads its optimizer state by the head's name. No token is dropped (capacity_factor = n_experts),
+# so the layouts train one model (capacity is counted per rank). The gpt2- layouts train a Hugging Face GPT-2
+# (tied), whose fused q|k|v is split per head under tp: saved as pieces of the logical tensor
+# (tessel.train.checkpoint.packed), read back by tp x pp and cut from the whole by tp x ZeRO-3.
+MOE = ["model.n_experts=4", "model.capacity_factor=4.0", "model.tie_embeddings=true"]
+GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+HF_GPT2 = ['model.hf_config="{root}/gpt2.json"']
 SAVE_LAYOUTS = {"dp1": [], "dp2tp2": ["parallel.dp=2", "parallel.tp=2"], "pp2": ["parallel.pp=2"],
                 "dp2zero2": ["parallel.dp=2", "parallel.zero_stage=2"],
-                "dp2tp2zero2": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"]}
+                "dp2tp2zero2": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"],
+                "pp2dp2zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"],
+                "moe-dp1": MOE, "moe-ep2zero2": [*MOE, "parallel.ep=2", "parallel.zero_stage=2"],
+                "gpt2-tp2": [*HF_GPT2, "parallel.tp=2"]}
 LOAD_LAYOUTS = {"tp2": ["parallel.tp=2"], "dp4": ["parallel.dp=4"], "pp2dp2": ["parallel.pp=2", "parallel.dp=2"],
                 "dp2zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
-                "dp2tp2zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"]}
-SAVE_AT = 3  # checkpoint after 3 steps; the "next step" is step 3
+                "dp2tp2zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"],
+                "pp2dp2zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"],
+                "moe-pp2": [*MOE, "parallel.pp=2"],
+                "moe-pp2ep2zero1": [*MOE, "parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"],
+                "gpt2-pp2tp2": [*HF_GPT2, "parallel.pp=2", "parallel.tp=2"],
+                "gpt2-dp2tp2zero3": [*HF_GPT2, "parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"]}
+SAVE_AT, STEPS = 3, 5  # checkpoint after 3 steps; the loaded run takes steps 3 and 4: the second depends on
+# the optimizer's state as well as the weights
 BARE = {"model": {}}  # the least a manifest holds (library use: no trainer state, a model of its own)
 # fp32. Layouts differ only in how the gradient sum is ordered (all-reduce over
 # dp, accumulation over micro-batches): the loss after 3 AdamW steps moves by
-# a few ulps (measured < 2e-6). A wrong or missing shard moves it by >1e-2.
+# a few ulps (measured < 2e-6). A wrong or missing shard moves it by >1e-2; a lost optimizer state (the
+# head's of a tied pair) moves the second step's by 2e-3.
 NEXT_LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -53,24 +73,33 @@ def _fit(cfg: Config, init_seed: int | None = None) -> list[float]:
 
 
 def _common(root: Path, name: str) -> list[str]:
-    return ["train.steps=4", "fault.heartbeat_s=0", f'logging.out_dir="{root}/logs-{name}"']
+    return [f"train.steps={STEPS}", "fault.heartbeat_s=0", f'logging.out_dir="{root}/logs-{name}"']
+
+
+def _family(name: str) -> str:
+    return name.split("-")[0] if "-" in name else "dense"
+
+
+def _layout(overrides: list[str], root: str) -> list[str]:
+    return [o.format(root=root) for o in overrides]
 
 
 def _save(root: str, name: str) -> list[float]:
-    """Train 4 steps in layout `name`, checkpointing after 3: returns all 4 losses."""
-    return _fit(tiny_config(*SAVE_LAYOUTS[name], *_common(Path(root), name), f'checkpoint.dir="{root}/{name}"',
-                            f"checkpoint.every={SAVE_AT}"))
+    """Train STEPS steps in layout `name`, checkpointing after SAVE_AT: returns all the losses."""
+    return _fit(tiny_config(*_layout(SAVE_LAYOUTS[name], root), *_common(Path(root), name),
+                            f'checkpoint.dir="{root}/{name}"', f"checkpoint.every={SAVE_AT}"))
 
 
-def _load(root: str, name: str, sources: list[str]) -> dict[str, float]:
-    """Resume layout `name` from each source's checkpoint (other initial weights: the load must win)."""
+def _load(root: str, name: str, sources: list[str]) -> dict[str, list[float]]:
+    """Resume layout `name` from each source's checkpoint of its model (other initial weights: the load must
+    win)."""
     out = {}
-    for src in sources:
-        cfg = tiny_config(*LOAD_LAYOUTS[name], *_common(Path(root), name),
+    for src in (s for s in sources if _family(s) == _family(name)):
+        cfg = tiny_config(*_layout(LOAD_LAYOUTS[name], root), *_common(Path(root), name),
                           f'checkpoint.resume="{root}/{src}/step_{SAVE_AT:08d}"', f'checkpoint.dir="{root}/x"')
         losses = _fit(cfg, init_seed=99)
-        assert len(losses) == 1  # resumed at step 3 of 4
-        out[src] = losses[0]
+        assert len(losses) == STEPS - SAVE_AT  # resumed at step SAVE_AT
+        out[src] = losses
     return out
 
 
@@ -83,16 +112,17 @@ def _in_world(world: int, *args) -> tuple[dict, dict]:
     return _phase(*args) if world == 1 else spawn(_phase, world, *args)[0]
 
 
-def _by_world(layouts: dict[str, list[str]]) -> dict[int, list[str]]:
+def _by_world(layouts: dict[str, list[str]], root: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for name, overrides in layouts.items():
-        out.setdefault(tiny_config(*overrides).parallel.world_size, []).append(name)
+        out.setdefault(tiny_config(*_layout(overrides, root)).parallel.world_size, []).append(name)
     return out
 
 
 def test_resharding_matrix_next_step_loss(tmp_path):
     root, sources = str(tmp_path), list(SAVE_LAYOUTS)
-    saves, loads = _by_world(SAVE_LAYOUTS), _by_world(LOAD_LAYOUTS)
+    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
+    saves, loads = _by_world(SAVE_LAYOUTS, root), _by_world(LOAD_LAYOUTS, root)
     worlds = sorted(set(saves) | set(loads))
     saved, loaded = {}, {}
     # phase 1: every world saves; the last also loads (all sources exist by then). Phase 2: the rest load.
@@ -105,8 +135,9 @@ def test_resharding_matrix_next_step_loss(tmp_path):
         loaded.update(_in_world(w, root, [], loads.get(w, []), sources)[1])
     assert sorted(loaded) == sorted(LOAD_LAYOUTS) and sorted(saved) == sorted(SAVE_LAYOUTS)
     for name, got in loaded.items():
-        for src, loss in got.items():
-            assert_close(torch.tensor(loss), torch.tensor(saved[src][SAVE_AT]), **NEXT_LOSS_TOL,
+        assert sorted(got) == sorted(s for s in SAVE_LAYOUTS if _family(s) == _family(name))
+        for src, losses in got.items():
+            assert_close(torch.tensor(losses), torch.tensor(saved[src][SAVE_AT:]), **NEXT_LOSS_TOL,
                          msg=lambda m: f"saved in {src}, loaded in {name}: {m}")
     # the runs differ from a fresh start: a load that silently did nothing would fail above
     assert abs(saved["dp1"][SAVE_AT] - saved["dp1"][0]) > 0.05

@@ -1,0 +1,89 @@
+"""One block of attention that also returns its log-sum-exp, its backward, and the online-softmax merge.
+
+Ring attention computes a rank's queries against one key/value block at a
+time and never holds the whole score matrix. Each block's result is an output
+O_b and the log-sum-exp of its scores L_b (per query row); blocks merge exactly
+by L = log(e^L_1 + e^L_2), O = O_1 e^(L_1 - L) + O_2 e^(L_2 - L) (Milakov and
+Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
+FlashAttention). Backward needs no per-block state: with the
+merged O and L, a block's softmax is exp(S_b - L), and its gradients are the
+FlashAttention backward of that block given the final O and L (Dao et al.
+2022, its backward pass), so blocks are recomputed, never stored.
+
+On CPU the block runs torch's fused flash kernel (no T x T scores in memory,
+the kernel scaled_dot_product_attention itself uses there); elsewhere the same
+mathematics written out (`math_block`), which is also the reference the
+kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Block = tuple[torch.Tensor, torch.Tensor]  # out (B, H, Tq, D), lse (B, H, Tq) in fp32
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, nkv, T, D) -> (B, heads, T, D): grouped-query attention shares each kv head with heads/nkv queries."""
+    return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
+
+
+def fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of repeat_kv: (B, heads, T, D) -> (B, nkv, T, D), summed over each kv head's queries."""
+    if grad.size(1) == kv_heads:
+        return grad
+    B, H, T, D = grad.shape
+    return grad.view(B, kv_heads, H // kv_heads, T, D).sum(2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Block:
+    """Softmax(q k^T * scale [causal]) v and its log-sum-exp; q (B, H, Tq, D), k and v (B, H, Tk, D)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    return math_block(q, k, v, causal, scale)
+
+
+def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of one block, given the MERGED output and log-sum-exp of these queries over all blocks."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+    return math_block_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if causal:  # the block's own diagonal: query i sees keys 0..i (Tq == Tk)
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Block:
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ v.float()
+    return out.to(q.dtype), lse
+
+
+def math_block_backward(dout, q, k, v, out, lse, causal, scale) -> tuple[torch.Tensor, ...]:
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # this block's share of the softmax
+    dout = dout.float()
+    dv = p.transpose(-2, -1) @ dout
+    dp = dout @ v.float().transpose(-2, -1)
+    ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))  # D_i = rowsum(dO * O) of the merged output
+    dq = ds @ k.float() * scale
+    dk = ds.transpose(-2, -1) @ q.float() * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge(acc: Block | None, block: Block) -> Block:
+    """Online softmax: two partial attentions over disjoint key sets -> their attention over the union."""
+    if acc is None:
+        return block[0].float(), block[1]
+    out, lse = acc
+    b_out, b_lse = block
+    new = torch.logaddexp(lse, b_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + b_out.float() * torch.exp(b_lse - new).unsqueeze(-1)
+    return out, new
