@@ -13,7 +13,9 @@ from dataclasses import replace
 
 import pytest
 
+from tessel.config import build_config
 from tessel.errors import ConfigError
+from tessel.planning import recipe_allows
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel, pipeline_time
 from tessel.planner.layout import Layout
@@ -137,10 +139,12 @@ def test_search_chooses_asynchronous_schedules_only_where_the_recipe_allows_them
     spec = preset("gpt3-1.3b")
     cm = CostModel(spec, get_cluster("a100", 16), "bf16")
     fixed = {"pp": 4, "tp": 2}
-    sync = search(cm, 16, spec.global_batch, fixed=fixed, simulate_top=4)
+    plain = recipe_allows(build_config({}))
+    sync = search(cm, 16, spec.global_batch, fixed=fixed, simulate_top=4, allow=plain)
     assert not any(e.layout.schedule in ("2bw", "pipedream") for e in sync.ranked + sync.rejected)
     assert sync.best.layout.schedule in ("zb-h1", "zbv", "interleaved")  # no longer 1F1B's bubble
-    allowed = search(cm, 16, spec.global_batch, fixed={**fixed, "tp": 1, "dp": 4}, simulate_top=4, allow_async=True)
+    stale = recipe_allows(build_config({"parallel": {"allow_async": True}}))
+    allowed = search(cm, 16, spec.global_batch, fixed={**fixed, "tp": 1, "dp": 4}, simulate_top=4, allow=stale)
     assert allowed.best.layout.schedule == "2bw"  # no flush: the fastest where staleness is accepted
     with pytest.raises(ConfigError, match="allow_async"):
-        search(cm, 16, spec.global_batch, fixed={"schedule": "2bw"})
+        search(cm, 16, spec.global_batch, fixed={"schedule": "2bw"}, allow=plain)
