@@ -1,8 +1,12 @@
 """tessel's pipeline schedules vs torch.distributed.pipelining on the same model, stages and micro-batches.
 
     PYTHONPATH=. python benchmarks/pp_vs_torch.py --pp 2 --micro-batches 8 --steps 20
+    PYTHONPATH=. python benchmarks/pp_vs_torch.py --schedules zbv zb-h1
 
-For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages) both
+For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages, and the
+zero-bubble ones: tessel's ZBV against torch's ScheduleZBVZeroBubble, both with
+2 stages a rank in a V, and tessel's ZB-H1 against ScheduleInterleavedZeroBubble
+given one stage a rank, torch's zero-bubble schedule for that placement) both
 libraries run the same chunks of one GPT (built from one seed, cut by tessel's
 partitioner), the same batch and micro-batch count, on gloo with one thread
 per rank. Steps alternate between the two, and which goes first alternates
@@ -27,7 +31,7 @@ import torch.distributed as dist
 
 def _config(pp: int, schedule: str, m: int, args):
     from tessel.config import build_config
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zbv") else 1
     raw = {"model": {"vocab_size": 256, "n_layer": args.layers, "n_head": 4, "d_model": args.d_model,
                      "max_seq_len": args.seq},
            "parallel": {"pp": pp, "schedule": schedule, "virtual_stages": v, "micro_batches": m},
@@ -37,18 +41,24 @@ def _config(pp: int, schedule: str, m: int, args):
 
 
 def _torch_schedule(model, cfg, mesh, rank, p):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     from tessel.models.gpt import cross_entropy
-    from tessel.parallel.pipeline.pipeline_parallel import choose_layout
     from tessel.parallel.pipeline.partition import split_model
+    from tessel.parallel.pipeline.pipeline_parallel import choose_layout
+    from tessel.parallel.pipeline.schedules import is_vshape, stage_of
+    name = cfg.parallel.schedule
     layout = choose_layout(model, mesh, cfg)
-    chunks = split_model(model, layout, rank, p)
+    chunks = split_model(model, layout, rank, p, vshape=is_vshape(name))
     n = len(layout)
-    stages = [PipelineStage(c, i * p + rank, n, mesh.device) for i, c in enumerate(chunks)]
-    m, name = cfg.parallel.micro_batches, cfg.parallel.schedule
-    if name == "interleaved":
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=cross_entropy), chunks
+    # the same stages in the same places: rank r holds stages r, r+p (a loop) or r, 2p-1-r (ZBV's V)
+    stages = [PipelineStage(c, stage_of(p, rank, i, is_vshape(name)), n, mesh.device) for i, c in enumerate(chunks)]
+    m = cfg.parallel.micro_batches
+    if name in ("interleaved", "zbv", "zb-h1"):
+        cls = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
+               "zb-h1": ScheduleInterleavedZeroBubble}[name]
+        return cls(stages, m, loss_fn=cross_entropy), chunks
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     return cls(stages[0], m, loss_fn=cross_entropy), chunks
 
@@ -85,10 +95,14 @@ def _bench(args) -> dict:
             for q in ours.parameters():
                 q.grad = None
 
+        last = 0 if name == "zbv" else p - 1  # the rank holding the last stage (the loss)
+
         def step_theirs():
-            if rank == 0:
+            if rank == 0 and rank == last:
+                theirs.step(x, target=y, losses=[])
+            elif rank == 0:
                 theirs.step(x)
-            elif rank == p - 1:
+            elif rank == last:
                 theirs.step(target=y, losses=[])
             else:
                 theirs.step()
@@ -120,7 +134,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"],
+                    choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
     args = ap.parse_args()
     from tessel.spawn import spawn
     res = spawn(_bench, args.pp, args, timeout=1800)[0]

@@ -149,8 +149,15 @@ class ParallelConfig(Strict):
         None, description="ZeRO: dtype gradients are reduced in; default zero_param_dtype")
     micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
     sequence_parallel: bool = False
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "pipedream", "2bw"] = Field(
+        "1f1b", description="pipeline schedule; zb-h1 | zb-h2 | zbv split the backward (Qi et al. 2023), zbv "
+                            "holds 2 virtual stages per rank in a V (tessel.parallel.pipeline.zero_bubble); "
+                            "pipedream | 2bw never flush and update on stale weights (needs allow_async)")
     virtual_stages: int = Field(1, ge=1)
+    allow_async: bool = Field(False, description="let pipedream and 2bw update on stale weights "
+                                                 "(tessel.parallel.pipeline.weight_versions says which)")
+    vertical_sync: bool = Field(False, description="pipedream: every stage runs a micro-batch on the weight "
+                                                   "version the first stage used for it")
     pp_layout: list[int] | None = Field(None, description="layers per stage; default balanced")
     pp_balance: Literal["layers", "params", "time", "speed"] = Field(
         "layers", description="without pp_layout: equal blocks, or balance parameters or measured time; speed: "
@@ -358,8 +365,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(len(p.pp_layout) == stages, "parallel.pp_layout", f"needs {stages} entries (one per stage)")
         _require(sum(p.pp_layout) == m.n_layer and min(p.pp_layout) >= 1, "parallel.pp_layout",
                  f"entries must be >= 1 and sum to model.n_layer ({m.n_layer})")
-    _require(p.virtual_stages == 1 or p.schedule == "interleaved", "parallel.virtual_stages",
-             "virtual_stages > 1 needs parallel.schedule = 'interleaved'")
+    _require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv"), "parallel.virtual_stages",
+             "virtual_stages > 1 needs parallel.schedule = 'interleaved' or 'zbv'")
+    _check_zbv(cfg)
+    _check_split_backward(cfg)
+    _check_async(cfg)
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
@@ -443,6 +453,61 @@ def check_tokenizer(d: DataConfig) -> None:
         return
     _require(Path(d.tokenizer).is_file(), "data.tokenizer", f"no such file: {d.tokenizer} (a tokenizer.json of "
              "the tokenizers library, or 'stdlib-bpe-N')")
+
+
+def _check_split_backward(cfg: Config) -> None:
+    """A split backward (zero-bubble schedules, tessel.parallel.pipeline.split_backward) runs W as one autograd
+    call per weight group; each would rebuild a fully recomputed block again."""
+    p = cfg.parallel
+    if p.schedule not in ("zb-h1", "zb-h2", "zbv"):
+        return
+    _require(p.recompute != "full", "parallel.recompute",
+             f"the '{p.schedule}' schedule's W would recompute each block once per weight; use 'selective' or 'none'")
+    _require(p.cp == 1, "parallel.cp", f"the '{p.schedule}' schedule's split backward is not built for context "
+             "parallelism's attention yet")
+
+
+def _check_zbv(cfg: Config) -> None:
+    """ZBV (tessel.parallel.pipeline.zero_bubble) holds two stages per rank in a V: rank r runs stages r and
+    2p-1-r, so the embedding and the head share rank 0."""
+    p = cfg.parallel
+    if p.schedule != "zbv":
+        return
+    _require(p.virtual_stages == 2, "parallel.virtual_stages", "the zbv schedule holds 2 virtual stages per rank "
+             "in a V; set virtual_stages = 2")
+    _require(p.micro_batches >= p.pp, "parallel.micro_batches",
+             f"the zbv schedule needs at least pp ({p.pp}) micro-batches")
+    _require(not cfg.model.tie_embeddings or p.pp == 1, "model.tie_embeddings", "the zbv schedule puts the "
+             "embedding and the head on one rank, where a tied weight is not supported yet; untie them")
+
+
+def _check_async(cfg: Config) -> None:
+    """pipedream and 2bw (tessel.parallel.pipeline.async_schedules) never flush: a step's update uses weights
+    older than the ones it changes, so the recipe must allow it; what they compose with is listed here."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    _require(not p.vertical_sync or p.schedule == "pipedream", "parallel.vertical_sync",
+             "is PipeDream's option; set parallel.schedule = 'pipedream'")
+    if p.schedule not in ("pipedream", "2bw"):
+        return
+    _require(p.allow_async, "parallel.allow_async", f"the '{p.schedule}' schedule updates on stale weights; set "
+             "parallel.allow_async = true to accept that")
+    _require(p.pp > 1, "parallel.pp", f"the '{p.schedule}' schedule needs pp > 1")
+    _require(p.virtual_stages == 1, "parallel.virtual_stages", f"the '{p.schedule}' schedule runs one stage a rank")
+    _require(p.micro_batches * t.grad_accum >= p.pp, "parallel.micro_batches",
+             f"the '{p.schedule}' schedule needs at least pp ({p.pp}) micro-batches a step")
+    _require(p.tp == 1 and p.ep == 1 and p.cp == 1 and p.zero_stage == 0 and p.dp_arch == "allreduce",
+             "parallel.schedule", f"'{p.schedule}' composes with pp and dp (no tp, cp, ep, ZeRO or parameter "
+             "server) so far")
+    _require(m.hf_config is None and m.n_experts == 0, "parallel.schedule",
+             f"'{p.schedule}' runs the reference dense GPT so far")
+    _require(not m.tie_embeddings, "model.tie_embeddings", f"the '{p.schedule}' schedule keeps per-stage weight "
+             "versions, which a weight shared by the first and the last stage does not have; untie them")
+    _require(p.recompute == "none", "parallel.recompute", f"the '{p.schedule}' schedule does not recompute yet")
+    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None, "checkpoint.every",
+             f"the '{p.schedule}' schedule's micro-batches in flight and stashed weights are not checkpointed yet; "
+             "set checkpoint.every = 0")
+    _require(p.schedule != "pipedream" or t.grad_clip == 0, "train.grad_clip", "pipedream updates each stage after "
+             "every micro-batch, with no global gradient norm to clip by; set train.grad_clip = 0")
 
 
 def _check_hf_tensor_parallel(cfg: Config) -> None:

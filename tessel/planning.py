@@ -16,6 +16,7 @@ from rich.table import Table
 
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
 from tessel.observe.progress import work_progress
+from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
@@ -142,9 +143,13 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
 
 def recipe_allows(base: Config):
     """What a recipe rules out beyond the model: a grid (tp_mode) under ZeRO writes no checkpoints yet
-    (tessel.config), so a recipe that saves or resumes them keeps the search to the other layouts."""
+    (tessel.config), so a recipe that saves or resumes them keeps the search to the other layouts; an
+    asynchronous pipeline (stale weights) needs parallel.allow_async and no checkpoints, PipeDream also
+    train.grad_clip = 0."""
     saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
-    return lambda lay: not (saves and lay.tp_mode != "1d" and lay.zero > 0)
+    stale_ok = base.parallel.allow_async and not saves
+    return lambda lay: not (saves and lay.tp_mode != "1d" and lay.zero > 0) and (
+        lay.schedule not in ASYNC_SCHEDULES or (stale_ok and (lay.schedule != "pipedream" or base.train.grad_clip == 0)))
 
 
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:

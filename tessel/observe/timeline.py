@@ -15,14 +15,17 @@ from pathlib import Path
 
 Event = tuple[str, int, int, float, float]
 
-NAMES = {"F": "forward", "B": "backward", "SF": "send act", "SB": "send grad", "RF": "recv act", "RB": "recv grad"}
-# forward blue, backward green, lighter per chunk; communication grey
-COLORS = {"F": ["#1f77b4", "#6baed6", "#9ecae1", "#c6dbef"], "B": ["#2ca02c", "#74c476", "#a1d99b", "#c7e9c0"]}
+NAMES = {"F": "forward", "B": "backward", "W": "weight gradients", "SF": "send act", "SB": "send grad", "RF": "recv act", "RB": "recv grad"}
+# forward blue, backward green, weight gradients (a split backward's W) orange, lighter per chunk;
+# communication grey
+COLORS = {"F": ["#1f77b4", "#6baed6", "#9ecae1", "#c6dbef"], "B": ["#2ca02c", "#74c476", "#a1d99b", "#c7e9c0"],
+          "W": ["#ff7f0e", "#fdae6b", "#fdd0a2", "#feedde"]}
+COMPUTES = tuple(COLORS)
 
 
 def bubble_of(events: list[Event]) -> float:
     """Idle share of a rank's step: 1 - compute time / (last compute end)."""
-    computes = [(s, e) for k, _, _, s, e in events if k in ("F", "B")]
+    computes = [(s, e) for k, _, _, s, e in events if k in COMPUTES]
     if not computes:
         return 0.0
     end = max(e for _, e in computes)
@@ -34,7 +37,7 @@ def chrome_trace(per_rank: list[list[Event]], path: str | Path, name: str = "pip
     for rank, events in enumerate(per_rank):
         trace.append({"ph": "M", "pid": rank, "name": "process_name", "args": {"name": f"pp rank {rank}"}})
         for kind, mb, chunk, start, end in events:
-            tid = 0 if kind in ("F", "B") else 1  # computes and communication on separate rows
+            tid = 0 if kind in COMPUTES else 1  # computes and communication on separate rows
             trace.append({"ph": "X", "pid": rank, "tid": tid, "name": f"{kind}{mb}" + (f".{chunk}" if chunk else ""),
                           "cat": NAMES[kind], "ts": start * 1e6, "dur": max(end - start, 1e-7) * 1e6,
                           "args": {"micro_batch": mb, "chunk": chunk}})
@@ -55,7 +58,7 @@ def gantt_png(per_rank: list[list[Event]], path: str | Path, title: str = "pipel
     for rank, events in enumerate(per_rank):
         y = p - 1 - rank  # rank 0 on top
         for kind, mb, chunk, start, stop in events:
-            if kind in ("F", "B"):
+            if kind in COMPUTES:
                 color = COLORS[kind][chunk % len(COLORS[kind])]
                 ax.barh(y, (stop - start) * 1e3, left=start * 1e3, height=0.8, color=color, edgecolor="black",
                         linewidth=0.4)
@@ -67,9 +70,12 @@ def gantt_png(per_rank: list[list[Event]], path: str | Path, title: str = "pipel
     ax.set_xlabel("ms from step start")
     ax.set_title(title, loc="left")
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=COLORS["F"][0], label="forward"), Patch(color=COLORS["B"][0], label="backward"),
-                       Patch(color="#999999", label="waiting for a receive")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False, fontsize=8)
+    split = any(kind == "W" for events in per_rank for kind, *_ in events)
+    handles = [Patch(color=COLORS["F"][0], label="forward"),
+               Patch(color=COLORS["B"][0], label="input gradient (B)" if split else "backward")]
+    handles += [Patch(color=COLORS["W"][0], label="weight gradients (W)")] if split else []
+    ax.legend(handles=handles + [Patch(color="#999999", label="waiting for a receive")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles) + 1, frameon=False, fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ from tessel.planner.layout import Layout
 from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, layer_activation_bytes,
                                    recompute_layer_bytes, unfused_attention_bytes, zero_state_bytes)
 from tessel.planner.model_spec import ModelSpec
+from tessel.planner.schedule import (NEW_SCHEDULES, captured_gradient_bytes, device_chunks, flush_time,
+                                     held_bytes, held_micro_batches, stashed_versions)
 from tessel.planner.network import NONE, Cost, collective
 from tessel.planner.traffic import (Call, bookkeeping_calls, dp_step_calls, ep_chunk_calls, merged, pp_calls,
                                     times, tp_chunk_calls, trainer_calls)
@@ -169,6 +171,8 @@ def peak_chunks_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1
     interleaved min(2(p-s-1) + (v-1)p + 1, m v) chunks (Narayanan et al. 2021)."""
     if pp == 1:
         return 1
+    if schedule in NEW_SCHEDULES:  # read off the runtime's lists (tessel.planner.schedule)
+        return held_micro_batches(schedule, pp, m, stage, v)[0]
     if schedule == "gpipe":
         return m * v
     if schedule == "interleaved":
@@ -616,6 +620,8 @@ class CostModel:
             workspace = max(workspace, head_activation_bytes(self.spec, tokens, lay.tp, self.precision))
         mem["activations"] = kept + workspace
         mem["weight_copies"] = self._weight_copies(lay, chunks, all_chunks, in_flight)
+        if lay.schedule in NEW_SCHEDULES and lay.pp > 1:
+            mem.update(self._split_and_stash(stage, chunks, lay, all_chunks, tokens, dense + expert))
         transient = 0.0
         pb = self._param_bytes(lay)
         if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
@@ -628,6 +634,31 @@ class CostModel:
         mem["baseline"] = self.cluster.baseline_memory
         mem["total"] = sum(mem.values())
         return mem
+
+    def _split_and_stash(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int,
+                         params: float) -> dict[str, float]:
+        """A split backward's captured gradients, held from B to W (tessel.planner.schedule), and an
+        asynchronous pipeline's stashed weight versions (fp32 copies of the stage's parameters)."""
+        c = self.spec.cfg
+        held = held_micro_batches(lay.schedule, lay.pp, lay.m, stage, lay.v)[0]
+        layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
+        one = captured_gradient_bytes(c.d_model, c.kv_heads * self.spec.head_dim, c.ffn_dim, tokens, lay.tp,
+                                      self.act_bytes)
+        if len(all_chunks) - 1 in chunks:  # the head's: the logits' gradient
+            one += tokens * c.vocab_size * self.act_bytes / lay.tp / layers_per_chunk
+        # what the captured gradients add at the moment the stage holds most (not at their own peak)
+        act = layers_per_chunk * self._mean_layer_bytes(chunks, all_chunks, lay, tokens)
+        joint = held_bytes(lay.schedule, lay.pp, lay.m, stage, lay.v, act, layers_per_chunk * one)
+        out = {"captured_grads": joint - held * act}
+        versions = stashed_versions(lay.schedule, held)
+        if versions:
+            out["weight_versions"] = versions * 4 * params
+        return out
+
+    def _mean_layer_bytes(self, chunks: list[int], all_chunks, lay: Layout, tokens: int) -> float:
+        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+                     for k in chunks for i in all_chunks[k]] or [0.0]
+        return sum(per_layer) / len(per_layer)
 
     def _weight_copies(self, lay: Layout, chunks: list[int], all_chunks, in_flight: int) -> float:
         """bf16 copies of fp32 weights that autocast makes on each forward and autograd keeps until that
@@ -666,6 +697,12 @@ class CostModel:
         return w.get("all_reduce", 0.0) * bucket
 
     # -- the whole step ----------------------------------------------------------------
+    def stage_memory(self, lay: Layout, stage: int) -> dict[str, float]:
+        """Bytes on pipeline rank `stage` (estimate() keeps the first and last stage's, or all when v > 1)."""
+        all_chunks = chunk_layers(self.spec.cfg.n_layer, lay.pp, lay.v)
+        return self._memory(stage, device_chunks(lay.schedule, lay.pp, lay.v, stage), lay, all_chunks,
+                            local_tokens(lay.mb * self.spec.seq_len, lay.cp))
+
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
         tokens = local_tokens(lay.mb * spec.seq_len, lay.cp)  # one rank's share of a micro-batch
@@ -679,7 +716,7 @@ class CostModel:
         t_tp_ep = t_rc = t_cp = 0.0
         busy = NONE  # the links one device's collectives hold over the step (the busiest stage's)
         for s in range(lay.pp):
-            chunks = [s + j * lay.pp for j in range(lay.v)]
+            chunks = device_chunks(lay.schedule, lay.pp, lay.v, s)
             row, held = [], NONE
             for k in chunks:
                 f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens, first=k == 0)
@@ -707,6 +744,9 @@ class CostModel:
                 mems[s] = self._memory(s, chunks, lay, all_chunks, tokens)
         memory = max(mems.values(), key=lambda mm: mm["total"])
         t_pipe = pipeline_time(stage_busy, lay.m, lay.v, p2p.seconds)
+        if lay.schedule in NEW_SCHEDULES:
+            t_pipe = flush_time(lay.schedule, stage_busy, [sum(f for f, _ in row) for row in chunk_times],
+                                lay.m, lay.v, p2p.seconds)
         compute_busy = max(stage_busy) * lay.m
         bubble = 1 - compute_busy / t_pipe if t_pipe > 0 else 0.0
         dp_exposed, dp_total, dp_bytes, dp_links, dp_split = self._dp_time(lay, geo, chunk_times, memory)

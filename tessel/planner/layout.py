@@ -25,14 +25,17 @@ KEY_HELP = {
     "cp": "context-parallel degree: each sequence split over cp ranks (inside a node)",
     "cp_mode": "ring | ulysses: how cp computes attention",
     "mb": "sequences per micro-batch", "m": "micro-batches per pipeline flush",
-    "ga": "accumulation steps per optimizer step", "schedule": "gpipe | 1f1b | interleaved",
-    "v": "virtual stages per pipeline rank (interleaved)", "sp": "sequence parallelism (true/false)",
+    "ga": "accumulation steps per optimizer step",
+    "schedule": "gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv | 2bw | pipedream (2bw, pipedream: the recipe "
+                "needs parallel.allow_async = true)",
+    "v": "virtual stages per pipeline rank (interleaved; zbv: 2)", "sp": "sequence parallelism (true/false)",
     "recompute": "none | full | selective (true = full, false = none)",
     "param_dtype": "fp32 | bf16: ZeRO's parameter storage (bf16 needs zero >= 1 and pp = 1)",
     "tp_mode": "1d | 2d | 2.5d | 3d: the tp group as Megatron's, a q x q grid, q x q x tp_depth, a cube",
     "tp_depth": "2.5d: the grid's depth d (tp = q*q*d)",
 }
-CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved"), "recompute": ("none", "full", "selective"),
+CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "2bw", "pipedream"),
+           "recompute": ("none", "full", "selective"),
            "param_dtype": ("fp32", "bf16"), "tp_mode": ("1d", "2d", "2.5d", "3d"), "cp_mode": ("ring", "ulysses")}
 RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
              "yes": "full", "no": "none", "on": "full", "off": "none"}
@@ -152,6 +155,8 @@ def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
             layout = replace(layout, ga=max(1, global_batch // per_pipe))
     if layout.v > 1 and "schedule" not in given:
         layout = replace(layout, schedule="interleaved")
+    if layout.schedule == "zbv" and "v" not in given:  # ZBV's V holds two stages a rank
+        layout = replace(layout, v=2)
     return layout
 
 

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessel.config import ConfigError, tp_grid_refusal
+from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.grid_cost import grid_of, grid_sizes
@@ -38,6 +39,13 @@ def tp_degrees(cfg, world: int) -> list[int]:
             if cfg.n_head % t == 0 and cfg.kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
+# the pipeline schedules the search tries. ZB-H2 prices as ZB-H1's bubble with more memory (a step ends in a
+# synchronous update, tessel.parallel.pipeline.zero_bubble), PipeDream as 2BW's time with more weight versions:
+# neither can win, so they are priced only when --fix names them. Asynchronous ones (stale weights) only
+# where `allow` is given and allows them (tessel.planning.recipe_allows: the recipe's parallel.allow_async).
+SEARCHED = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "2bw")
+
+
 def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict | None = None,
                       allow: Callable[[Layout], bool] | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
@@ -47,7 +55,10 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
     # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
     tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
     grids = cm.cluster.source == "preset" or (fixed or {}).get("tp_mode", "1d") != "1d"
-    every = _all_layouts(cm, world, global_batch, tp_cap, (fixed or {}).get("cp"))
+    schedules = tuple(s for s in SEARCHED if allow is not None or s not in ASYNC_SCHEDULES)
+    if fixed and "schedule" in fixed:
+        schedules = (fixed["schedule"],) if allow is not None or fixed["schedule"] not in ASYNC_SCHEDULES else ()
+    every = _all_layouts(cm, world, global_batch, tp_cap, (fixed or {}).get("cp"), schedules)
     every += grid_layouts(cm, world, global_batch) if grids else []  # cp = 1: cp with a grid is refused
     if allow is not None:
         every = [lay for lay in every if allow(lay)]
@@ -70,7 +81,7 @@ def cp_degrees(cm: CostModel, world: int, tp: int, fixed: int | None = None) -> 
 
 
 def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | None = None,
-                 fixed_cp: int | None = None) -> list[Layout]:
+                 fixed_cp: int | None = None, schedules: tuple[str, ...] = SEARCHED) -> list[Layout]:
     c, seq = cm.spec.cfg, cm.spec.seq_len
     out = []
     tps = [t for t in tp_degrees(c, world) if t <= (tp_cap or cm.cluster.devices_per_node)]
@@ -85,7 +96,8 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | Non
                 per_shard = global_batch // (dp * ep)
                 for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
                     base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb, cp=cp)
-                    out += [replace(v, cp_mode=mode) for v in _variants(base, per_shard // mb, c.n_layer, seq)
+                    out += [replace(v, cp_mode=mode)
+                            for v in _variants(base, per_shard // mb, c.n_layer, seq, schedules)
                             for mode in _cp_modes(c, tp, cp)]
     return out
 
@@ -97,17 +109,36 @@ def _cp_modes(cfg, tp: int, cp: int) -> tuple[str, ...]:
     return ("ring", "ulysses") if (cfg.n_head // tp) % cp == 0 and (cfg.kv_heads // tp) % cp == 0 else ("ring",)
 
 
-def _variants(base: Layout, chunks: int, n_layer: int, seq: int) -> list[Layout]:
+def _variants(base: Layout, chunks: int, n_layer: int, seq: int,
+              schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")) -> list[Layout]:
     if base.pp == 1:
         pipes = [replace(base, m=1, ga=chunks)]
     else:
-        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe")]
+        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe") if s in schedules]
         pipes += [replace(base, m=chunks, schedule="interleaved", v=v) for v in (2, 4)
-                  if base.pp * v <= n_layer and chunks % base.pp == 0]
+                  if "interleaved" in schedules and base.pp * v <= n_layer and chunks % base.pp == 0]
+        pipes += _zero_bubble_pipes(base, chunks, n_layer, schedules)
     zeros = (0, 1, 2, 3) if base.token_shards > 1 else (0,)
     sps = (False, True) if base.tp > 1 and seq % (base.tp * base.cp) == 0 else (False,)
-    return [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
-            for rc in RECOMPUTE]
+    # a split backward's W would rebuild a fully recomputed block once per weight group: tessel.config
+    # refuses the pairing
+    out = [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
+           for rc in RECOMPUTE if not (rc == "full" and p.schedule in ("zb-h1", "zb-h2", "zbv"))]
+    if base.pp > 1 and base.tp == 1 and base.ep == 1 and base.cp == 1 and chunks >= base.pp:
+        # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, cp, ep or recompute (tessel.config)
+        out += [replace(base, m=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
+    return out
+
+
+def _zero_bubble_pipes(base: Layout, chunks: int, n_layer: int, schedules: tuple[str, ...]) -> list[Layout]:
+    """ZB-H1, ZB-H2 (one stage a rank) and ZBV (two, in a V, with at least pp micro-batches), as tessel.config
+    takes them: 1D tensor parallelism, no context or expert parallelism."""
+    if base.tp_mode != "1d" or base.cp > 1 or base.ep > 1:
+        return []
+    pipes = [replace(base, m=chunks, schedule=s) for s in ("zb-h1", "zb-h2") if s in schedules]
+    if "zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp:
+        pipes.append(replace(base, m=chunks, schedule="zbv", v=2))
+    return pipes
 
 
 def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
@@ -155,12 +186,15 @@ def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = No
            allow: Callable[[Layout], bool] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
     re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
-    progress(done, total) hears of each layout priced (a bar in tessel.planning)."""
+    progress(done, total) hears of each layout priced (a bar in tessel.planning). Asynchronous pipelines
+    are candidates only under an `allow` that keeps them (the recipe's parallel.allow_async)."""
     layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
         bf16 = (fixed or {}).get("param_dtype") == "bf16"
         why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
+        if (fixed or {}).get("schedule") in ASYNC_SCHEDULES:
+            why = " (asynchronous schedules update on stale weights: the recipe needs parallel.allow_async = true)"
         raise ConfigError("--fix", f"no layout of {world} devices at global batch {global_batch} has {pinned}{why}")
     estimates = []
     for lay in layouts:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tessel.parallel.pipeline.schedules import COMPUTE
+from tessel.parallel.pipeline.schedules import COMPUTE, is_vshape, owner_of, stage_of
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.layout import Layout
-from tessel.planner.schedule import pipeline_schedule
+from tessel.planner.schedule import carried, pipeline_schedule, splits_backward
 
 INF = float("inf")
 
@@ -86,8 +86,13 @@ class PipelineSim:
         self.p, self.m, self.v = len(chunk_times), m, v
         self.times = chunk_times
         self.schedule = pipeline_schedule(schedule, self.p, m, v)
+        self.vshape = is_vshape(schedule)
+        # a split backward: B and W take half of the chunk's backward each (Qi et al. 2023's B = W); the
+        # weight gradients (W) are what data parallelism's buckets follow
+        self.split = splits_backward(schedule)
+        self.grad_kind = "W" if self.split else "B"
         self.ops = [[a for a in actions if a.kind in COMPUTE] for actions in self.schedule]
-        self.last_b = [max(i for i, a in enumerate(ops) if a.kind == "B") for ops in self.ops]
+        self.last_b = [max(i for i, a in enumerate(ops) if a.kind == self.grad_kind) for ops in self.ops]
         self.p2p_bytes = p2p_bytes
         self.pp_link = pp_link or Link(INF, 0.0)
         self.now = 0.0
@@ -105,16 +110,25 @@ class PipelineSim:
         self.compute_end = [0.0] * self.p
         self.on_op = None  # called as on_op(done, total) when a compute op finishes (a progress bar)
         self.ops_done, self.ops_total = 0, sum(len(ops) for ops in self.ops)
+        for r, done in enumerate(carried(schedule, self.p, m) or ()):  # an asynchronous step's inheritance
+            for kind, mb, chunk in done:
+                g = self._global_chunk(r, chunk)
+                if kind == "F" and g < self.p * v - 1:
+                    self.arrived.add(("F", mb, g + 1))
+                elif kind == "B" and g > 0:
+                    self.arrived.add(("B", mb, g - 1))
 
     # ---- dependencies ----------------------------------------------------
     def _global_chunk(self, stage: int, chunk: int) -> int:
-        return chunk * self.p + stage
+        return stage_of(self.p, stage, chunk, self.vshape)
 
     def _ready(self, s: int) -> bool:
         if self.next_op[s] >= len(self.ops[s]) or self.running[s]:
             return False
         a = self.ops[s][self.next_op[s]]
         g = self._global_chunk(s, a.chunk)
+        if a.kind == "W":  # its B ran before it on this device
+            return True
         if a.kind == "F":
             return g == 0 or ("F", a.mb, g) in self.arrived
         return g == self.p * self.v - 1 or ("B", a.mb, g) in self.arrived
@@ -125,13 +139,13 @@ class PipelineSim:
                 a = self.ops[s][self.next_op[s]]
                 kind, mb, chunk = a.kind, a.mb, a.chunk
                 f, b = self.times[s][chunk]
-                dur = f if kind == "F" else b
+                dur = f if kind == "F" else b / 2 if self.split else b
                 self.running[s] = True
                 end = self.now + dur
                 heapq.heappush(self.compute_heap, (end, s, self.next_op[s]))
                 label = f"{kind}{mb}" + (f".{chunk}" if self.v > 1 else "")
                 self.events.append(Event(s, "compute", label, self.now, end))
-                if self.b_hook is not None and kind == "B":
+                if self.b_hook is not None and kind == self.grad_kind:
                     self.b_hook(s, self.now, end, self._is_last_b(s, self.next_op[s]))
                 if self.f_hook is not None and kind == "F":
                     self.f_hook(s, self.now)
@@ -151,12 +165,12 @@ class PipelineSim:
         g = self._global_chunk(s, chunk)
         last = self.p * self.v - 1
         if kind == "F" and g < last:
-            self._send(s, (g + 1) % self.p, ("F", mb, g + 1))
+            self._send(s, owner_of(self.p, g + 1, self.vshape)[0], ("F", mb, g + 1))
         elif kind == "B" and g > 0:
-            self._send(s, (g - 1) % self.p, ("B", mb, g - 1))
+            self._send(s, owner_of(self.p, g - 1, self.vshape)[0], ("B", mb, g - 1))
 
     def _send(self, src: int, dst: int, key: tuple) -> None:
-        if self.p2p_bytes <= 0 or (self.pp_link.bandwidth == INF and self.pp_link.latency == 0):
+        if src == dst or self.p2p_bytes <= 0 or (self.pp_link.bandwidth == INF and self.pp_link.latency == 0):
             self.arrived.add(key)
             return
         links = (("out", src, self.pp_class), ("in", dst, self.pp_class))

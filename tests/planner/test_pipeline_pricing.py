@@ -9,12 +9,18 @@ schedule, up to the issue's pp35 v3 and pp64 v2). A remainder of layers
 per-stage total sees; those are priced by the simulator in the search.
 """
 
+from dataclasses import replace
+
 import pytest
 
+from tessel.config import build_config
+from tessel.errors import ConfigError
+from tessel.planning import recipe_allows
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel, pipeline_time
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import preset
+from tessel.planner.schedule import flush_time, held_micro_batches
 from tessel.planner.search import search, simulated, simulated_flush
 from tessel.planner.simulate import simulate_pipeline, simulate_plan
 
@@ -86,3 +92,59 @@ def test_search_reports_simulated_flushes_for_its_leaders():
     best = result.best
     assert best.priced_by == "simulator"
     assert [e.step_s for e in result.ranked] == sorted(e.step_s for e in result.ranked)
+
+
+# ---- the zero-bubble and asynchronous schedules (issue 20) --------------------------------------------
+NEW_FLUSHES = [("zb-h1", 4, 8, 1), ("zb-h1", 16, 64, 1), ("zb-h2", 4, 8, 1), ("zbv", 4, 8, 2), ("zbv", 8, 16, 2),
+               ("2bw", 4, 8, 1), ("pipedream", 8, 16, 1)]
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", NEW_FLUSHES)
+def test_split_and_async_flushes_agree_with_the_simulator_within_3_percent(schedule, pp, m, v):
+    """flush_time (the busiest stage m times, then the wait for the first input W cannot fill: the other
+    stages' forwards, half of them in ZBV's V, none in an asynchronous steady step) against the replay."""
+    for head in (0.0, 0.4, 1.0):
+        times = _chunk_times(pp, v, head=head)
+        sim = simulate_pipeline(times, schedule, m, v).step_s
+        formula = flush_time(schedule, [sum(f + b for f, b in row) for row in times],
+                             [sum(f for f, _ in row) for row in times], m, v, 0.0)
+        assert formula == pytest.approx(sim, rel=0.03), (head, formula, sim)
+
+
+def test_held_micro_batches_are_the_runtime_lists():
+    """ZB-H1 holds p micro-batches from F to W on every rank and r+1 from B to W (1F1B: p - r); an
+    asynchronous step starts holding the last step's, p - r in all, as 1F1B."""
+    p, m = 4, 8
+    assert [held_micro_batches("1f1b", p, m, r) for r in range(p)] == [(p - r, 0) for r in range(p)]
+    assert [held_micro_batches("zb-h1", p, m, r) for r in range(p)] == [(p, r + 1) for r in range(p)]
+    assert all(held_micro_batches("zb-h2", p, m, r)[0] == 2 * p - 1 for r in range(p))
+    assert all(held_micro_batches("zbv", p, m, r, 2)[0] <= 2 * p for r in range(p))  # half stages
+    for name in ("2bw", "pipedream"):
+        assert [held_micro_batches(name, p, m, r)[0] for r in range(p)] == [p - r for r in range(p)]
+
+
+def test_memory_prices_captured_gradients_and_stashed_weights():
+    spec = preset("gpt3-1.3b")
+    cm = CostModel(spec, get_cluster("a100", 8), "bf16")
+    base = Layout(dp=2, pp=4, mb=1, m=16)
+    mem = {s: cm.estimate(replace(base, schedule=s)).stage_memory[0] for s in ("1f1b", "zb-h1", "2bw", "pipedream")}
+    assert "captured_grads" not in mem["1f1b"] and mem["zb-h1"]["captured_grads"] > 0
+    params = mem["1f1b"]["params"]  # fp32 parameters of stage 0: each version is a copy of them
+    assert mem["2bw"]["weight_versions"] == pytest.approx(2 * params)
+    assert mem["pipedream"]["weight_versions"] == pytest.approx(4 * params)  # p - 0 micro-batches in flight
+    assert mem["2bw"]["activations"] == pytest.approx(mem["1f1b"]["activations"])  # 1F1B's p - r held
+
+
+def test_search_chooses_asynchronous_schedules_only_where_the_recipe_allows_them():
+    spec = preset("gpt3-1.3b")
+    cm = CostModel(spec, get_cluster("a100", 16), "bf16")
+    fixed = {"pp": 4, "tp": 2}
+    plain = recipe_allows(build_config({}))
+    sync = search(cm, 16, spec.global_batch, fixed=fixed, simulate_top=4, allow=plain)
+    assert not any(e.layout.schedule in ("2bw", "pipedream") for e in sync.ranked + sync.rejected)
+    assert sync.best.layout.schedule in ("zb-h1", "zbv", "interleaved")  # no longer 1F1B's bubble
+    stale = recipe_allows(build_config({"parallel": {"allow_async": True}}))
+    allowed = search(cm, 16, spec.global_batch, fixed={**fixed, "tp": 1, "dp": 4}, simulate_top=4, allow=stale)
+    assert allowed.best.layout.schedule == "2bw"  # no flush: the fastest where staleness is accepted
+    with pytest.raises(ConfigError, match="allow_async"):
+        search(cm, 16, spec.global_batch, fixed={"schedule": "2bw"}, allow=plain)

@@ -1,7 +1,10 @@
 """Pipeline parallelism, one module per concept; importing this package imports nothing heavy.
 
-- schedules: GPipe, 1F1B and interleaved 1F1B as per-rank Action lists (torch-free;
-  the planner reads the same lists)
+- schedules: GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1, ZB-H2, ZBV as
+  per-rank Action lists (torch-free; the planner reads the same lists); action: one
+  entry of a list; zero_bubble: the zero-bubble schedules' compute orders
+- split_backward: a backward as B (the input's gradient) and W (the weights'), for
+  the zero-bubble schedules
 - partition: stage layouts, and a stage as the model with the modules it does not own removed
 - comm: the point-to-point messages between stages
 - executor: runs this rank's Action list on its chunks (the step's typed StepState)

@@ -37,8 +37,10 @@ class Incoming(NamedTuple):
 class StageLinks:
     """This rank's links to the other ranks of its pipeline (its coordinates on dp/ep/tp fixed)."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, loss_rank: int | None = None):
         self.ranks = mesh.group_ranks(("pp",))  # global rank of each pipeline rank
+        # the pipeline rank holding the last stage, where the loss is: the last rank, or rank 0 in ZBV's V
+        self.loss_rank = len(self.ranks) - 1 if loss_rank is None else loss_rank
         self.group = mesh.group("pp")
         self.device = mesh.device
         self._pending_sends: list = []
@@ -84,15 +86,15 @@ class StageLinks:
         or ahead of the activations and gradients on the same link. gloo only:
         NCCL has no tags. None on the last rank (or without a pipeline).
         """
-        if self.group is None or dist.get_rank() == self.ranks[-1]:
+        if self.group is None or dist.get_rank() == self.ranks[self.loss_rank]:
             return None
         buf = torch.empty((), dtype=torch.float32, device=self.device)
-        return Incoming(buf, dist.irecv(buf, self.ranks[-1], group=self.group, tag=SCALAR_TAG))
+        return Incoming(buf, dist.irecv(buf, self.ranks[self.loss_rank], group=self.group, tag=SCALAR_TAG))
 
     def send_to_all(self, t: torch.Tensor) -> None:
         """The last rank's half of `expect_from_last`; waited on with the other sends."""
         t = t.detach().float()
-        for peer in self.ranks[:-1]:
+        for peer in self.ranks[:self.loss_rank] + self.ranks[self.loss_rank + 1:]:
             self._pending_sends += [t, dist.isend(t, peer, group=self.group, tag=SCALAR_TAG)]
 
     def sum_over_pipeline(self, t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ class StageLinks:
         return t
 
     def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
-        """The last pipeline rank's value of t on every pipeline rank (the loss, a sampled token)."""
+        """The loss rank's value of t on every pipeline rank (the loss, a sampled token)."""
         if self.group is not None:
-            dist.broadcast(t, src=self.ranks[-1], group=self.group)
+            dist.broadcast(t, src=self.ranks[self.loss_rank], group=self.group)
         return t

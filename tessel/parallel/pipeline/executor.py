@@ -1,13 +1,17 @@
 """Executes this rank's Action list of one step on its chunks: forwards, backwards, sends, receives.
 
 The list is the schedule's (schedules.py: GPipe, Huang et al. 2019; 1F1B,
-Narayanan et al. 2019 and 2021; interleaved 1F1B, Narayanan et al. 2021), run
-as written: a compute action alone, a run of communication actions as one batch
-of messages (comm.py). The schedule, not autograd, decides when a backward
-runs: on the output kept from its forward, seeded with the gradient received
-from the next stage. MoE router losses are back-propagated on their own stage
-(aux.py). What the step holds between actions is a StepState; how long each
-action took and what its forward saved go to the recorder.
+Narayanan et al. 2019 and 2021; interleaved 1F1B, Narayanan et al. 2021;
+ZB-H1, ZB-H2 and ZBV, Qi et al. 2023), run as written: a compute action alone,
+a run of communication actions as one batch of messages (comm.py). The
+schedule, not autograd, decides when a backward runs: on the output kept from
+its forward, seeded with the gradient received from the next stage. Zero-bubble
+schedules split it (split_backward.py): B computes the input's gradient and
+keeps the graph, W later accumulates the weights' gradients. MoE router losses
+are back-propagated on their own stage (aux.py). Where two neighbouring stages
+sit on one rank (the turn of ZBV's V) the activation and its gradient are
+handed over in place. What the step holds between actions is a StepState; how
+long each action took and what its forward saved go to the recorder.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from tessel.parallel.pipeline.aux import AttachAuxLoss, StageAux
 from tessel.parallel.pipeline.comm import Incoming, StageLinks
 from tessel.parallel.pipeline.grad_sync import GradientSync
 from tessel.parallel.pipeline.recorder import StepRecorder
-from tessel.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Placement, batches, build_schedule
+from tessel.parallel.pipeline.schedules import (COMPUTE, RECVS, Action, Placement, batches, build_schedule, owner_of,
+                                                splits_backward)
+from tessel.parallel.pipeline.split_backward import WeightWork, backward_input
 from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.runner import autocast_for
 
@@ -45,6 +51,7 @@ class StepState:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # kept until the backward (last stage: the loss)
     posted: dict[RecvKey, Incoming] = field(default_factory=dict)  # receives not waited on yet
     saved_bytes: dict[Key, int] = field(default_factory=dict)  # what each forward saved, until its backward
+    weight_work: dict[Key, WeightWork] = field(default_factory=dict)  # a split backward's W, after its B
     n_posted: int = 0  # how many of the rank's receives are posted, in the schedule's order
 
 
@@ -56,15 +63,14 @@ class ScheduleExecutor:
         self.chunks, self.placement, self.links = list(chunks), placement, links
         self.recorder, self.spec, self.sync = recorder, spec, sync
         self.device, self.m = links.device, spec.micro_batches
-        self.actions = build_schedule(spec.schedule, placement.p, spec.micro_batches, placement.v)[placement.rank]
-        self.items = batches(self.actions)
         # MoE aux losses: each stage back-propagates its own
         self.aux = list(spec.stage_losses) if spec.stage_losses is not None else [StageAux(c) for c in chunks]
         self.has_aux = any(a.present for a in self.aux)
         self.act_dtype = next(self.chunks[0].parameters()).dtype  # the residual stream's dtype
-        backwards = [a for a in self.actions if a.kind == "B"]
-        self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last
-        self.final_backward = backwards[-1]
+        self.split = splits_backward(spec.schedule)  # B, then W later (split_backward.py)
+        self.first_hidden: torch.Tensor | None = None  # the hidden states entering the first stage's blocks
+        if self.split:
+            self._watch_first_hidden()
         # gloo moves a message only once its receive is posted (the sender waits for the
         # receiver's ready note), so a receive posted just before it is needed costs a round
         # trip of wake-ups. There, receives are posted RECV_LOOKAHEAD ahead of need, in the
@@ -72,7 +78,20 @@ class ScheduleExecutor:
         # finds its input already there. Under NCCL a posted receive would hold up the sends
         # queued behind it on the same stream, so receives stay in the schedule's batches.
         self.prepost = links.group is not None and dist.get_backend(links.group) == "gloo"
-        self.recv_order = [a for a in self.actions if a.kind in RECVS]
+        self._plan(self.step_actions(0))
+
+    def step_actions(self, step: int) -> list[Action]:
+        """This rank's list for a step: the schedule's, the same every step."""
+        return build_schedule(self.spec.schedule, self.placement.p, self.m, self.placement.v)[self.placement.rank]
+
+    def _plan(self, actions: list[Action]) -> None:
+        self.actions = actions
+        self.items = batches(actions)
+        # the computes that accumulate weight gradients: where data parallelism reduces
+        backwards = [a for a in actions if a.kind == ("W" if self.split else "B")]
+        self.last_backward = set({a.chunk: a for a in backwards}.values())  # each chunk's last
+        self.final_backward = backwards[-1] if backwards else None
+        self.recv_order = [a for a in actions if a.kind in RECVS]
         self.recv_pos = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(self.recv_order)}
 
     def new_state(self, x: torch.Tensor, y: torch.Tensor) -> StepState:
@@ -98,8 +117,10 @@ class ScheduleExecutor:
             start = clock.stamp()
             if a.kind == "F":
                 self._forward(a, received, state)
-            else:
+            elif a.kind == "B":
                 self._backward(a, received, state)
+            else:
+                self._weights(a, state)
             clock.add(a.kind, a.mb, a.chunk, start, clock.stamp())
 
     # ---- compute ---------------------------------------------------------------------
@@ -108,18 +129,26 @@ class ScheduleExecutor:
         inp = state.inputs[a.mb] if received is None else received.requires_grad_(True)
         saved, shape_key = self.recorder.saved, (a.chunk, tuple(inp.shape), inp.dtype)
         with saved.hooks(shape_key), autocast_for(self.device, self.spec.precision):
-            out = self._with_losses(a, self.chunks[a.chunk](inp), state)
+            out = self._with_losses(a, self._run_chunk(a, inp), state)
         state.saved_bytes[key] = saved.forwarded(shape_key)
+        if self.first_hidden is not None and self.placement.is_first(a.chunk):
+            inp, self.first_hidden = self.first_hidden, None  # B's cut on the first stage (split backward)
         state.chunk_inputs[key], state.outputs[key] = inp, out
         if self.placement.is_last(a.chunk):
             state.loss += out.detach()
+
+    def _run_chunk(self, a: Action, inp: torch.Tensor) -> torch.Tensor:
+        return self.chunks[a.chunk](inp)
+
+    def _targets(self, state: StepState, mb: int) -> torch.Tensor:
+        return state.targets[mb]
 
     def _with_losses(self, a: Action, out: torch.Tensor, state: StepState) -> torch.Tensor:
         """The last stage's output becomes its loss; elsewhere MoE aux losses ride on the activation."""
         aux = self.aux[a.chunk]()  # this micro-batch's router losses on this chunk
         if self.placement.is_last(a.chunk):
             # mean over micro-batches: each contributes 1/m of the step's loss
-            out = self.spec.loss_fn(out, state.targets[a.mb]) / self.m
+            out = self.spec.loss_fn(out, self._targets(state, a.mb)) / self.m
             return out + aux / self.m if aux is not None else out
         if aux is not None:
             state.aux += aux.detach() / self.m
@@ -129,11 +158,43 @@ class ScheduleExecutor:
     def _backward(self, a: Action, received: torch.Tensor | None, state: StepState) -> None:
         key = (a.mb, a.chunk)
         out = state.outputs.pop(key)
-        self.sync.before_backward(a.chunk, chunk_done=a in self.last_backward, rank_done=a == self.final_backward)
-        torch.autograd.backward(out, received)  # received is None on the last stage: out is the loss
-        if self.placement.is_first(a.chunk):
+        first = self.placement.is_first(a.chunk)
+        if self.split:  # B: the input's gradient only; the weights' wait for W, with the graph
+            inp = state.chunk_inputs[key]
+            dx, work = backward_input(out, received, inp if inp.is_floating_point() else None)
+            if not first:
+                inp.grad = dx
+            state.weight_work[key] = work
+            held = work.nbytes
+            state.saved_bytes[key] += held
+            self.recorder.saved.held(held)
+        else:
+            self.sync.before_backward(a.chunk, chunk_done=a in self.last_backward,
+                                      rank_done=a == self.final_backward)
+            torch.autograd.backward(out, received)  # received is None on the last stage: out is the loss
+            self.recorder.saved.released(state.saved_bytes.pop(key))
+        if first:
             state.chunk_inputs.pop(key)  # token ids: nothing to send back
-        self.recorder.saved.released(state.saved_bytes.pop(key))
+
+    def _weights(self, a: Action, state: StepState) -> None:
+        """W: this micro-batch's weight gradients, accumulated (data parallelism reduces on the chunk's last)."""
+        key = (a.mb, a.chunk)
+        self.sync.before_backward(a.chunk, chunk_done=a in self.last_backward, rank_done=a == self.final_backward)
+        state.weight_work.pop(key).run()
+        self.recorder.saved.released(state.saved_bytes.pop(key))  # the graph and the captured gradients
+
+    def _watch_first_hidden(self) -> None:
+        """Keep the hidden states entering the first stage's first block: B's cut there, so the blocks' input
+        path runs in B and only the weight branches (and the embedding) wait for W."""
+        for c, chunk in enumerate(self.chunks):
+            if self.placement.is_first(c):
+                first_block = next(iter(chunk.get_submodule(self.spec.blocks).children()))
+                first_block.register_forward_pre_hook(self._first_block_called, with_kwargs=True)
+
+    def _first_block_called(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            self.first_hidden = hidden
 
     # ---- communication -----------------------------------------------------------------
     def _communicate(self, item: list[Action], state: StepState) -> None:
@@ -158,6 +219,11 @@ class ScheduleExecutor:
 
     def _await_input(self, a: Action, state: StepState) -> torch.Tensor | None:
         """The activation (F) or gradient (B) this compute needs; the wait is a receive event."""
+        if a.kind == "W":
+            return None
+        local = self._local_input(a, state)
+        if local is not None:
+            return local
         kind = "RF" if a.kind == "F" else "RB"
         pos = self.recv_pos.get((kind, a.mb, a.chunk))
         if pos is None:
@@ -170,6 +236,19 @@ class ScheduleExecutor:
         incoming.work.wait()
         clock.add(kind, a.mb, a.chunk, start, clock.stamp())
         return incoming.buffer
+
+    def _local_input(self, a: Action, state: StepState) -> torch.Tensor | None:
+        """The turn of a V: the neighbouring stage is this rank's other chunk, its tensor is at hand."""
+        p, s, last = self.placement.p, self.placement.stage(a.chunk), self.placement.p * self.placement.v - 1
+        src = s - 1 if a.kind == "F" else s + 1
+        if not 0 <= src <= last:
+            return None
+        owner, chunk = owner_of(p, src, self.placement.vshape)
+        if owner != self.placement.rank:
+            return None
+        if a.kind == "F":  # a leaf of this chunk's graph; the other chunk's output stays for its backward
+            return state.outputs[(a.mb, chunk)].detach()
+        return state.chunk_inputs.pop((a.mb, chunk)).grad
 
     def _post_receives(self, upto: int, state: StepState) -> None:
         """Post this step's receives up to position `upto` of the rank's receive order."""
@@ -184,19 +263,22 @@ class ScheduleExecutor:
     # ---- without a schedule ------------------------------------------------------------
     def forward_only(self, idx: torch.Tensor) -> torch.Tensor | None:
         """One batch down every virtual stage, no gradients; the last stage's output (None elsewhere)."""
-        p, rank = self.placement.p, self.placement.rank
+        pl = self.placement
         shape = self.spec.act_shape(idx.size(0), idx.size(1))
         out = None
         for c, chunk in enumerate(self.chunks):
-            inp = idx
-            if not self.placement.is_first(c):
-                (incoming,) = self.links.exchange([], [((rank - 1) % p, shape, self.act_dtype)])
+            s = pl.stage(c)
+            inp = idx if pl.is_first(c) else out  # out: the previous stage, when this rank ran it (a V's turn)
+            prev = owner_of(pl.p, s - 1, pl.vshape)[0] if s > 0 else pl.rank
+            if prev != pl.rank:
+                (incoming,) = self.links.exchange([], [(prev, shape, self.act_dtype)])
                 incoming.work.wait()
                 inp = incoming.buffer
             with autocast_for(self.device, self.spec.precision):
                 out = chunk(inp)
-            if not self.placement.is_last(c):
-                self.links.exchange([((rank + 1) % p, out)], [])
+            nxt = owner_of(pl.p, s + 1, pl.vshape)[0] if not pl.is_last(c) else pl.rank
+            if nxt != pl.rank:
+                self.links.exchange([(nxt, out)], [])
                 out = None
         self.links.wait_sends()
         return out

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.models.parts import GPT_PARTS, ModelParts
+from tessel.parallel.pipeline.schedules import stage_of
 
 
 def removed_modules(parts: ModelParts, n_blocks: int, stage: tuple[int, int], first: bool, last: bool) -> list[str]:
@@ -181,13 +182,14 @@ def stage_bounds(layout: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def split_model(model: nn.Module, layout: Sequence[int], rank: int, p: int,
-                parts: ModelParts = GPT_PARTS) -> list[nn.Module]:
-    """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ... (Narayanan et al. 2021)."""
+                parts: ModelParts = GPT_PARTS, vshape: bool = False) -> list[nn.Module]:
+    """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ... (Narayanan et al. 2021),
+    or in a V (ZBV, Qi et al. 2023) stages rank and 2p - 1 - rank."""
     check_placed(model, parts)
     bounds = stage_bounds(layout)
     last = len(layout) - 1
     chunks = []
-    for s in range(rank, len(layout), p):
+    for s in (stage_of(p, rank, c, vshape) for c in range(len(layout) // p)):
         chunk = without_modules(model, removed_modules(parts, sum(layout), bounds[s], s == 0, s == last), parts)
         if s > 0 and parts.hidden_input is not None:
             chunk.register_forward_pre_hook(HiddenStatesAs(parts.hidden_input), with_kwargs=True)

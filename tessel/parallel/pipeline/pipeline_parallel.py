@@ -20,7 +20,7 @@ from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.pipeline.grad_sync import GradientSync, TiedEmbedding
 from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
 from tessel.parallel.pipeline.runner import PipelineRunner
-from tessel.parallel.pipeline.schedules import Placement
+from tessel.parallel.pipeline.schedules import Placement, is_vshape
 from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.tensor_nd.apply import activation_shards
 from tessel.parallel.zero.optim import ZeroAdamW
@@ -54,7 +54,8 @@ def choose_layout(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts =
 def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts = GPT_PARTS) -> nn.ModuleList:
     """This rank's model chunks (one per virtual stage it runs)."""
     layout = choose_layout(model, mesh, cfg, parts)
-    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp"), parts))
+    return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp"), parts,
+                                     vshape=is_vshape(cfg.parallel.schedule)))
 
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,
@@ -66,7 +67,7 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
     p, t = cfg.parallel, cfg.train
     reducer = dp_reducer(p.dp_algorithm, mesh.world_size, cfg.runtime) if mesh.size(*TOKEN_AXES) > 1 else None
     zero = optimizer = None
-    placement = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
+    placement = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"), is_vshape(p.schedule))
     if cfg.model.tie_embeddings:  # before ZeRO cuts the head into segments: they inherit the mark
         for c, chunk in enumerate(chunks):
             if placement.is_last(c):  # the first stage's copy is the one the norm counts
@@ -83,5 +84,9 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
                         seq_shards=mesh.size("tp") if p.sequence_parallel else 1, grid_shards=activation_shards(p.tp_mode, p.tp, p.tp_depth),
                         vocab_size=cfg.model.vocab_size,
                         max_seq_len=cfg.model.max_seq_len, gather_vocab=gather_vocab, extra_metrics=extra_metrics,
-                        stage_losses=None if stage_losses is None else tuple(stage_losses))
-    return PipelineRunner(chunks, mesh, spec, sync, optimizer)
+                        stage_losses=None if stage_losses is None else tuple(stage_losses), blocks=parts.blocks)
+    micro = None
+    if p.schedule == "pipedream":  # the stage updates after every micro-batch (async_executor.py)
+        micro = torch.optim.AdamW(param_groups or [{"params": list(chunks.parameters())}], lr=t.lr,
+                                  betas=(t.beta1, t.beta2))
+    return PipelineRunner(chunks, mesh, spec, sync, optimizer, micro_optimizer=micro, vertical_sync=p.vertical_sync)

@@ -6,6 +6,8 @@ stages. The work is done by
 - the executor (executor.py): this rank's Action list of the schedule, run on its chunks;
 - the gradient synchroniser (grad_sync.py): dp per chunk, ZeRO over all chunks, the tied embedding;
 - the recorder (recorder.py): bubble, saved-activation peak, Chrome trace and Gantt chart.
+An asynchronous pipeline (PipeDream, 2BW) runs on async_executor.py's executor,
+whose steps continue each other.
 What is left here is the order of a step and the loss every rank reports.
 Under TP the chunks are already tensor-parallel (each rank pipelines with the
 ranks of its own dp/ep/tp coordinates) and the loss is the vocab-parallel one.
@@ -21,12 +23,14 @@ import torch.nn as nn
 
 from tessel.mesh import Mesh
 from tessel.models.moe import moe_layers
+from tessel.parallel.pipeline.async_executor import AsyncExecutor, UpdatedInPipeline
+from tessel.parallel.pipeline.async_schedules import is_async
 from tessel.parallel.pipeline.comm import Incoming, StageLinks
 from tessel.parallel.pipeline.executor import ScheduleExecutor, StepState
 from tessel.parallel.pipeline.grad_sync import GradientSync
 from tessel.parallel.pipeline.recorder import StepRecorder
 from tessel.parallel.pipeline.saved import SavedBytes
-from tessel.parallel.pipeline.schedules import Placement
+from tessel.parallel.pipeline.schedules import Placement, is_vshape, owner_of
 from tessel.parallel.pipeline.spec import PipelineSpec
 from tessel.parallel.runner import CheckpointableOptimizer, autocast_for, generate_tokens, strip_wrappers
 from tessel.parallel.zero.zero_parallel import ZeroDataParallel
@@ -36,17 +40,27 @@ class PipelineRunner:
     """One pipeline rank's chunks behind the Runner protocol."""
 
     def __init__(self, chunks: Sequence[nn.Module], mesh: Mesh, spec: PipelineSpec, sync: GradientSync,
-                 optimizer: CheckpointableOptimizer | None = None):
+                 optimizer: CheckpointableOptimizer | None = None,
+                 micro_optimizer: torch.optim.Optimizer | None = None, vertical_sync: bool = False):
+        """micro_optimizer: PipeDream's, stepped by the pipeline after every micro-batch (the trainer then
+        gets a handle whose step does nothing); vertical_sync: PipeDream's option (weight_versions.py)."""
         self.chunks, self.spec, self.sync = list(chunks), spec, sync
         self.optimizer = optimizer  # ZeRO's (None: the trainer builds AdamW over parameters())
-        self.placement = Placement(mesh.size("pp"), len(self.chunks), mesh.coord("pp"))
-        self.links = StageLinks(mesh)
+        if micro_optimizer is not None:
+            self.optimizer = UpdatedInPipeline(micro_optimizer)
+        self.placement = Placement(mesh.size("pp"), len(self.chunks), mesh.coord("pp"), is_vshape(spec.schedule))
+        self.links = StageLinks(mesh, owner_of(self.placement.p, self.placement.p * self.placement.v - 1,
+                                               self.placement.vshape)[0])
         p, v = self.placement.p, self.placement.v
         title = f"{spec.schedule}: pp={p}, micro-batches={spec.micro_batches}" + (f", virtual stages={v}" if v > 1 else "")
         # chunks whose saved bytes depend on the data (MoE dispatch) are measured every forward
         saved = SavedBytes(self.parameters(), [bool(moe_layers(c)) for c in self.chunks])
         self.recorder = StepRecorder(mesh, saved, title)
-        self.executor = ScheduleExecutor(self.chunks, self.placement, self.links, self.recorder, spec, sync)
+        if is_async(spec.schedule):  # PipeDream, 2BW: steps continue each other (async_executor.py)
+            self.executor = AsyncExecutor(self.chunks, self.placement, self.links, self.recorder, spec, sync,
+                                          micro_optimizer, vertical_sync)
+        else:
+            self.executor = ScheduleExecutor(self.chunks, self.placement, self.links, self.recorder, spec, sync)
         # under gloo the loss comes from the last rank as a message posted at the step's start and
         # sent when that rank is done, so no rank ends its step in a synchronous broadcast (torch
         # keeps the loss on the last stage only; the trainer wants it everywhere). MoE losses have
@@ -72,7 +86,7 @@ class PipelineRunner:
             state = self.executor.new_state(x, y)
             loss_in = self.links.expect_from_last() if self.loss_by_message else None
             self.executor.run(state)
-            if self.loss_by_message and self.placement.rank == self.placement.p - 1:
+            if self.loss_by_message and self.placement.rank == self.links.loss_rank:
                 self.links.send_to_all(state.loss)
             self.links.wait_sends()
             self.sync.after_flush()  # the tied embedding's sum, ZeRO's deferred reduction
@@ -101,6 +115,8 @@ class PipelineRunner:
     def extra_metrics(self) -> dict[str, float]:
         """The last step's bubble fraction and saved-activation peaks; collective over the pipeline."""
         extra = self.spec.extra_metrics() if self.spec.extra_metrics is not None else {}
+        if isinstance(self.executor, AsyncExecutor):
+            extra = {**extra, **self.executor.stash_metrics()}  # this rank's stashed weight versions
         return {**self.recorder.step_metrics(), **extra}
 
     def write_timeline(self, out_dir: str) -> dict[str, str]:

@@ -2,7 +2,9 @@
 
 Which schedule holds how many micro-batches at once is the point of 1F1B
 (Narayanan et al. 2019/2021: at most p - rank on rank r, against GPipe's m,
-Huang et al. 2019); this measures it on the running step.
+Huang et al. 2019); this measures it on the running step. A split backward
+(zero-bubble schedules) keeps a micro-batch's graph from its B to its W, and
+the gradients B captured for W on top (tessel.parallel.pipeline.split_backward).
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class SavedBytes:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
         return nbytes
+
+    def held(self, nbytes: int) -> None:
+        """More bytes kept for a backward: a split backward's captured gradients, from its B to its W."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
 
     def released(self, nbytes: int) -> None:
         self.live -= nbytes

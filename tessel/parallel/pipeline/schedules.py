@@ -2,9 +2,10 @@
 
 A schedule is the order in which each rank runs forward (F) and backward (B)
 passes of micro-batches on its model chunks, with the point-to-point traffic
-spelled out: RF/SF receive/send an activation, RB/SB a gradient. The runner
-executes the lists as written; tests and the bubble table read them without
-any process (see `simulate`).
+spelled out: RF/SF receive/send an activation, RB/SB a gradient. Zero-bubble
+schedules split the backward: B is then the input's gradient only and W the
+weights' (split_backward.py). The runner executes the lists as written; tests
+and the bubble table read them without any process (see `simulate`).
 
 - GPipe (Huang et al. 2019): every forward, then every backward. m micro-batches
   are in flight at the peak.
@@ -14,30 +15,38 @@ any process (see `simulate`).
 - Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language
   Model Training on GPU Clusters", sec. 2.2): each rank holds v chunks; virtual
   stage s = chunk * p + rank; the bubble shrinks by v.
+- ZB-H1, ZB-H2 and ZBV (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"):
+  W moved into 1F1B's idle time; ZBV's two chunks sit in a V, rank r holding
+  stages r and 2p-1-r (zero_bubble.py has their orders and bubbles).
 
 Every schedule built here passes `simulate(..., strict=True)`: it needs no
 buffering of sends, so it cannot deadlock under NCCL's fused P2P groups.
+`simulate(..., strict=False)` is gloo's behaviour, tessel's CPU runtime: sends
+never wait, a compute waits for the receive it needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPUTE = ("F", "B")
-SENDS = ("SF", "SB")
-RECVS = ("RF", "RB")
+from tessel.parallel.pipeline.action import COMPUTE, RECVS, SENDS, Action
+from tessel.parallel.pipeline.zero_bubble import zb_h1_order, zb_h2_orders, zbv_orders
+
+__all__ = ["COMPUTE", "RECVS", "SENDS", "Action"]  # defined in action.py, read from here too
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+# B and W apart (zero_bubble.py); the asynchronous pipelines too (async_schedules.py)
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zbv", "pipedream", "2bw")
 
 
-@dataclass(frozen=True)
-class Action:
-    kind: str  # F, B (compute) | SF, SB (send) | RF, RB (receive)
-    mb: int  # micro-batch
-    chunk: int = 0  # model chunk on this rank (virtual stage = chunk * p + rank)
-    peer: int | None = None  # pipeline rank at the other end of a send / receive
+def splits_backward(name: str) -> bool:
+    """Whether the schedule runs a micro-batch's backward as B (input gradient) and W (weights)."""
+    return name in SPLIT_BACKWARD
 
-    def __repr__(self) -> str:
-        peer = "" if self.peer is None else f"@{self.peer}"
-        return f"{self.kind}{self.mb}.{self.chunk}{peer}"
+
+def is_vshape(name: str) -> bool:
+    """Whether rank r's chunks are stages r and 2p-1-r (ZBV) rather than r, r+p, ... (interleaved)."""
+    return name == "zbv"
 
 
 Schedule = list[list[Action]]  # schedule[rank] = that rank's actions in order
@@ -48,19 +57,35 @@ class Placement:
     """Where one pipeline rank's chunks sit: chunk c is virtual stage c * p + rank of p * v.
 
     With v = 1 a rank holds one stage; with v > 1 its chunks are spread round
-    the pipeline (interleaved 1F1B, Narayanan et al. 2021, sec. 2.2)."""
+    the pipeline (interleaved 1F1B, Narayanan et al. 2021, sec. 2.2). In a V
+    (ZBV, Qi et al. 2023, sec. 6) rank r holds stages r and 2p-1-r."""
     p: int  # pipeline ranks
     v: int  # chunks per rank (virtual stages)
     rank: int
+    vshape: bool = False
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.p + self.rank
+        return stage_of(self.p, self.rank, chunk, self.vshape)
 
     def is_first(self, chunk: int) -> bool:
         return self.stage(chunk) == 0
 
     def is_last(self, chunk: int) -> bool:
         return self.stage(chunk) == self.p * self.v - 1
+
+
+def stage_of(p: int, rank: int, chunk: int, vshape: bool = False) -> int:
+    """The virtual stage of a rank's chunk."""
+    if vshape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def owner_of(p: int, stage: int, vshape: bool = False) -> tuple[int, int]:
+    """(rank, chunk) holding a virtual stage."""
+    if vshape:
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
 
 
 # ---- compute orders ----------------------------------------------------------
@@ -99,12 +124,14 @@ def interleaved_order(p: int, m: int, rank: int, v: int) -> list[Action]:
 
 
 # ---- communication -------------------------------------------------------------
-def add_communication(orders: list[list[Action]], v: int = 1) -> Schedule:
+def add_communication(orders: list[list[Action]], v: int = 1, vshape: bool = False) -> Schedule:
     """Insert receives right before the compute that needs them and sends right after.
 
     Consecutive communication actions form one batch (one batch_isend_irecv):
     the sends of the last compute go out with the receives of the next, the
-    pairing Megatron uses (send_forward_recv_backward and friends).
+    pairing Megatron uses (send_forward_recv_backward and friends). Neighbouring
+    stages on one rank (the turn of ZBV's V) exchange nothing: the executor
+    hands the tensor over in place. W sends nothing.
     """
     p = len(orders)
     last = p * v - 1
@@ -112,19 +139,17 @@ def add_communication(orders: list[list[Action]], v: int = 1) -> Schedule:
     for rank, order in enumerate(orders):
         out: list[Action] = []
         for a in order:
-            s = a.chunk * p + rank  # virtual stage
-            if a.kind == "F":
-                if s > 0:
-                    out.append(Action("RF", a.mb, a.chunk, (rank - 1) % p))
+            s = stage_of(p, rank, a.chunk, vshape)
+            if a.kind == "W":
                 out.append(a)
-                if s < last:
-                    out.append(Action("SF", a.mb, a.chunk, (rank + 1) % p))
-            else:
-                if s < last:
-                    out.append(Action("RB", a.mb, a.chunk, (rank + 1) % p))
-                out.append(a)
-                if s > 0:
-                    out.append(Action("SB", a.mb, a.chunk, (rank - 1) % p))
+                continue
+            before, after = (s - 1, s + 1) if a.kind == "F" else (s + 1, s - 1)
+            recv, send = ("RF", "SF") if a.kind == "F" else ("RB", "SB")
+            if 0 <= before <= last and owner_of(p, before, vshape)[0] != rank:
+                out.append(Action(recv, a.mb, a.chunk, owner_of(p, before, vshape)[0]))
+            out.append(a)
+            if 0 <= after <= last and owner_of(p, after, vshape)[0] != rank:
+                out.append(Action(send, a.mb, a.chunk, owner_of(p, after, vshape)[0]))
         schedule.append(out)
     return schedule
 
@@ -142,14 +167,84 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
                       + [Action("B", i, c) for i in range(m) for c in reversed(range(v))]]
         else:
             orders = [interleaved_order(p, m, r, v) for r in range(p)]
+    elif name == "zb-h1":
+        orders = [zb_h1_order(p, m, r) for r in range(p)]
+    elif name == "zb-h2":
+        orders = zb_h2_orders(p, m)
+    elif name == "zbv":
+        orders = zbv_orders(p, m)
     else:
-        raise ValueError(f"unknown schedule {name!r}; known: gpipe, 1f1b, interleaved")
-    if name != "interleaved":
-        v = 1
-    schedule = add_communication(orders, v)
+        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    v = {"interleaved": v, "zbv": 2}.get(name, 1)
+    schedule = add_communication(orders, v, is_vshape(name))
+    if is_vshape(name):
+        schedule = pair_for_rendezvous(align_receives(schedule), v, vshape=True)
     if name == "interleaved" and m > p:
         schedule = [fuse_steady_state(actions) for actions in schedule]
     return schedule
+
+
+def align_receives(schedule: Schedule) -> Schedule:
+    """Each rank posts the receives of a link in the order its neighbour sends on it.
+
+    Messages on a link match in posting order (NCCL has no tags). In a V both
+    directions of a link carry two streams (rank r sends chunk 0's activations
+    and chunk 1's gradients to r+1), which the two ranks' compute orders
+    interleave differently; a receive moves earlier, never later, than the
+    compute that needs it, until the link's receives follow the sends.
+    """
+    p = len(schedule)
+    sent: dict[tuple[int, int], list[tuple[str, int]]] = {}  # (src, dst) -> (kind, mb) in send order
+    for r, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind in SENDS:
+                sent.setdefault((r, a.peer), []).append((a.kind[1], a.mb))
+    out: Schedule = []
+    for r, actions in enumerate(schedule):
+        rest = [a for a in actions if a.kind not in RECVS]
+        position = {a: i for i, a in enumerate(rest) if a.kind in COMPUTE}
+        needed_at = {(a.kind[1], a.mb, a.peer): position[Action(a.kind[1], a.mb, a.chunk)] for a in actions
+                     if a.kind in RECVS}
+        recv_of = {(a.kind[1], a.mb, a.peer): a for a in actions if a.kind in RECVS}
+        before: dict[int, list[Action]] = {}
+        for src in range(p):
+            deadline = len(rest)
+            for kind, mb in reversed(sent.get((src, r), [])):
+                deadline = min(deadline, needed_at[(kind, mb, src)])
+                before.setdefault(deadline, []).insert(0, recv_of[(kind, mb, src)])
+        # a receive goes right before its deadline's compute, after that compute's sends batch
+        merged: list[Action] = []
+        for i, a in enumerate(rest):
+            if i in before and a.kind in COMPUTE:
+                merged += before[i]
+            merged.append(a)
+        out.append(merged)
+    return out
+
+
+def pair_for_rendezvous(schedule: Schedule, v: int, vshape: bool = False, carried: list[set] | None = None) -> Schedule:
+    """The schedule with receives pulled into the batches of sends that would otherwise wait on each other.
+
+    Under rendezvous semantics (NCCL's fused groups: simulate(strict=True)) a
+    send waits for its receive to be posted. Two neighbours each waiting in a
+    batch that sends to the other deadlock; each then posts its next receive
+    from the other in that batch, as Megatron pairs send_forward with
+    recv_backward. A receive only moves earlier, and the next one of its link,
+    so messages still match in order. One replay finds and fixes them all.
+    """
+    _, items = _replay(schedule, v, 1.0, 2.0, True, None, vshape, carried, pair=True)
+    return [[a for item in its for a in item] for its in items]
+
+
+def _pull_next_receive(items: list[list[Action]], i: int, peer: int) -> Action | None:
+    """Move the first receive from `peer` after item i into item i (a batch of communication)."""
+    for later in items[i + 1:]:
+        for a in later:
+            if a.kind in RECVS and a.peer == peer:
+                later.remove(a)
+                items[i].append(a)
+                return a
+    return None
 
 
 def fuse_steady_state(actions: list[Action]) -> list[Action]:
@@ -196,17 +291,21 @@ def batches(actions: list[Action]) -> list[list[Action]]:
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Most micro-batch-chunks forwarded but not yet backwarded at once on one rank."""
+    """Most micro-batch-chunks forwarded but not yet backwarded at once on one rank (with the backward
+    split, until their W: the graph is kept from B to W, tessel.parallel.pipeline.split_backward)."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     live = peak = 0
     for a in actions:
-        live += {"F": 1, "B": -1}.get(a.kind, 0)
+        live += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak = max(peak, live)
     return peak
 
 
 # ---- simulation ------------------------------------------------------------------
 class ScheduleError(RuntimeError):
-    pass
+    def __init__(self, message: str, stuck: dict[int, int] | None = None):
+        super().__init__(message)
+        self.stuck = stuck or {}  # a deadlock: rank -> the index (in batches()) of the item it waits at
 
 
 @dataclass
@@ -219,7 +318,8 @@ class _Op:
 
 
 def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0,
-             strict: bool = True, cost=None) -> list[list[tuple[Action, float, float]]]:
+             strict: bool = True, cost=None, vshape: bool = False,
+             carried: list[set] | None = None) -> list[list[tuple[Action, float, float]]]:
     """Run the lists on a model of the machine; returns each rank's (action, start, end) computes.
 
     Messages on a link (src -> dst) match in the order they are posted, as NCCL
@@ -229,16 +329,28 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
     met their partners (NCCL's fused group); strict=False waits on receives
     only. A state in which no rank can move is a deadlock (ScheduleError).
     cost(rank, action) -> seconds overrides t_fwd/t_bwd (e.g. measured times);
-    messages take no time.
+    where the backward is split (W actions), B and W take t_bwd / 2 each.
+    Messages take no time. vshape: the lists place chunks in a V (ZBV).
+    carried[r]: the (kind, mb, chunk) computes rank r ran in an earlier step
+    (an asynchronous pipeline's step continues the micro-batches of the last).
     """
+    return _replay(schedule, v, t_fwd, t_bwd, strict, cost, vshape, carried)[0]
+
+
+def _replay(schedule: Schedule, v: int, t_fwd: float, t_bwd: float, strict: bool, cost, vshape: bool,
+            carried: list[set] | None, pair: bool = False) -> tuple[list[list], list[list[list[Action]]]]:
+    """simulate's replay; with pair, a deadlock of two ranks sending to each other is fixed in place
+    (pair_for_rendezvous). Returns the timeline and the (fixed) batches."""
     p = len(schedule)
+    split = any(a.kind == "W" for acts in schedule for a in acts)
+    duration = {"F": t_fwd, "B": t_bwd / 2 if split else t_bwd, "W": t_bwd / 2}
     items = [batches(acts) for acts in schedule]
     pc, clock = [0] * p, [0.0] * p
     sends: dict[tuple[int, int], list[_Op]] = {}
     recvs: dict[tuple[int, int], list[_Op]] = {}
     posted: list[list[_Op] | None] = [None] * p
-    have: list[set] = [set() for _ in range(p)]  # (kind, mb, chunk) data present on a rank
-    done_f: list[set] = [set() for _ in range(p)]
+    incoming: list[dict] = [{} for _ in range(p)]  # (RF | RB, mb, chunk) -> its posted receive
+    done: list[set] = [set(c) for c in carried] if carried else [set() for _ in range(p)]  # computes finished
     timeline: list[list] = [[] for _ in range(p)]
     while True:
         moved = False
@@ -246,34 +358,65 @@ def simulate(schedule: Schedule, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 
             if pc[r] == len(items[r]):
                 continue
             item = items[r][pc[r]]
+            if not item:  # a batch whose receives moved earlier (pair)
+                pc[r] += 1
+                moved = True
+                continue
             if item[0].kind in COMPUTE:
                 a = item[0]
-                _check_inputs(a, r, p, v, have[r], done_f[r])
-                dt = cost(r, a) if cost else (t_fwd if a.kind == "F" else t_bwd)
-                timeline[r].append((a, clock[r], clock[r] + dt))
-                clock[r] += dt
-                (done_f[r].add((a.mb, a.chunk)) if a.kind == "F" else None)
+                recv = _check_inputs(a, r, p, v, vshape, incoming[r], done[r])
+                if recv is not None and recv.done is None:
+                    continue  # gloo: the compute waits for its message, the rank for the compute
+                start = max(clock[r], recv.done) if recv is not None else clock[r]
+                dt = cost(r, a) if cost else duration[a.kind]
+                timeline[r].append((a, start, start + dt))
+                clock[r] = start + dt
+                done[r].add((a.kind, a.mb, a.chunk))
                 pc[r] += 1
                 moved = True
                 continue
             if posted[r] is None:
-                posted[r] = [_post(a, r, a.chunk * p + r, clock[r], sends, recvs) for a in item]
+                posted[r] = [_post(a, r, stage_of(p, r, a.chunk, vshape), clock[r], sends, recvs) for a in item]
+                incoming[r].update({(o.action.kind, o.action.mb, o.action.chunk): o for o in posted[r]
+                                    if o.action.kind in RECVS})
                 moved = True
-            ops = posted[r] if strict else [o for o in posted[r] if o.action.kind in RECVS]
-            if all(o.done is not None for o in ops):
-                clock[r] = max([clock[r]] + [o.done for o in ops])
-                for o in posted[r]:
-                    if o.action.kind in RECVS:
-                        have[r].add((o.action.kind, o.action.mb, o.action.chunk))
+            # strict (NCCL's fused group): the batch ends when every message in it has met its partner;
+            # otherwise (gloo) posting is all, and a compute waits for the receive it needs
+            if not strict or all(o.done is not None for o in posted[r]):
+                if strict:
+                    clock[r] = max([clock[r]] + [o.done for o in posted[r]])
                 posted[r] = None
                 pc[r] += 1
                 moved = True
         if all(pc[r] == len(items[r]) for r in range(p)):
             _check_drained(sends, recvs)
-            return timeline
+            return timeline, items
+        if not moved and pair:
+            moved = _pair_stuck(items, pc, posted, incoming, clock, sends, recvs, vshape)
         if not moved:
             stuck = {r: items[r][pc[r]] for r in range(p) if pc[r] < len(items[r])}
-            raise ScheduleError(f"deadlock: ranks wait at {stuck}")
+            raise ScheduleError(f"deadlock: ranks wait at {stuck}",
+                                {r: pc[r] for r in range(p) if pc[r] < len(items[r])})
+
+
+def _pair_stuck(items, pc, posted, incoming, clock, sends, recvs, vshape: bool) -> bool:
+    """Each rank stuck in a batch that sends to a neighbour stuck sending to it posts, in that batch, its
+    next receive from that neighbour; False if there is no such pair (a real deadlock)."""
+    p = len(items)
+    waiting = {r: {o.action.peer for o in posted[r] if o.action.kind in SENDS and o.done is None}
+               for r in range(p) if pc[r] < len(items[r]) and posted[r] is not None}
+    moved = False
+    for r, peers in waiting.items():
+        for q in peers:
+            if r not in waiting.get(q, ()):
+                continue
+            a = _pull_next_receive(items[r], pc[r], q)
+            if a is not None:
+                op = _post(a, r, stage_of(p, r, a.chunk, vshape), clock[r], sends, recvs)
+                posted[r].append(op)
+                incoming[r][(a.kind, a.mb, a.chunk)] = op
+                moved = True
+    return moved
 
 
 def _post(a: Action, rank: int, stage: int, t: float, sends: dict, recvs: dict) -> _Op:
@@ -299,15 +442,28 @@ def _match(x: _Op, y: _Op) -> None:
     send.done = recv.done = max(send.posted, recv.posted)
 
 
-def _check_inputs(a: Action, r: int, p: int, v: int, have: set, done_f: set) -> None:
-    s, last = a.chunk * p + r, p * v - 1
-    if a.kind == "F" and s > 0 and ("RF", a.mb, a.chunk) not in have:
-        raise ScheduleError(f"rank {r}: {a} runs before its activation arrived")
-    if a.kind == "B":
-        if (a.mb, a.chunk) not in done_f:
-            raise ScheduleError(f"rank {r}: {a} runs before its forward")
-        if s < last and ("RB", a.mb, a.chunk) not in have:
-            raise ScheduleError(f"rank {r}: {a} runs before its gradient arrived")
+def _check_inputs(a: Action, r: int, p: int, v: int, vshape: bool, incoming: dict, done: set) -> _Op | None:
+    """ScheduleError unless a's inputs are computed or posted for; the receive a waits on, if any."""
+    s, last = stage_of(p, r, a.chunk, vshape), p * v - 1
+    if a.kind == "W":
+        if ("B", a.mb, a.chunk) not in done:
+            raise ScheduleError(f"rank {r}: {a} runs before its B")
+        return None
+    if a.kind == "B" and ("F", a.mb, a.chunk) not in done:
+        raise ScheduleError(f"rank {r}: {a} runs before its forward")
+    src = s - 1 if a.kind == "F" else s + 1
+    if not 0 <= src <= last:
+        return None  # the first stage's forward, the last stage's backward
+    owner, chunk = owner_of(p, src, vshape)
+    if owner == r:  # the V's turn: the neighbouring stage is this rank's other chunk
+        if (a.kind, a.mb, chunk) not in done:
+            raise ScheduleError(f"rank {r}: {a} runs before {a.kind}{a.mb} of its other chunk")
+        return None
+    recv = incoming.get(("RF" if a.kind == "F" else "RB", a.mb, a.chunk))
+    if recv is None:
+        what = "activation" if a.kind == "F" else "gradient"
+        raise ScheduleError(f"rank {r}: {a} runs before its {what} arrived")
+    return recv
 
 
 def _check_drained(sends: dict, recvs: dict) -> None:

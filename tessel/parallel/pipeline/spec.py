@@ -12,7 +12,7 @@ from tessel.parallel.runner import LossFn
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    schedule: str  # gpipe | 1f1b | interleaved (schedules.py)
+    schedule: str  # gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv (schedules.py)
     micro_batches: int  # per step: grad_accum x parallel.micro_batches
     d_model: int  # the width of the activations that cross stages
     loss_fn: LossFn  # (logits, targets) -> mean loss, on the last stage
@@ -24,6 +24,7 @@ class PipelineSpec:
     max_seq_len: int | None = None
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: the last stage's logits are shards
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. MoE routing stats of this rank's blocks
+    blocks: str = "layers"  # the block list in a stage (ModelParts.blocks): a split backward's first-stage cut
     # one per chunk: what its forward adds to the loss (aux.StageLoss); None: its MoE blocks' aux losses
     stage_losses: tuple | None = None
 

@@ -7,7 +7,8 @@ transformers from the same local config and seed, alone, trained on the same glo
 with tessel's cross-entropy on its logits. Each layout runs 5 optimizer steps through the
 internal parallelize() the trainer calls; the losses of every step and the final weights
 (every stage's, gathered whole over tp) are compared. One spawn of 2 ranks (pp2 1F1B for Llama
-with and without full recompute, GPT-2 with its tied head across stages) and one of 8 ranks
+with and without full recompute, GPT-2 with its tied head across stages, and the zero-bubble
+schedules ZB-H1, ZBV (Llama) and ZB-H2 (GPT-2), whose split backward runs on the decoder layers) and one of 8 ranks
 (Llama dp2 x tp2 x pp2, the issue's headline layout; Llama and GPT-2 dp2 x tp2 x pp2 with sequence
 parallelism).
 """
@@ -41,6 +42,10 @@ WORLD2 = {
     "llama_pp2": ("llama", PP2),
     "llama_pp2_recompute": ("llama", [*PP2, "parallel.recompute=true"]),
     "gpt2_pp2": ("gpt2", PP2),  # tied embedding: the first stage's and the last stage's copies summed
+    # the backward split into B and W on transformers' decoder layers (tessel.parallel.pipeline.split_backward)
+    "llama_pp2_zb_h1": ("llama", [*PP2, 'parallel.schedule="zb-h1"']),
+    "llama_pp2_zbv": ("llama", [*PP2, 'parallel.schedule="zbv"', "parallel.virtual_stages=2"]),
+    "gpt2_pp2_zb_h2": ("gpt2", [*PP2, 'parallel.schedule="zb-h2"']),  # W's gradient of the tied head, summed
 }
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 # tp2 + SP under pp: stages exchange sequence shards; a later stage makes its input whole (the model measures

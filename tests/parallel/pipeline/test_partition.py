@@ -94,6 +94,14 @@ def test_trace_and_gantt_files(tmp_path):
     assert len(spans) == 3 * 4 * 2 and {e["pid"] for e in spans} == {0, 1, 2}
     png = gantt_png(per_rank, tmp_path / "g.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a split backward's W is drawn and traced as compute, beside F and B (zero-bubble schedules)
+    timeline = simulate(build_schedule("zb-h1", 3, 4), t_fwd=1e-3, t_bwd=2e-3)
+    per_rank = [[(a.kind, a.mb, a.chunk, s, e) for a, s, e in events] for events in timeline]
+    trace = json.loads(chrome_trace(per_rank, tmp_path / "zb.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted({e["cat"] for e in spans}) == ["backward", "forward", "weight gradients"]
+    assert all(e["tid"] == 0 for e in spans) and len(spans) == 3 * 4 * 3
+    assert gantt_png(per_rank, tmp_path / "zb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_time_costs_measure_every_block_and_feed_the_balancer():

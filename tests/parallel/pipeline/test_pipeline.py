@@ -1,5 +1,5 @@
-"""Pipeline parallelism: parity with one process for every schedule, pp x dp, tied embeddings,
-recomputation, uneven layouts; evaluation and sampling through the pipeline; activation memory."""
+"""Pipeline parallelism: parity with one process for every schedule (the zero-bubble ones among them), pp x dp,
+tied embeddings, recomputation, uneven layouts; evaluation and sampling through the pipeline; activation memory."""
 
 import functools
 import tempfile
@@ -33,7 +33,7 @@ STEPS = 3
 
 
 def _overrides(pp, dp, schedule, m, extra=()):
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zbv") else 1
     return [f"parallel.pp={pp}", f"parallel.dp={dp}", f'parallel.schedule="{schedule}"',
             f"parallel.virtual_stages={v}", f"parallel.micro_batches={m}", f"train.steps={STEPS}", *extra]
 
@@ -106,6 +106,7 @@ def _eval_and_sample_reference(extra, m):
 
 FOUR = ["model.n_layer=4"]
 EIGHT = ["model.n_layer=8"]
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv")
 
 
 def test_pp2_every_schedule_and_micro_batch_count():
@@ -127,9 +128,14 @@ def test_pp2_every_schedule_and_micro_batch_count():
     refs.append((FOUR, 4))
     configs.append(FOUR + _overrides(2, 1, "gpipe", 4, ['parallel.pp_balance="time"']))  # ranks agree on one cut
     refs.append((FOUR, 4))
+    for schedule in ZERO_BUBBLE:  # the backward split into B and W (zbv: 2 stages a rank in a V)
+        for m in (4, 8):
+            configs.append(FOUR + _overrides(2, 1, schedule, m))
+            refs.append((FOUR, m))
     results = spawn(_run_configs, 2, configs, timeout=300)
     _check(results, configs, refs)
     _check_memory(results, configs, FOUR + _overrides(2, 1, "gpipe", 8), FOUR + _overrides(2, 1, "1f1b", 8))
+    _check_split_memory(results, configs, FOUR + _overrides(2, 1, "gpipe", 8), FOUR)
 
 
 def test_pp4_and_pp2_x_dp2():
@@ -142,12 +148,20 @@ def test_pp4_and_pp2_x_dp2():
         configs.append(EIGHT + _overrides(4, 1, "interleaved", m))
         refs.append((EIGHT, m))
     tied = FOUR + ["model.tie_embeddings=true"]
-    for schedule in ("1f1b", "interleaved"):
+    for schedule in ("1f1b", "interleaved", "zb-h1", "zb-h2"):  # W's data-parallel reduction, the tied sum
         configs.append(tied + _overrides(2, 2, schedule, 4))
         refs.append((tied, 4 * 2))  # dp=2 x m=4: the reference sees 8 micro-batches of the same size
+    configs.append(FOUR + _overrides(2, 2, "zbv", 4))  # zbv keeps the embedding and the head on rank 0: untied
+    refs.append((FOUR, 4 * 2))
+    for schedule in ZERO_BUBBLE:
+        for m in (4, 8):
+            model = EIGHT if schedule == "zbv" else FOUR  # 8 virtual stages of one block
+            configs.append(model + _overrides(4, 1, schedule, m))
+            refs.append((model, m))
     results = spawn(_run_configs, 4, configs, timeout=300)
     _check(results, configs, refs)
     _check_memory(results, configs, FOUR + _overrides(4, 1, "gpipe", 8), FOUR + _overrides(4, 1, "1f1b", 8))
+    _check_split_memory(results, configs, FOUR + _overrides(4, 1, "gpipe", 8), FOUR)
 
 
 def _check_memory(results, configs, gpipe, one_f):
@@ -159,3 +173,18 @@ def _check_memory(results, configs, gpipe, one_f):
         assert peak_f < peak_g
         # each micro-batch saves the same bytes on a stage, so the ratio is exact
         assert_close(peak_f / peak_g, (p - rank) / m, rtol=1e-6, atol=0)
+
+
+def _check_split_memory(results, configs, gpipe, model):
+    """A split backward holds a micro-batch from its F to its W: ZB-H1 min(p, m) micro-batches (1F1B's most,
+    on every rank), ZB-H2 min(2p-1, m); on top, the gradients B captured for W (split_backward.WeightWork)."""
+    p, m = len(results), 8
+    g = configs.index(gpipe)
+    peaks = {}
+    for schedule, held in (("zb-h1", min(p, m)), ("zb-h2", min(2 * p - 1, m))):
+        c = configs.index(model + _overrides(p, 1, schedule, m))
+        # in units of one micro-batch's saved activations on the rank (GPipe holds all m at its peak)
+        peaks[schedule] = [results[r][c]["act_peak_mb_rank"] / (results[r][g]["act_peak_mb_rank"] / m)
+                           for r in range(p)]
+        assert all(x > held for x in peaks[schedule]), (schedule, peaks[schedule])
+    assert all(h2 > h1 for h1, h2 in zip(peaks["zb-h1"], peaks["zb-h2"])), peaks

@@ -1,11 +1,13 @@
-"""Pipeline schedules as data: order, matching messages, no deadlock, bounded in-flight work, bubble."""
+"""Pipeline schedules as data: order, matching messages, no deadlock, bounded in-flight work, bubble;
+the zero-bubble schedules (ZB-H1, ZB-H2, ZBV) among them."""
 
 import itertools
 
 import pytest
 
 from tessel.parallel.pipeline.schedules import (Action, ScheduleError, add_communication, bubble_fraction,
-                                                build_schedule, interleaved_order, max_in_flight, simulate)
+                                                build_schedule, interleaved_order, is_vshape, max_in_flight, simulate,
+                                                stage_of)
 
 CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
          for p, m in itertools.product((1, 2, 3, 4), (1, 2, 4, 8, 12)) if name != "interleaved" or m % p == 0]
@@ -99,3 +101,58 @@ def test_simulator_catches_a_deadlock_and_a_mismatch():
               [Action("F", 1), Action("F", 0), Action("B", 1), Action("B", 0)]]
     with pytest.raises(ScheduleError, match="mismatch"):
         simulate(add_communication(orders), strict=False)
+
+
+# ---- zero-bubble schedules (Qi et al. 2023): the backward split into B and W ----------------------
+ZB_CASES = [(name, p, m) for name in ("zb-h1", "zb-h2", "zbv") for p, m in itertools.product((1, 2, 3, 4), (1, 2, 4, 8))
+            if name != "zbv" or m >= p]
+
+
+def _zb(name, p, m):
+    v = 2 if name == "zbv" else 1
+    return build_schedule(name, p, m, v), v
+
+
+@pytest.mark.parametrize("name,p,m", ZB_CASES)
+def test_zero_bubble_runs_f_b_w_once_each_in_order_and_survives_rendezvous(name, p, m):
+    schedule, v = _zb(name, p, m)
+    for rank, actions in enumerate(schedule):
+        computes = [(a.kind, a.mb, a.chunk) for a in actions if a.kind in ("F", "B", "W")]
+        assert sorted(computes) == sorted((k, i, c) for k in "FBW" for i in range(m) for c in range(v))
+        for kind, mb, chunk in computes:  # F before B before W
+            if kind != "F":
+                before = "F" if kind == "B" else "B"
+                assert computes.index((before, mb, chunk)) < computes.index((kind, mb, chunk))
+    # every message meets its partner in order, with and without buffered sends (NCCL's and gloo's rules)
+    for strict in (True, False):
+        timeline = simulate(schedule, v, strict=strict, vshape=is_vshape(name))
+        assert sum(len(t) for t in timeline) == 3 * m * p * v
+
+
+def test_zbv_places_two_stages_per_rank_in_a_v():
+    p = 4
+    assert [[stage_of(p, r, c, vshape=True) for c in (0, 1)] for r in range(p)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    schedule, _ = _zb("zbv", p, 8)
+    # the turn of the V (stage 3 -> 4 on rank 3) and the loss (stage 7 on rank 0) exchange no message
+    assert not any(a.kind in ("SF", "RF") and a.peer == 3 for a in schedule[3])
+    assert not any(a.kind == "SF" and a.chunk == 1 for a in schedule[0])
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16)])
+def test_zero_bubble_bubbles_and_held_micro_batches(p, m):
+    """Unit times F = B = W = 1 (t_bwd = 2 is B + W): the paper's bubbles within one step's flush."""
+    def bubble(name):
+        schedule, v = _zb(name, p, m)
+        # a ZBV chunk is half a stage: its F, B and W take half as long
+        return bubble_fraction(simulate(schedule, v, t_fwd=1 / v, t_bwd=2 / v, strict=False, vshape=is_vshape(name)))
+
+    one_f = (p - 1) / (m + p - 1)
+    assert bubble("zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1))  # (p-1) F of idle per rank, not 3(p-1)
+    assert bubble("zb-h1") <= one_f / 2
+    assert bubble("zb-h2") <= bubble("zb-h1") + 1e-9
+    assert bubble("zbv") == pytest.approx((p - 1) / (6 * m + p - 1))  # the last rank waits (p-1)/2 F
+    # micro-batches held from F to W: ZB-H1 at most 1F1B's peak (p), ZB-H2 up to 2p-1, ZBV 2p half stages
+    assert max(max_in_flight(a) for a in _zb("zb-h1", p, m)[0]) == min(p, m) == \
+        max(max_in_flight(a) for a in build_schedule("1f1b", p, m))
+    assert max(max_in_flight(a) for a in _zb("zb-h2", p, m)[0]) <= 2 * p - 1
+    assert max(max_in_flight(a) for a in _zb("zbv", p, m)[0]) <= 2 * p
