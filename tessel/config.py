@@ -631,8 +631,6 @@ def _check_tp_grid(cfg: Config) -> None:
     _require(p.dp_arch == "allreduce" and (p.zero_stage <= 2 or p.pp == 1), "parallel.tp_mode",
              f"'{p.tp_mode}' composes with dp, ZeRO-1/2/3 and pp so far (ZeRO-3 with a pipeline and the parameter "
              "server are not tested yet)")
-    _require(p.zero_stage == 0 or (cfg.checkpoint.every == 0 and cfg.checkpoint.resume is None), "checkpoint.every",
-             f"checkpoints of tp_mode '{p.tp_mode}' under ZeRO are not written yet (ZeRO's flat optimizer state)")
 
 
 def _check_uneven(cfg: Config) -> None:

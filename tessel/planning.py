@@ -142,13 +142,11 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
 
 
 def recipe_allows(base: Config):
-    """What a recipe rules out beyond the model: a grid (tp_mode) under ZeRO writes no checkpoints yet
-    (tessel.config), so a recipe that saves or resumes them keeps the search to the other layouts; an
-    asynchronous pipeline (stale weights) needs parallel.allow_async and no checkpoints, PipeDream also
-    train.grad_clip = 0."""
+    """What a recipe rules out beyond the model: an asynchronous pipeline (stale weights) needs
+    parallel.allow_async and no checkpoints, PipeDream also train.grad_clip = 0."""
     saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
     stale_ok = base.parallel.allow_async and not saves
-    return lambda lay: not (saves and lay.tp_mode != "1d" and lay.zero > 0) and (
+    return lambda lay: (
         lay.schedule not in ASYNC_SCHEDULES or (stale_ok and (lay.schedule != "pipedream" or base.train.grad_clip == 0)))
 
 

@@ -40,10 +40,14 @@ ATTR = "tessel_sharding"
 
 class Placement(Protocol):
     """A shard whose layout no (axis, dim) pair says (a block of a 2D / 2.5D / 3D tp grid, split on two dims
-    inside the one tp axis): it makes its own DTensor of the logical tensor for checkpoints."""
+    inside the one tp axis): it makes its own DTensor of the logical tensor for checkpoints, and cuts its
+    block from a whole one (ZeRO's checkpoint hook reads whole tensors)."""
     shape: tuple[int, ...]  # the logical tensor's
 
     def as_dtensor(self, local: torch.Tensor) -> torch.Tensor: ...
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the logical tensor `full` (the local tensor of as_dtensor's DTensor)."""
 
 
 @dataclass(frozen=True)

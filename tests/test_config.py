@@ -36,7 +36,6 @@ BAD = [
     (['data.source="bin"'], "data.path"),
     (["parallel.pp=2", "model.n_layer=4", "parallel.pp_layout=[1, 2]"], "parallel.pp_layout"),
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
-    (["parallel.tp=4", 'parallel.tp_mode="2d"', "parallel.zero_stage=1", "checkpoint.every=10"], "checkpoint.every"),
     (["parallel.dp=2", 'parallel.zero_param_dtype="bf16"'], "parallel.zero_param_dtype"),  # needs ZeRO
     (["parallel.dp=2", 'parallel.zero_reduce_dtype="bf16"'], "parallel.zero_param_dtype"),
 ]
@@ -96,12 +95,14 @@ def test_overrides_parse_as_toml_and_round_trip():
     assert build_config(tomllib.loads(to_toml(cfg))) == cfg
 
 
-def test_zero_checkpoints_allowed_on_data_pipeline_and_expert_layouts():
-    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero.checkpoint) under dp, pp and ep
+def test_zero_checkpoints_allowed_on_data_pipeline_expert_and_grid_layouts():
+    # ZeRO checkpoints go through logical whole tensors (tessel.parallel.zero.checkpoint) under dp, pp, ep and a
+    # tp grid (its blocks cut by their own placement: tests/parallel/tensor_nd/test_grid_modes.py resumes one)
     moe = ["model.n_experts=4"]
     for stage in (1, 2, 3):
         for layout in (["parallel.dp=2"], ["parallel.dp=2", "parallel.pp=2"], [*moe, "parallel.ep=2"],
-                       [*moe, "parallel.ep=2", "parallel.pp=2"]):
+                       [*moe, "parallel.ep=2", "parallel.pp=2"],
+                       ["parallel.dp=2", "parallel.tp=4", 'parallel.tp_mode="2d"']):
             cfg = build_config({}, [*layout, f"parallel.zero_stage={stage}", "checkpoint.every=10"])
             assert cfg.checkpoint.every == 10 and cfg.parallel.zero_stage == stage
 

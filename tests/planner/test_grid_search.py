@@ -169,14 +169,17 @@ def test_simulate_tp_modes_marks_a_winner_per_group_size():
     assert next(r for r in rows if (r["tp"], r["mode"]) == (8, "2d"))["why"] == "8 is no q x q grid"
 
 
-def test_a_recipe_that_checkpoints_keeps_grids_off_zero():
-    """A grid under ZeRO writes no checkpoints yet (tessel.config): planning a recipe that saves them, the
-    search leaves those layouts out, and the recipe it writes is one `tessel train` accepts."""
+def test_a_recipe_that_checkpoints_keeps_grids_under_zero():
+    """A grid under ZeRO writes checkpoints of logical tensors (tessel.parallel.zero.checkpoint cuts a grid's
+    blocks by their placement): planning a recipe that saves them, the search keeps those layouts, and the
+    recipe it writes for the fastest of them is one `tessel train` accepts, checkpoints and all."""
     base = build_config({}, ["model.d_model=64", "model.n_head=8", "model.n_layer=4", "train.global_batch=32",
                              "train.seq_len=32", "checkpoint.every=10"])
     cm = CostModel(from_config(base.model, base.train.seq_len, base.train.global_batch), get_cluster("a100", 8),
                    "bf16")
     every = search(cm, 8, 32, {"tp_mode": "2d"}).ranked
     allowed = search(cm, 8, 32, {"tp_mode": "2d"}, allow=recipe_allows(base)).ranked
-    assert any(e.layout.zero for e in every) and not any(e.layout.zero for e in allowed)
-    check_layout(layout_config(base, allowed[0].layout), world_size=8)
+    assert [e.layout for e in allowed] == [e.layout for e in every]
+    recipe = layout_config(base, next(e.layout for e in allowed if e.layout.zero))
+    check_layout(recipe, world_size=8)
+    assert (recipe.parallel.tp_mode, recipe.checkpoint.every) == ("2d", 10) and recipe.parallel.zero_stage > 0

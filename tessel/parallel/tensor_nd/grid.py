@@ -122,3 +122,16 @@ class GridPlacement:
         stride = torch.empty(self.shape, device="meta").stride()
         return DTensor.from_local(local, self.grid.device_mesh(self.order), placements, run_check=False,
                                   shape=torch.Size(self.shape), stride=stride)
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the logical tensor `full`, the local tensor of as_dtensor's DTensor: the mesh
+        dims in order, each cutting its coordinate's equal piece of what those before it left (DTensor's
+        nested Shard, outer to inner; the grid divides every split dim). A checkpoint's load under ZeRO,
+        which reads whole tensors, cuts a grid block with it (tessel.train.checkpoint.logical.local_slice)."""
+        piece = full
+        for axis, dim in zip(self.order, self.dims):
+            if dim is None:  # replicated along this axis (2.5D's depth)
+                continue
+            size = piece.size(dim) // self.grid.shape[axis]
+            piece = piece.narrow(dim, self.grid.coords[axis] * size, size)
+        return piece

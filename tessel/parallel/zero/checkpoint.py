@@ -21,7 +21,8 @@ rank-local DTensor/chunked layout would be needed for models that do not fit
 one rank. A parameter that is itself a tp shard is saved as that shard, whole
 over the ZeRO axes; tessel.train.checkpoint.logical makes it a DTensor over tp and, on
 load, cuts this rank's piece from the logical tensor (`localize`); an expert
-sharded over ep likewise. Under a pipeline the engine wraps the rank's list of
+sharded over ep likewise, and a block of a 2D / 2.5D / 3D tp grid by its own
+placement (tessel.parallel.tensor_nd.grid.GridPlacement). Under a pipeline the engine wraps the rank's list of
 chunks, and names a parameter as the full model does (ZeroDataParallel.model_name),
 so a stage holds a subset of the keys. A tied weight's optimizer state is saved
 under each of its names: a pipeline's last stage holds the head as a copy of

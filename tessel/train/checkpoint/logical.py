@@ -24,7 +24,8 @@ dp2 -> dp4, tp2 -> tp1 x pp2, ... A new strategy only has to mark its params.
   (tessel.train.checkpoint.optimizer_state). Its tensors are whole over its
   own axes (dp) but may be tp or ep shards, shaped like their parameter: those
   become DTensors here like any marked parameter (as_logical), and on load
-  `LogicalView.local_slice` cuts a rank's shard from the whole.
+  `LogicalView.local_slice` cuts a rank's shard from the whole (a tp grid's
+  block by its own placement).
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ class LogicalView:
     def local_slice(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the logical tensor `full`, in `like`'s local layout (DTensor's
         ceil-chunks; rows past the logical size, vocabulary padding, are zeros)."""
+        own = placement(like)
+        if own is not None:  # a tp grid's block: cut as its own DTensor holds it (tessel.parallel.tensor_nd)
+            return own.local_slice(full)
         packed = self._packed(like, "")
         if packed is not None:
             axis, dim, parts = packed

@@ -31,21 +31,27 @@ def read_model_tensors(path: str | Path, check: bool = True) -> dict[str, torch.
     """Name -> whole tensor of every model tensor in the checkpoint at `path` (the names the model
     itself uses; a tied weight appears under each of its names). check: verify the checkpoint first
     (manifest, every file's checksum, the metadata covering every tensor exactly)."""
+    return read_tensors(path, MODEL_PREFIX, check)
+
+
+def read_tensors(path: str | Path, prefix: str, check: bool = True) -> dict[str, torch.Tensor]:
+    """read_model_tensors for the entries under any prefix: `optim/` gives the optimizer's state, whole,
+    as `<parameter name>/<key>` (tessel.train.checkpoint.logical)."""
     path = Path(path)
     if check:
         verify(path)
     saved = read_metadata(path).state_dict_metadata
     targets = {fqn: torch.empty(entry.size, dtype=entry.properties.dtype)
-               for fqn, entry in saved.items() if fqn.startswith(MODEL_PREFIX)}
+               for fqn, entry in saved.items() if fqn.startswith(prefix)}
     if not targets:
-        raise CheckpointError(f"{path}: holds no model tensors")
+        raise CheckpointError(f"{path}: holds no {prefix.rstrip('/')} tensors")
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
     except CheckpointException as err:
         raise CheckpointError(f"{path}: could not be read: {err}") from None
-    return {fqn[len(MODEL_PREFIX):]: t for fqn, t in targets.items()}
+    return {fqn[len(prefix):]: t for fqn, t in targets.items()}
 
 
 def embedded_hf_config(path: str | Path) -> Path | None:

@@ -31,8 +31,9 @@ from tessel.planner.layout import config_layout
 from tessel.planner.memory import attention_core_bytes
 from tessel.planner.model_spec import from_config
 from tessel.planner.tp_grid import linear_bytes
+from tessel.sharding import placement
 from tessel.spawn import spawn
-from tessel.train.checkpoint.read import read_model_tensors
+from tessel.train.checkpoint.read import read_model_tensors, read_tensors
 from tests.helpers import build_trainer, tiny_config
 from tests.planner.test_traffic_matches_runtime import Recorder, record_step
 
@@ -140,9 +141,18 @@ def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
         trainer.state.step = step + 1
         if step == 2:
             out["weights"] = whole()
+            if grid and mesh.size("pp") == 1 and cfg.parallel.zero_stage < 3:
+                out["misplaced"] = _misplaced(model, out["weights"])
     # sampling: the grid's logits gathered (a pipeline's last stage: split by batch and vocabulary)
     out["sample"] = runner.generate(torch.tensor(PROMPT), 6, seed=3).tolist()
     return out
+
+
+def _misplaced(model, whole: dict[str, torch.Tensor]) -> list[str]:
+    """The grid blocks that their placement does not cut from the whole tensor exactly as this rank holds them
+    (GridPlacement.local_slice: what a load under ZeRO, which reads whole tensors, cuts): none."""
+    return [name for name, p in model.named_parameters()
+            if placement(p) is not None and not torch.equal(placement(p).local_slice(whole[name]), p.detach())]
 
 
 def _measure_saved(model, out: dict) -> None:
@@ -233,9 +243,24 @@ def _world8(root: str) -> dict:
     out["3d_bf16"] = record_step([*COMMON, *BF16["3d_bf16"]])
     out["traffic"] = {"2.5d": _traffic("2.5d", (2, 2, 2)), "3d": _traffic("3d", (2, 2, 2))}
     # saved on the 3D cube at step 3, resumed as dp2 x 2D
+    out["root"] = root
     out["saved_3d"] = _fit(root, "saved_3d", *LAYOUTS_8["3d"])
     out["resumed_2d"] = _fit(root, "resumed_2d", *LAYOUTS_8["dp2_2d"],
                              f'checkpoint.resume="{root}/saved_3d/checkpoints/step_00000003"')
+    # saved as dp2 x 2D under ZeRO-1 (its flat AdamW state, whole: tessel.parallel.zero.checkpoint), resumed on
+    # the cube (2D -> 3D) and in 1D (dp2 x tp4); and the cube's checkpoint loaded under ZeRO-2 on the grid
+    out["saved_2d_zero1"] = _fit(root, "saved_2d_zero1", *LAYOUTS_8["dp2_2d_zero1"])
+    from_zero = f'checkpoint.resume="{root}/saved_2d_zero1/checkpoints/step_00000003"'
+    out["resumed_3d"] = _fit(root, "resumed_3d", *LAYOUTS_8["3d"], from_zero)
+    out["resumed_1d"] = _fit(root, "resumed_1d", "parallel.dp=2", "parallel.tp=4", from_zero)
+    out["resumed_2d_zero2"] = _fit(root, "resumed_2d_zero2", *LAYOUTS_8["dp2_2d_zero2"],
+                                   f'checkpoint.resume="{root}/saved_3d/checkpoints/step_00000003"')
+    # ZeRO-3 (flat shards of the grid's blocks): the cube's checkpoint loaded, and its own resumed on the cube
+    out["resumed_2d_zero3"] = _fit(root, "resumed_2d_zero3", *LAYOUTS_8["dp2_2d_zero3"],
+                                   f'checkpoint.resume="{root}/saved_3d/checkpoints/step_00000003"')
+    out["saved_2d_zero3"] = _fit(root, "saved_2d_zero3", *LAYOUTS_8["dp2_2d_zero3"])
+    out["resumed_3d_from_zero3"] = _fit(root, "resumed_3d_from_zero3", *LAYOUTS_8["3d"],
+                                        f'checkpoint.resume="{root}/saved_2d_zero3/checkpoints/step_00000003"')
     return out
 
 
@@ -295,6 +320,8 @@ def _check_ranks(results: list[dict], reference: dict, layout: str) -> None:
     for rank, result in enumerate(results):
         _compare(result[layout], reference)
         _check_stream(result[layout], reference, layout)
+        if "misplaced" in result[layout]:  # each block its placement cuts from the whole (loads under ZeRO)
+            assert result[layout]["misplaced"] == [], (layout, rank)
         if "saved_bytes" in result[layout]:  # what a block keeps for backward, as the planner counts it
             assert result[layout]["saved_bytes"] == _planned_saved({**LAYOUTS_4, **LAYOUTS_8}[layout]), layout
         if layout in PARAM_SHARE:  # not ZeRO-3, whose ranks hold flat shards of the grid's blocks
@@ -348,10 +375,41 @@ def test_saved_in_2d_resumes_in_1d_and_back(world4, reference):
 
 
 def test_saved_in_3d_resumes_in_2d(world8):
-    """The cube's step-3 checkpoint resumed under dp2 x 2D: steps 4 and 5 as the 3D run took them."""
+    """The cube's step-3 checkpoint resumed under dp2 x 2D, plain and under ZeRO-2 and ZeRO-3 (whose flat shards are cut
+    from the whole tensors by each block's placement): steps 4 and 5 as the 3D run took them."""
     for result in world8:
-        assert len(result["resumed_2d"]) == 2
-        assert_close(torch.tensor(result["resumed_2d"]), torch.tensor(result["saved_3d"][3:]), **LOSS_TOL)
+        for resumed in ("resumed_2d", "resumed_2d_zero2", "resumed_2d_zero3"):
+            assert len(result[resumed]) == 2
+            assert_close(torch.tensor(result[resumed]), torch.tensor(result["saved_3d"][3:]), **LOSS_TOL)
+
+
+# AdamW's moments after 3 steps, saved by two layouts: each is a sum of the 3 steps' gradients (squared for
+# exp_avg_sq), which both layouts compute within GRAD_TOL of one process (rtol 1e-4: 2e-4 for a square); the atol
+# covers the entries whose gradient is ~0 (|exp_avg| <= GRAD_TOL's 1e-7; exp_avg_sq's squares far below it)
+MOMENT_TOL = dict(rtol=4e-4, atol=1e-7)
+
+
+def test_saved_in_2d_under_zero_resumes_on_the_cube_and_in_1d(world8, reference):
+    """A ZeRO-1 dp2 x 2D checkpoint holds logical tensors: the one-process weights after 3 steps, whole, and AdamW's
+    state as the cube's own checkpoint holds it (every parameter's step and moments, whole); resumed on the 2 x 2 x 2
+    cube and in 1D (dp2 x tp4), steps 4 and 5 are the ZeRO run's own."""
+    root = world8[0]["root"]
+    zero, cube = (f"{root}/{run}/checkpoints/step_00000003" for run in ("saved_2d_zero1", "saved_3d"))
+    saved = read_model_tensors(zero)
+    assert saved.keys() == reference["weights"].keys()
+    for name, weight in reference["weights"].items():
+        assert_close(saved[name], weight, **WEIGHT_TOL, msg=lambda m, n=name: f"saved {n}: {m}")
+    moments, cube_moments = read_tensors(zero, "optim/"), read_tensors(cube, "optim/")
+    assert moments.keys() == cube_moments.keys() and len(moments) == 3 * len(saved)  # step, exp_avg, exp_avg_sq
+    for key, value in moments.items():
+        assert_close(value, cube_moments[key], **MOMENT_TOL, msg=lambda m, k=key: f"{k}: {m}")
+    for result in world8:
+        for resumed in ("resumed_3d", "resumed_1d"):
+            assert len(result[resumed]) == 2
+            assert_close(torch.tensor(result[resumed]), torch.tensor(result["saved_2d_zero1"][3:]), **LOSS_TOL)
+        assert len(result["resumed_3d_from_zero3"]) == 2  # and a ZeRO-3 grid's checkpoint, on the cube
+        assert_close(torch.tensor(result["resumed_3d_from_zero3"]), torch.tensor(result["saved_2d_zero3"][3:]),
+                     **LOSS_TOL)
 
 
 def _planned(overrides: list[str], stage: int, common: tuple[str, ...] = COMMON) -> collections.Counter:
