@@ -112,7 +112,7 @@ def _probe_rank() -> dict:
     out["latency"] = alpha
     out["bandwidth"] = 2 * (n - 1) / n * big.numel() * 4 / beta_time if n > 1 else float("inf")
     out["overlap"] = _overlap(big, n)
-    out["collectives"] = _collective_points(n)
+    out["collectives"] = {**_collective_points(n), **_p2p_under_load(n)}
     a = torch.empty(2**23)  # 32 MiB: streams through memory, like the optimizer step
     out["mem_bandwidth"] = 3 * a.numel() * 4 / _median_time(lambda: a.mul_(1.0000001).add_(1e-9), 5)
     return out
@@ -159,6 +159,68 @@ def _collective_points(n: int) -> dict[str, list[tuple[float, float]]]:
                 t = _median_time(fn, reps) / (2 if op == "p2p" else 1)
                 out.setdefault(f"{op}/{g}", []).append((sizes.get(op, numel * 4), t))
     return out
+
+
+HANDOFF_ROUNDS = 12
+
+
+def _p2p_under_load(n: int) -> dict[str, list[tuple[float, float]]]:
+    """{"p2p_loaded/2": [(bytes, seconds)]}: what a pipeline's hand-off costs on this machine, measured as a
+    pipeline hands off: ranks in pairs (2k, 2k+1), all pairs at once, each rank computing between
+    messages and waiting for its peer's, in lockstep (as interleaved stages run).
+
+    With more ranks than cores, a rank that blocked on its message gave up its core; when the message lands
+    it waits for the scheduler to hand a core back from a rank that is computing, and a rank that computes
+    as much as the others has no credit to take it at once: it waits out a time slice. An idle ping-pong
+    (the collective probe above) never sees that. Per message: half a round less one compute, the compute
+    timed with the same ranks computing at once (each pair's other rank waiting, as in the lockstep).
+    Every rank gets the median over pairs.
+    """
+    me = dist.get_rank()
+    if n < 2 or n % 2:
+        return {}
+    peer, first = me ^ 1, me % 2 == 0
+    a = torch.randn(192, 192)
+
+    def compute():  # a few ms: a block's worth of work on this tiny model's scale
+        for _ in range(12):
+            a @ a
+    compute()
+    points = []
+    for nbytes in PROBE_BYTES[:3]:  # up to a micro-batch's activation here
+        x = torch.ones(max(1, nbytes // 4))
+        go = torch.zeros(1)
+
+        def hop(send_first: bool) -> None:
+            if send_first:
+                compute()
+                dist.send(x, peer)
+                dist.recv(x, peer)
+            else:
+                dist.recv(x, peer)
+                compute()
+                dist.send(x, peer)
+        hop(first)  # warm-up
+        dist.barrier()
+        t_round = _median_time(lambda: hop(first), HANDOFF_ROUNDS)
+        dist.barrier()
+        # one rank of each pair computes while the other waits: the lockstep's load, without hand-offs
+        if first:
+            t_compute = _median_time(compute, HANDOFF_ROUNDS)
+            dist.send(go, peer)
+        else:
+            dist.recv(go, peer)
+            t_compute = 0.0
+        points.append((x.numel() * 4, t_round, t_compute))
+    # the median over pairs of each size's (round, compute): every rank gets the same points
+    everyone: list = [None] * n
+    dist.all_gather_object(everyone, points)
+    out = []
+    for i, (nbytes, _, _) in enumerate(points):
+        rounds = statistics.median(everyone[r][i][1] for r in range(0, n, 2))
+        computes = statistics.median(everyone[r][i][2] for r in range(0, n, 2))
+        out.append((nbytes, max(rounds / 2 - computes, 1e-6)))
+    return {"p2p_loaded/2": out}
 
 
 def _overlap(buf, n: int) -> float:

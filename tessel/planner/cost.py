@@ -378,12 +378,29 @@ class CostModel:
         return {name: group_geometry(sizes, ORDER, axes, self.cluster.devices_per_node)
                 for name, axes in GROUP_AXES.items()}
 
+    def _fit(self, op: str, n: int) -> list[float] | None:
+        """The probe's alpha-beta fit for (op, n) on this machine. A p2p message is priced as it was
+        measured while the other ranks computed (tessel.calibrate.profile._p2p_under_load), which is how a
+        pipeline's and a ring's messages travel; a probe without that measurement gives the idle fit."""
+        fits = self.cluster.collectives
+        if op == "p2p":
+            return fits.get("p2p_loaded/2") or fits.get("p2p/2")
+        return fits.get(f"{op}/{n}")
+
+    def message_link(self, link: Link) -> Link:
+        """The link the simulator moves pipeline messages over: the probe's p2p fit on this machine's node
+        (the same seconds the formula prices them at), the link itself elsewhere."""
+        fit = self._fit("p2p", 2)
+        if fit and link is self.cluster.intra:
+            return Link(1 / fit[1] if fit[1] > 0 else float("inf"), fit[0])
+        return link
+
     def coll(self, op: str, nbytes: float, n: int, link: Link) -> float:
         """Seconds of one collective: the probe's fit for (op, n) on this machine's one node,
         the alpha-beta formula of the link otherwise."""
         if n <= 1:
             return 0.0
-        fit = self.cluster.collectives.get(f"{op}/{2 if op == 'p2p' else n}")
+        fit = self._fit(op, n)
         if fit and link is self.cluster.intra:
             return fit[0] + fit[1] * nbytes
         return FORMULAS[op](nbytes, n, link)
@@ -396,7 +413,7 @@ class CostModel:
         machine's one node, the network model (tessel.planner.network) on a preset."""
         if geo.n <= 1:
             return NONE
-        fit = self.cluster.collectives.get(f"{op}/{2 if op == 'p2p' else geo.n}")
+        fit = self._fit(op, geo.n)
         if fit and geo.nodes == 1:
             return Cost(fit[0] + fit[1] * nbytes, fit[1] * nbytes, 0.0)
         return collective(op, nbytes, geo, self.cluster)

@@ -244,7 +244,8 @@ def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None,
     split = lay.sp or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
     p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1) / lay.cp
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, links["pp"], cls["pp"])
+    args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, cm.message_link(links["pp"]),
+            cls["pp"])
     # earlier accumulation steps are identical flushes without gradient traffic (ZeRO<2):
     # simulate one and shift the last by its length
     offset = (lay.ga - 1) * PipelineSim(*args).run() if lay.ga > 1 and lay.zero < 2 else 0.0

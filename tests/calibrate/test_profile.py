@@ -35,3 +35,23 @@ def test_collective_workspace_sees_gloo_copies():
         # much (measured 1.8-1.9x at 2 ranks, 1.0-1.35x at 4); its all-gather stages a copy of at
         # least the gathered half (0.58-1.09x at 2 ranks)
         assert w["reduce_scatter"] > 0.9 and w["all_gather"] > 0.4
+
+
+def _handoff():
+    import torch.distributed as dist
+
+    from tessel.calibrate.profile import PROBE_BYTES, _p2p_under_load
+    out = _p2p_under_load(dist.get_world_size())
+    return out, PROBE_BYTES
+
+
+def test_handoff_probe_gives_every_rank_the_same_points_per_size():
+    from tessel.spawn import spawn
+    results = spawn(_handoff, 4)
+    (first, sizes), rest = results[0], results[1:]
+    points = first["p2p_loaded/2"]
+    # one point per probed size up to a micro-batch's activation, each a positive hand-off time,
+    # the median over the pairs: the same on every rank
+    assert [b for b, _ in points] == list(sizes[:3])
+    assert all(0 < s < 1.0 for _, s in points)
+    assert all(r[0] == first for r in rest)

@@ -90,6 +90,23 @@ def test_measured_fits_price_calls_and_formulas_stay_for_presets():
     assert sent_bytes([Call("all_reduce", 100, 2), Call("all_gather", 100)], 4) == pytest.approx(300 + 75)
 
 
+def test_pipeline_messages_are_priced_as_probed_under_load():
+    # the probe's hand-off under a pipeline's load (tessel.calibrate.profile._p2p_under_load) prices every p2p
+    # message, in the formula and in the simulator's link alike; the idle fit only where it was not probed
+    idle = replace(flat_cluster(devices=4, lat=1e-5), collectives={"p2p/2": [5e-5, 1e-9]})
+    loaded = replace(idle, collectives={**idle.collectives, "p2p_loaded/2": [6e-4, 2e-9]})
+    lay = Layout(pp=2, dp=2, mb=1, m=4)
+    for cluster, (alpha, beta) in ((idle, (5e-5, 1e-9)), (loaded, (6e-4, 2e-9))):
+        cm = CostModel(tiny_spec(), cluster, "fp32")
+        assert cm.coll("p2p", 1000, 2, cluster.intra) == pytest.approx(alpha + beta * 1000)
+        link = cm.message_link(cm.links(lay)["pp"])
+        assert (link.latency, link.bandwidth) == (pytest.approx(alpha), pytest.approx(1 / beta))
+        assert cm.estimate(lay).p2p_s == pytest.approx(alpha + beta * cm._p2p_bytes(lay))
+    # a preset's link is the network model's, whatever the probe says
+    cm = CostModel(tiny_spec(), flat_cluster(devices=4, lat=1e-5), "fp32")
+    assert cm.message_link(cm.links(lay)["pp"]) is cm.links(lay)["pp"]
+
+
 def test_chunk_comm_of_a_tp_layout_by_hand():
     # tiny GPT (2 blocks, d 32, vocab 256), 16 tokens per micro-batch, tp 2, every all-reduce 1 ms flat
     cluster = replace(flat_cluster(devices=2), collectives={"all_reduce/2": [1e-3, 0.0]})
