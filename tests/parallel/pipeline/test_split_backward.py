@@ -22,6 +22,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _whole_backward():
+    """The GPT, a batch of token ids, a seed gradient for its logits, and the gradients of one whole backward
+    (cleared from the model after)."""
+    model = _gpt()
+    idx = torch.randint(0, 64, (2, 16))
+    seed = torch.randn(2, 16, 64)
+    torch.autograd.backward(model(idx), seed)
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return model, idx, seed, want
+
+
 def _compare(model, stage, x, seed_grad=None):
     """A whole backward, then B and W on a fresh forward: the same input gradient and weight gradients."""
     inp = x.clone().requires_grad_(True)
@@ -75,12 +87,7 @@ def test_b_then_w_on_a_hugging_face_decoder_layer(tmp_path):
 
 
 def test_a_stage_without_an_input_gradient_runs_everything_in_w():
-    model = _gpt()
-    idx = torch.randint(0, 64, (2, 16))
-    seed = torch.randn(2, 16, 64)
-    torch.autograd.backward(model(idx), seed)
-    want = _grads(model)
-    model.zero_grad(set_to_none=True)
+    model, idx, seed, want = _whole_backward()
     dx, work = backward_input(model(idx), seed, None)
     assert dx is None and all(p.grad is None for p in model.parameters())
     work.run()
@@ -108,12 +115,7 @@ def test_w_fires_each_post_accumulate_hook_once_in_one_backward():
 def test_the_first_stage_cuts_at_its_blocks_input():
     """Token ids have no gradient: B runs down to the hidden states entering the first block, W the weight
     branches and the embedding's gradient (the runner hands B that tensor)."""
-    model = _gpt()
-    idx = torch.randint(0, 64, (2, 16))
-    seed = torch.randn(2, 16, 64)
-    torch.autograd.backward(model(idx), seed)
-    want = _grads(model)
-    model.zero_grad(set_to_none=True)
+    model, idx, seed, want = _whole_backward()
     hidden = []
     model.layers[0].register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
     dx, work = backward_input(model(idx), seed, hidden[0])
