@@ -9,6 +9,7 @@ files (torch.save of plain data), not pipes, so a rank may leave with os._exit.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import time
@@ -27,9 +28,27 @@ class SpawnError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: between this check and the rendezvous binding
+    it, the port is free for anyone, and gloo's own connections (and every other outgoing socket) take
+    theirs from the ephemeral range, so a port from that range can be gone by then (EADDRINUSE)."""
+    below = range(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+    for port in random.Random().sample(below, min(64, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: an ephemeral one, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA dynamic range
+        return 49152
 
 
 def _rank_main(fn, rank, world, port, outdir, args, threads, backend, timeout_s, env):
