@@ -18,10 +18,11 @@ load-balancing statistics belong to the whole sequences of a forward call. The r
 dropped tokens under ring cp2 (global scope: one process on the whole batch) and under cp2 x ep2 with the
 local scope (the reference accumulates the ep ranks' halves of the batch as two chunks, each capped and
 balanced on its own; cp2 x pp2 under 1F1B likewise, its two micro-batches the chunks), and without drops
-under Ulysses cp2 x ep2 (global scope over ep x cp); the aux and
+under Ulysses cp2 x ep2 (global scope over ep x cp), with drops under cp2 x tp2 with SP; the aux and
 z-losses, the drop rate and a load share of each step are compared too. Hugging Face Mixtral (router aux
-loss on) under Ulysses cp2, cp2 x ep2 and cp2 x pp2 (GPipe: the router loss across stages, of the whole
-step), GPT-2 (learned positions) under ring cp2 and cp2 x pp2, Llama under cp2 x pp2. Both spawns also check
+loss on) under Ulysses cp2, cp2 x ep2, cp2 x tp2 with SP and cp2 x pp2 (GPipe: the router loss across stages,
+of the whole step), GPT-2 (learned positions) under ring cp2, cp2 x tp2 with SP and cp2 x pp2, Llama under
+cp2 x pp2. Both spawns also check
 SequenceSlots itself on random choices: each rank keeps exactly the assignments one process keeps.
 
 The 4 ranks also measure activation memory: the tiny model at 2048 tokens (one sequence a rank, fp32) under
@@ -105,6 +106,10 @@ WORLD4 = {
     # 1F1B, local scope: each micro-batch routed, capped and balanced on its own, as the reference's chunks
     "moe_cp2_pp2_local": [*MOE, DROP, 'model.aux_loss_scope="local"', "parallel.cp=2", "parallel.pp=2",
                           "parallel.micro_batches=2", "ref:train.grad_accum=2"],
+    # tp x SP: a replicated MoE block gathers its rank's sequence shard back to the cp chunks before routing
+    "moe_cp2_tp2_sp": [*MOE, DROP, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "mixtral_cp2_tp2_sp": ["{mixtral}", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "gpt2_cp2_tp2_sp": ["{gpt2}", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     # a stage after the first takes hidden states (inputs_embeds) and this rank's positions all the same
     "llama_cp2_pp2": ["{llama}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"],
     # GPT-2's position embedding lives on the first stage; its head is tied to the embedding across stages
@@ -130,10 +135,10 @@ MEMORY = {"ring_cp4": (4, ["parallel.cp=4"]),
 # block, a wrong causal pair, a wrong rotary position or a gradient not averaged over cp moves the
 # loss by > 1e-3 and gradients by O(1) relative; AdamW moves a weight ~lr = 1e-3 a step, so WEIGHT_TOL's
 # 5e-5 is 1/20 of one step (the argument of tests/parallel/tensor/test_hf_tensor_parallel.py).
-# MoE, Mixtral, GPT-2 and the cp2 x pp2 runs: routing makes the same choices on numbers a few ulps apart
+# MoE, Mixtral, GPT-2 and the Hugging Face cp2 x pp2 and cp2 x tp2 runs: routing makes the same choices on numbers a few ulps apart
 # (no token sits on a tie here) and the balance statistics are summed over cp in another order; measured
-# losses within 9.5e-7, gradient norms within 6e-8, first-step gradients within 2.1e-8, final weights
-# within 1.1e-6, the aux and z-losses within 1.5e-8 and the drop rate and load share exactly (all layouts;
+# losses within 9.5e-7, gradient norms within 6e-8, first-step gradients within 3e-8, final weights
+# within 1.5e-6, the aux and z-losses within 1.5e-8 and the drop rate and load share exactly (all layouts;
 # validation within 4.8e-7). Counting capacity on each rank's own chunks (SequenceSlots left out) moves
 # the MoE GPT's loss by 1.4e-4 and its weights by 6e-3; balance statistics of each rank's own chunks move
 # them by 1e-4 and 4e-3, Mixtral's by 2.8e-5 (inside LOSS_TOL) and 2.4e-3 (about 50x WEIGHT_TOL's atol):
