@@ -41,20 +41,28 @@ class SequenceSlots:
 
     def __init__(self, ctx: CPContext):
         self.ctx = ctx
+        self._orders: dict[tuple[int, str], torch.Tensor] = {}
+
+    def order(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """(T,) the sequence positions of every rank's tokens, rank after rank (the all-gather's order)."""
+        key = (seq_len, str(device))
+        if key not in self._orders:
+            cp = self.ctx.ring.size
+            held = [i for rank in range(cp) for i in layout.positions(seq_len, cp, rank)]
+            self._orders[key] = torch.tensor(held, dtype=torch.long, device=device)
+        return self._orders[key]
 
     def __call__(self, experts: torch.Tensor, n_experts: int, factor: float, batch: int) -> torch.Tensor:
         cp = self.ctx.size
-        if cp == 1:
+        if cp == 1:  # whole sequences on every rank (generation): one process's capacity
             return local_slots(experts, n_experts, factor, batch)
         N, k = experts.shape  # N = batch * (this rank's tokens of each sequence)
-        local = N // batch
+        local, T = N // batch, N // batch * cp
         parts = [torch.empty_like(experts) for _ in range(cp)]
         dist.all_gather(parts, experts.contiguous(), group=self.ctx.ring.group)
-        T = local * cp
-        whole = experts.new_empty(batch, T, k)  # (B, T, k): every rank's choices at their sequence positions
-        for index, part in enumerate(parts):
-            at = torch.tensor(layout.positions(T, cp, index), device=experts.device)
-            whole[:, at] = part.view(batch, local, k)
+        held = torch.cat([part.view(batch, local, k) for part in parts], dim=1)  # (B, T, k) rank after rank
+        whole = torch.empty_like(held)
+        whole[:, self.order(T, experts.device)] = held  # (B, T, k) in sequence order
         keep, _ = assign_slots(whole.view(batch * T, k), n_experts, capacity(batch * T, n_experts, factor))
         mine = self.ctx.positions(local, experts.device)
         return keep.view(batch, T, k)[:, mine].reshape(N, k)
