@@ -29,10 +29,12 @@ from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
 from tessel.parallel.context.apply import context_parallel, whole_sequences
 from tessel.parallel.context.context import CPContext
+from tessel.parallel.context.moe import whole_sequence_capacity
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.data.uneven import loss_weight
-from tessel.parallel.expert.balance import balance_over_batch, global_balance
+from tessel.parallel.expert.balance import (balance_over_batch, balance_over_sequences, global_balance,
+                                            sequence_balance)
 from tessel.parallel.expert.cross_stage import stage_router_losses
 from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
@@ -118,6 +120,10 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.model.aux_loss_scope == "global":  # under a GPipe pipeline: the whole step's statistics
         gpipe = mesh.size("pp") > 1 and cfg.parallel.schedule == "gpipe"
         balance_over_batch(plan.model, mesh, cfg.train.grad_accum * cfg.parallel.micro_batches if gpipe else None)
+    elif plan.cp is not None:  # local: a rank's shard of the batch, its sequences whole over cp
+        balance_over_sequences(plan.model, mesh)
+    if plan.cp is not None:  # capacity of the whole sequences (tessel.parallel.context.moe)
+        whole_sequence_capacity(plan.model, plan.cp)
     if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
         layers = []  # the stats of this rank's blocks are chosen once the model is split
     else:
@@ -134,9 +140,8 @@ def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if mesh.size("pp") > 1:  # its loss spans every layer: each stage adds its share (apply_pipeline)
         return plan
     router_loss = mixtral_router_loss(plan.model, read_config(cfg.model.hf_config))
-    if router_loss is not None:
-        if cfg.model.aux_loss_scope == "global":
-            router_loss.balance = global_balance(mesh)
+    if router_loss is not None:  # under cp its statistics span the cp ranks too (tessel.parallel.context.moe)
+        router_loss.balance = global_balance(mesh) if cfg.model.aux_loss_scope == "global" else sequence_balance(mesh)
         plan.loss_fn = with_router_loss(plan.loss_fn, router_loss)
     return plan
 

@@ -659,11 +659,16 @@ def _check_uneven(cfg: Config) -> None:
                  "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
 
 
+# Hugging Face model types whose attention context parallelism replaces (tessel.parallel.context.apply)
+CP_HF_TYPES = ("llama", "mixtral", "gpt2")
+
+
 def _check_context_parallel(cfg: Config) -> None:
     """parallel.cp (tessel.parallel.context): every cp rank holds chunks r and 2cp-1-r of the same sequences (the
     causal triangle balanced), so the sequence splits in 2*cp chunks, and under sequence parallelism each rank's
     chunks split again over tp; Ulysses trades the sequence split for a head split, so each tp rank's heads and
-    kv heads split over cp. What is not built or tested yet is refused by name."""
+    kv heads split over cp. MoE models route each rank's chunks with the capacity and balance statistics of the
+    whole sequences (tessel.parallel.context.moe). What is not built or tested yet is refused by name."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return
@@ -678,19 +683,20 @@ def _check_context_parallel(cfg: Config) -> None:
                  "not divisible")
         _require(kv % p.cp == 0, "parallel.cp", f"ulysses splits each tp rank's {kv} kv heads over cp ({p.cp}): "
                  "not divisible")
-    _require(m.n_experts == 0, "parallel.cp", "context parallelism of MoE models is not built yet (routing "
-             "statistics and capacity are per sequence shard)")
     _require(p.tp_mode == "1d", "parallel.cp", f"context parallelism composes with 1d tensor parallelism so far "
              f"(not tp_mode '{p.tp_mode}')")
     _require(p.dp_arch == "allreduce", "parallel.cp", "context parallelism is not supported with a parameter server")
     if m.hf_config is not None:
-        kind = read_config(m.hf_config)["model_type"]
-        _require(kind == "llama", "parallel.cp", f"context parallelism of Hugging Face models covers the llama "
-                 f"family so far (not {kind!r})")
-        _require(not read_config(m.hf_config).get("attention_dropout"), "parallel.cp", "context parallelism "
-                 "computes attention without dropout; set the model's attention_dropout to 0")
-        _require(p.pp == 1, "parallel.cp", "context parallelism of a Hugging Face model under pp > 1 is not "
-                 "built yet")
+        doc = read_config(m.hf_config)
+        kind = doc["model_type"]
+        _require(kind in CP_HF_TYPES, "parallel.cp", f"context parallelism of Hugging Face models covers "
+                 f"{', '.join(CP_HF_TYPES)} so far (not {kind!r})")
+        key, default = ("attn_pdrop", 0.1) if kind == "gpt2" else ("attention_dropout", 0.0)  # the config class's
+        _require(not doc.get(key, default), "parallel.cp", f"context parallelism computes attention without "
+                 f"dropout; set the model's {key} to 0")
+        window = doc.get("sliding_window")
+        _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
+                 f"attention; the model's sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")
     # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
              "stages by 'layers' or 'params'")

@@ -119,12 +119,35 @@ def test_cp_joins_the_world_size_and_an_older_rank_order():
 def test_cp_refuses_what_it_does_not_cover_for_hugging_face_models(tmp_path):
     llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-    cases = {"gpt2": ({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
-                       "n_positions": 64}, "llama family"),
-             "dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout")}
+    gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    cases = {"mistral": ({**llama, "model_type": "mistral"}, "covers llama, mixtral, gpt2"),
+             "dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout"),
+             "gpt2_dropout": (gpt2, "attn_pdrop"),  # GPT2Config's attn_pdrop is 0.1 unless set
+             "window": ({**llama, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 16},
+                        r"sliding_window \(16\) is shorter than train.seq_len \(32\)")}
     for name, (doc, why) in cases.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
         with pytest.raises(ConfigError, match=why) as err:
             build_config({"data": {"source": "synthetic"}},
                          [f'model.hf_config="{tmp_path / name}.json"', "parallel.cp=2", "train.seq_len=32"])
         assert err.value.field == "parallel.cp"
+
+
+def test_cp_takes_moe_models_gpt2_mixtral_and_hugging_face_pipelines(tmp_path):
+    """Lifted refusals (tests/parallel/context/test_context_parallel.py trains each against one process):
+    the reference GPT's MoE (with and without ep), Mixtral, GPT-2 (dropout 0) and Hugging Face models under pp."""
+    synthetic = {"data": {"source": "synthetic"}}
+    for extra in ([], ["parallel.ep=2"], ['model.aux_loss_scope="local"', "parallel.pp=2"]):
+        cfg = build_config(synthetic, ["model.n_experts=4", "parallel.cp=2", *extra])
+        assert cfg.parallel.cp == 2 and cfg.model.n_experts == 4
+    docs = {"gpt2": {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                     "n_positions": 64, "attn_pdrop": 0.0},
+            "mixtral": {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "num_local_experts": 4, "max_position_embeddings": 64, "sliding_window": 32}}
+    for name, doc in docs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        for extra in ([], ["parallel.pp=2"], ["parallel.ep=2"] if name == "mixtral" else []):
+            cfg = build_config(synthetic, [f'model.hf_config="{tmp_path / name}.json"', "parallel.cp=2",
+                                           "train.seq_len=32", *extra])
+            assert cfg.parallel.cp == 2

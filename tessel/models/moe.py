@@ -13,7 +13,11 @@ zeros, so only the residual carries them on.
 
 The dispatcher is the seam for expert parallelism: LocalDispatcher (here)
 keeps every expert on this device; tessel.parallel.expert.expert_parallel swaps in one that
-moves tokens to the experts' ranks by all-to-all. This file stays single-device.
+moves tokens to the experts' ranks by all-to-all. The router's `balance` (over which
+tokens f and P are taken) and `slots` (over which tokens capacity is counted) are
+the seams for the statistics' scope: tessel.parallel.expert.balance widens the first
+to the whole batch, tessel.parallel.context.moe both to the whole sequences that
+context parallelism splits. This file stays single-device.
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020,
 "GShard" (top-2, capacity, random routing, Algorithm 1); Fedus et al. 2021,
@@ -88,6 +92,21 @@ def assign_slots(experts: torch.Tensor, n_experts: int, cap: int) -> tuple[torch
     return keep.view(k, N).t(), position.view(k, N).t()
 
 
+class SlotAssignment(Protocol):
+    """Which of the router's assignments keep a slot: experts (N, k) of `batch` equal rows of tokens (the
+    flattened (B, T) of one forward call) -> keep (N, k) bool. The scope of the capacity is the
+    implementation's: this device's tokens (local_slots), or whole sequences whose chunks other ranks hold
+    (tessel.parallel.context.moe.SequenceSlots, under context parallelism)."""
+
+    def __call__(self, experts: torch.Tensor, n_experts: int, factor: float, batch: int) -> torch.Tensor: ...
+
+
+def local_slots(experts: torch.Tensor, n_experts: int, factor: float, batch: int = 1) -> torch.Tensor:
+    """GShard's group is this forward call's N tokens: capacity(N) slots an expert, handed out by assign_slots."""
+    keep, _ = assign_slots(experts, n_experts, capacity(experts.size(0), n_experts, factor))
+    return keep
+
+
 class BalanceStatistics(Protocol):
     """Turns the router's own tokens into the load-balancing statistics (f, P), each (E,).
 
@@ -126,23 +145,25 @@ class Router(nn.Module):
         self.jitter, self.random_second = cfg.router_jitter, cfg.moe_random_routing
         # over which tokens f and P are taken; expert/data parallelism may widen it to the whole batch
         self.balance: BalanceStatistics = local_balance
+        # over which tokens capacity is counted; context parallelism widens it to the whole sequences
+        self.slots: SlotAssignment = local_slots
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        # x: (N, C) flattened tokens
+    def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:
+        # x: (N, C) flattened tokens, `batch` rows of N/batch
         x = x.float()
         training = self.training and torch.is_grad_enabled()
         if training and self.jitter > 0:  # multiplicative noise on the router input (Switch)
             x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x, self.weight.float())  # (N, E)
-        return self.route(logits, random_second=training and self.random_second)
+        return self.route(logits, random_second=training and self.random_second, batch=batch)
 
-    def route(self, logits: torch.Tensor, random_second: bool = False) -> Routing:
+    def route(self, logits: torch.Tensor, random_second: bool = False, batch: int = 1) -> Routing:
         """From router logits (N, E) to kept assignments; separate so tests can hand-make logits."""
         N, E = logits.shape
         probs = logits.softmax(-1)
         gates, experts = top_k_gates(probs, self.k, random_second)  # (N, k)
-        keep, _ = assign_slots(experts, E, capacity(N, E, self.capacity_factor))
+        keep = self.slots(experts, E, self.capacity_factor, batch)
         chosen = experts[experts >= 0]
         load = torch.bincount(chosen, minlength=E)
         token = torch.arange(N, device=logits.device)[:, None].expand(N, self.k)
@@ -236,7 +257,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
-        r = self.router(flat)
+        r = self.router(flat, B)
         rows, counts, state = self.dispatcher.dispatch(flat, r)  # (M, C) grouped by local expert
         out = self.dispatcher.combine(self.experts(rows, counts), state)  # (B*T, C)
         self.aux_loss = r.aux_loss + r.z_loss

@@ -70,8 +70,9 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
 
 
 def cp_degrees(cm: CostModel, world: int, tp: int, fixed: int | None = None) -> list[int]:
-    """Context-parallel degrees tessel.config accepts beside `tp` (the sequence in 2*cp chunks, dense models),
-    inside a node with tp; cp > 1 only for long sequences (CP_MIN_SEQ) unless `fixed`."""
+    """Context-parallel degrees tessel.config accepts beside `tp` (the sequence in 2*cp chunks), inside a node
+    with tp; cp > 1 only for long sequences (CP_MIN_SEQ) unless `fixed`, and for dense models (the search keeps
+    an MoE model at cp = 1: the cost model does not price its routing exchanges over cp)."""
     c, seq = cm.spec.cfg, cm.spec.seq_len
     if fixed is not None:
         return [fixed] if world % (tp * fixed) == 0 and seq % (2 * fixed) == 0 else []

@@ -1,18 +1,21 @@
-"""Context parallelism on a model: the reference GPT's attention core, or a Hugging Face Llama's attention.
+"""Context parallelism on a model: the reference GPT's attention core, or a Hugging Face model's attention.
 
 The model stays the plain single-device module; only attention changes.
 Everything else in a transformer acts on each token alone (norms, MLPs, the
 head, the loss), so it runs unchanged on a rank's chunks. Two things need the
 whole sequence: attention (ring or Ulysses, tessel.parallel.context.context)
-and positions (each rank's rotary angles are those of its own chunks).
+and positions (each rank's rotary angles are those of its own chunks); an MoE
+block's capacity and balance statistics are the third (tessel.parallel.context.moe).
 
 - The reference GPT: Attention.core (rotary, shared kv heads, causal attention)
   is replaced on the instance, as selective recompute replaces it
   (tessel.parallel.recompute), so parameter names never change.
-- A Hugging Face Llama: attention is transformers' own attention interface, a
-  function registered by name (transformers.AttentionInterface) and chosen
-  through the model's attn_implementation; the model is called with this
-  rank's position_ids (its rotary embedding reads them) and the CPContext as a
+- A Hugging Face Llama, Mixtral or GPT-2: attention is transformers' own attention
+  interface, a function registered by name (transformers.AttentionInterface) and
+  chosen through the model's attn_implementation; the model is called with this
+  rank's position_ids (Llama's and Mixtral's rotary embedding reads them, GPT-2's
+  learned position embedding looks them up; a pipeline stage after the first
+  takes them too, beside its hidden states) and the CPContext as a
   keyword argument, which transformers hands every attention call. A custom
   attention has no mask function registered, so transformers builds no mask:
   causality comes from the positions, inside the function.

@@ -8,6 +8,11 @@ Training Specialized Mixture-of-Expert Models", Sec. 3: all-reduce the per-exper
 token counts and router probabilities over the data-parallel ranks before forming
 f_i and P_i, so every rank computes the aux loss of the global batch.
 
+Under context parallelism (tessel.parallel.context.moe) the cp ranks hold chunks of
+the same sequences: their statistics are summed too (the group is dp x ep x cp), and
+under aux_loss_scope = "local" over cp alone (sequence_balance), so that each rank's
+shard of the batch is whole sequences, as in one process.
+
 Scope, exactly: one forward call (one micro-batch, one accumulation chunk) of every
 rank in the group (GlobalBalance). Under 1F1B (and under gradient accumulation)
 micro-batch 0's backward runs before the last micro-batch's forward exists, so its
@@ -29,12 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
 from tessel.models.moe import BalanceStatistics, local_balance, moe_layers
 
 
 class AllReduceBalanceStatistics(torch.autograd.Function):
-    """Qiu et al. 2025 (global-batch balancing): stats -> their sum over the group.
+    """Qiu et al. 2025 (global-batch balancing): stats -> their sum over the group (dp x ep, and the cp
+    ranks that hold chunks of the same sequences).
 
     Every rank then holds the same global aux loss and back-propagates it; data
     parallelism averages gradients over the same ranks. The adjoint of a replicated
@@ -136,8 +143,16 @@ class StepBalance:
 
 
 def global_balance(mesh: Mesh) -> BalanceStatistics:
-    """Statistics over the ranks that split the batch (dp x ep; tp ranks see the same tokens)."""
-    group = mesh.group("dp", "ep")
+    """Statistics over the ranks that split the batch (dp x ep; tp ranks see the same tokens) and the cp ranks
+    that split its sequences (tessel.parallel.context.moe)."""
+    group = mesh.group(*TOKEN_AXES)
+    return local_balance if group is None else GlobalBalance(group)
+
+
+def sequence_balance(mesh: Mesh) -> BalanceStatistics:
+    """aux_loss_scope = "local": statistics over this rank's shard of the batch, whose sequences the cp ranks
+    split (summed over cp; one process's per-shard statistics)."""
+    group = mesh.group("cp")
     return local_balance if group is None else GlobalBalance(group)
 
 
@@ -146,4 +161,10 @@ def balance_over_batch(model: nn.Module, mesh: Mesh, whole_step: int | None = No
     forward call, or (whole_step = m, the micro-batches of a GPipe step) of the whole step."""
     for moe in moe_layers(model):
         moe.router.balance = (global_balance(mesh) if whole_step is None
-                              else StepBalance(mesh.group("dp", "ep"), whole_step, mesh.size("dp", "ep")))
+                              else StepBalance(mesh.group(*TOKEN_AXES), whole_step, mesh.size(*TOKEN_AXES)))
+
+
+def balance_over_sequences(model: nn.Module, mesh: Mesh) -> None:
+    """aux_loss_scope = "local" under cp: every MoE router takes f and P over its shard's whole sequences."""
+    for moe in moe_layers(model):
+        moe.router.balance = sequence_balance(mesh)

@@ -31,7 +31,9 @@ Scope over micro-batches (the executor seeds each micro-batch's aux with 1/m):
   The last stage reports it at its last forward (m times, as the executor divides by m).
 
 Global scope: data parallelism averages each rank's gradient of the one replicated loss over the N = dp x ep
-ranks, so each rank seeds N * c * E * C / R^2, as AllReduceBalanceStatistics's backward does.
+ranks, so each rank seeds N * c * E * C / R^2, as AllReduceBalanceStatistics's backward does. Under context
+parallelism the cp ranks hold chunks of the same sequences: their statistics join the sum (in either scope)
+and N counts them too (tessel.parallel.context.moe).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
 from tessel.models.hf.moe import MixtralRouterLoss, mixtral_statistics
 
@@ -139,14 +142,15 @@ def stage_router_losses(chunks: nn.ModuleList, mesh: Mesh, hf_config: dict, scop
                         whole_step: bool, last: list[bool]) -> list[StageRouterLoss]:
     """One StageRouterLoss per chunk of this pipeline rank (collective: makes the statistics' process group).
 
-    scope "global": the group spans pp x dp x ep (every stage, every rank that splits the batch); "local": pp.
-    last[c]: chunk c is the pipeline's last stage. One chunk per rank (tessel.config refuses virtual stages)."""
-    axes = ("pp", "dp", "ep") if scope == "global" else ("pp",)
+    scope "global": the group spans pp x dp x ep x cp (every stage, every rank that splits the batch or its
+    sequences); "local": pp x cp (a rank's shard of the batch is whole sequences over cp). last[c]: chunk c is
+    the pipeline's last stage. One chunk per rank (tessel.config refuses virtual stages)."""
+    axes = ("pp", *TOKEN_AXES) if scope == "global" else ("pp", "cp")
     group = None
     for ranks in mesh.all_groups(axes):  # every rank creates every group, in the same order
         g = dist.new_group(ranks)
         if mesh.rank in ranks:
             group = g
-    shards = mesh.size("dp", "ep") if scope == "global" else 1
+    shards = mesh.size(*TOKEN_AXES) if scope == "global" else mesh.size("cp")
     stats = StepStatistics(int(hf_config["num_local_experts"]), micro_batches, whole_step, group)
     return [StageRouterLoss(chunk, hf_config, stats, last[c], shards) for c, chunk in enumerate(chunks)]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
 from tessel.models.moe import MoE, Routing, moe_layers, sort_by_expert, weighted_scatter
 from tessel.sharding import mark_sharded
@@ -130,7 +131,8 @@ def moe_metrics(layers: list[MoE], mesh: Mesh) -> dict[str, float]:
     expert j, before capacity), moe/load_max_min (worst max/min load ratio over layers;
     min counted as at least one token), moe/drop_rate, moe/aux_loss and
     moe/z_loss (per forward, summed over layers, averaged over shards).
-    Collective over (dp, ep): every rank of the group must call it.
+    Collective over (dp, ep, cp): every rank of the group must call it (cp ranks hold chunks of the same
+    sequences: their loads and drops add up to the whole sequences').
     """
     if not layers:
         return {}
@@ -141,7 +143,7 @@ def moe_metrics(layers: list[MoE], mesh: Mesh) -> dict[str, float]:
     # one vector: per layer [load (E), dropped, aux, z, forwards]
     flat = torch.cat([torch.cat([s["load"], torch.stack([s["dropped"], s["aux_loss"], s["z_loss"], s["forwards"]])])
                       for s in stats]).to(mesh.device)
-    group = mesh.group("dp", "ep")
+    group = mesh.group(*TOKEN_AXES)
     if group is not None:
         dist.all_reduce(flat, group=group)
     per = flat.view(len(layers), E + 4).cpu()

@@ -7,11 +7,23 @@ build_trainer: the sampler hands each cp rank its chunks, the cohort averages th
 gradients of replicated weights are averaged over cp like dp's). Compared with the same run on one
 process: the loss of each step, the gradient norm of each step, the first step's gradients and the final
 weights (gathered whole over tp and pp), a validation loss and a sampled text (generation runs whole
-prompts on every cp rank). The Hugging Face Llama's reference is the unmodified transformers model.
+prompts on every cp rank). A Hugging Face model's reference is the unmodified transformers model.
 2 ranks: ring cp2, Ulysses cp2, Llama under ring and Ulysses cp2, and a cp2 checkpoint that one process
 resumes (cp shards no weights: checkpoints are unchanged). 4 ranks: ring cp4 (selective recompute), cp2 x tp2 with
 sequence parallelism, cp2 x dp2 under ZeRO-2, cp2 x pp2 (tied embeddings), Ulysses cp2 x dp2 under ZeRO-3,
 Llama cp2 x tp2 with sequence parallelism.
+
+Mixture of experts (tessel.parallel.context.moe): a cp rank routes its own chunks, but capacity and the
+load-balancing statistics belong to the whole sequences of a forward call. The reference GPT's MoE with
+dropped tokens under ring cp2 (global scope: one process on the whole batch) and under cp2 x ep2 with the
+local scope (the reference accumulates the ep ranks' halves of the batch as two chunks, each capped and
+balanced on its own; cp2 x pp2 under 1F1B likewise, its two micro-batches the chunks), and without drops
+under Ulysses cp2 x ep2 (global scope over ep x cp), with drops under cp2 x tp2 with SP; the aux and
+z-losses, the drop rate and a load share of each step are compared too. Hugging Face Mixtral (router aux
+loss on) under Ulysses cp2, cp2 x ep2, cp2 x tp2 with SP and cp2 x pp2 (GPipe: the router loss across stages,
+of the whole step), GPT-2 (learned positions) under ring cp2, cp2 x tp2 with SP and cp2 x pp2, Llama under
+cp2 x pp2. Both spawns also check
+SequenceSlots itself on random choices: each rank keeps exactly the assignments one process keeps.
 
 The 4 ranks also measure activation memory: the tiny model at 2048 tokens (one sequence a rank, fp32) under
 ring cp4, ring cp2 x dp2 and Ulysses cp2 x dp2 (dp2 gives each rank one sequence's share, as cp2 alone
@@ -31,26 +43,51 @@ from torch.testing import assert_close
 
 from tessel.calibrate.activations import planned_peak, step_peak
 from tessel.mesh import make_mesh
+from tessel.models.moe import local_slots
 from tessel.parallel.context import layout
 from tessel.parallel.context.context import CPContext
+from tessel.parallel.context.moe import SequenceSlots
 from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
+from tessel.sharding import shard_dims
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config
 
 STEPS = 5
-# seq 32: cp4 holds 8 chunks of 4 tokens; 2 kv heads: the ring passes kv heads un-repeated
-COMMON = ("train.seq_len=32", f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4", "model.n_kv_head=2",
+# seq 32: cp4 holds 8 chunks of 4 tokens; 2 kv heads: the ring passes kv heads un-repeated (a Hugging Face
+# config brings its own: 2 for Llama and Mixtral, GPT-2 has none)
+COMMON = ("train.seq_len=32", f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-4",
           "train.eval_every=5", "train.sample_tokens=8", "train.eval_batches=2")
+GQA = "model.n_kv_head=2"
 LLAMA = {"model_type": "llama", "vocab_size": 251, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 64, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}
+# Mixtral: llama's attention and a sparse MoE block (no capacity); its router aux loss on, at 100x the
+# default coefficient so that balance statistics taken per cp rank would show (measured below)
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,
+           "output_router_logits": True, "router_aux_loss_coef": 0.1}
+# GPT-2: learned absolute position embeddings (each rank must embed its own positions), tied head, dropout 0
+GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+HF = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
 ULYSSES = 'parallel.cp_mode="ulysses"'
+# The reference GPT with MoE blocks in every layer: top-2, aux and z-losses on. DROP gives the experts slots
+# for half the assignments, so capacity decides which tokens each expert takes: a cp rank counting it on its
+# own chunks would drop other tokens than one process. "ref:X" is an override of the reference alone.
+MOE = ["model.n_experts=4", "model.moe_top_k=2", "model.aux_loss_coef=0.1", "model.z_loss_coef=0.01"]
+DROP = "model.capacity_factor=1.0"
+NO_DROP = "model.capacity_factor=4.0"  # capacity = tokens: no expert can overflow
 WORLD2 = {
     "ring_cp2": ["parallel.cp=2"],
     "ulysses_cp2": ["parallel.cp=2", ULYSSES],
     "llama_ring_cp2": ["{llama}", "parallel.cp=2"],
     "llama_ulysses_cp2": ["{llama}", "parallel.cp=2", ULYSSES, "parallel.recompute=true"],
+    # capacity and balance statistics of the whole batch (aux_loss_scope "global"): one process on it
+    "moe_ring_cp2": [*MOE, DROP, "parallel.cp=2"],
+    "mixtral_ulysses_cp2": ["{mixtral}", "parallel.cp=2", ULYSSES],
+    "gpt2_ring_cp2": ["{gpt2}", "parallel.cp=2"],
 }
 WORLD4 = {
     "ring_cp4": ["parallel.cp=4", "parallel.recompute='selective'"],
@@ -59,7 +96,31 @@ WORLD4 = {
     "cp2_pp2": ["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2", "model.tie_embeddings=true"],
     "cp2_dp2_zero3": ["parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=3", ULYSSES],
     "llama_cp2_tp2_sp": ["{llama}", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    # aux_loss_scope "local" with drops: each ep rank's half of the batch is routed, capped and balanced on its
+    # own (its sequences whole over cp), as the reference's two accumulation chunks are
+    "moe_cp2_ep2_local": [*MOE, DROP, 'model.aux_loss_scope="local"', "parallel.cp=2", "parallel.ep=2",
+                          "ref:train.grad_accum=2"],
+    # "global": balance statistics over ep x cp; capacity is per ep rank, so no drops (test_global_balance.py)
+    "moe_ulysses_cp2_ep2": [*MOE, NO_DROP, "parallel.cp=2", "parallel.ep=2", ULYSSES],
+    "mixtral_cp2_ep2": ["{mixtral}", "parallel.cp=2", "parallel.ep=2"],
+    # 1F1B, local scope: each micro-batch routed, capped and balanced on its own, as the reference's chunks
+    "moe_cp2_pp2_local": [*MOE, DROP, 'model.aux_loss_scope="local"', "parallel.cp=2", "parallel.pp=2",
+                          "parallel.micro_batches=2", "ref:train.grad_accum=2"],
+    # tp x SP: a replicated MoE block gathers its rank's sequence shard back to the cp chunks before routing
+    "moe_cp2_tp2_sp": [*MOE, DROP, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "mixtral_cp2_tp2_sp": ["{mixtral}", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "gpt2_cp2_tp2_sp": ["{gpt2}", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    # a stage after the first takes hidden states (inputs_embeds) and this rank's positions all the same
+    "llama_cp2_pp2": ["{llama}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+    # GPT-2's position embedding lives on the first stage; its head is tied to the embedding across stages
+    "gpt2_cp2_pp2": ["{gpt2}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+    # Mixtral's router loss spans the stages (cross_stage) and, under GPipe, the whole step: the whole batch's
+    "mixtral_cp2_pp2_gpipe": ["{mixtral}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2",
+                              'parallel.schedule="gpipe"'],
 }
+# evaluation routes each ep rank's half of a batch under capacity, the grad_accum reference the whole batch in
+# one call (measured 6e-5 apart); the pipeline evaluates the whole batch, as the reference does
+NO_VAL = {"moe_cp2_ep2_local"}
 MEMORY_SEQ = 2048
 MEMORY_COMMON = (f"model.max_seq_len={MEMORY_SEQ}", f"train.seq_len={MEMORY_SEQ}", "train.global_batch=1")
 MEMORY = {"ring_cp4": (4, ["parallel.cp=4"]),
@@ -74,12 +135,22 @@ MEMORY = {"ring_cp4": (4, ["parallel.cp=4"]),
 # block, a wrong causal pair, a wrong rotary position or a gradient not averaged over cp moves the
 # loss by > 1e-3 and gradients by O(1) relative; AdamW moves a weight ~lr = 1e-3 a step, so WEIGHT_TOL's
 # 5e-5 is 1/20 of one step (the argument of tests/parallel/tensor/test_hf_tensor_parallel.py).
-TIED = {"lm_head.weight": "tok_emb.weight"}  # model.tie_embeddings: one tensor under the embedding's name
+# MoE, Mixtral, GPT-2 and the Hugging Face cp2 x pp2 and cp2 x tp2 runs: routing makes the same choices on numbers a few ulps apart
+# (no token sits on a tie here) and the balance statistics are summed over cp in another order; measured
+# losses within 9.5e-7, gradient norms within 6e-8, first-step gradients within 3e-8, final weights
+# within 1.5e-6, the aux and z-losses within 1.5e-8 and the drop rate and load share exactly (all layouts;
+# validation within 4.8e-7). Counting capacity on each rank's own chunks (SequenceSlots left out) moves
+# the MoE GPT's loss by 1.4e-4 and its weights by 6e-3; balance statistics of each rank's own chunks move
+# them by 1e-4 and 4e-3, Mixtral's by 2.8e-5 (inside LOSS_TOL) and 2.4e-3 (about 50x WEIGHT_TOL's atol):
+# the weights catch each.
+# tied embeddings: one tensor under the embedding's name (the reference GPT's, GPT-2's)
+TIED = {"lm_head.weight": ("tok_emb.weight", "transformer.wte.weight")}
 ATTN_TOL = dict(rtol=1e-5, atol=1e-5)
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 NORM_TOL = dict(rtol=1e-4, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
+MOE_METRICS = ("moe/aux_loss", "moe/z_loss", "moe/drop_rate", "moe/load/L0/e0")
 
 
 def _attention_errors() -> dict[str, list[float]]:
@@ -106,11 +177,45 @@ def _attention_errors() -> dict[str, list[float]]:
     return errors
 
 
+def _slot_errors() -> list[int]:
+    """Capacity under cp (tessel.parallel.context.moe.SequenceSlots) at cp = world on random top-2 choices (some
+    second choices skipped, as random routing does): the assignments of this rank's chunks whose kept/dropped
+    verdict differs from one process's on the whole sequences, for two capacity factors; then under
+    whole_sequences (generation), against one process on the rank's own tokens."""
+    cp = dist.get_world_size()
+    ctx = CPContext.from_mesh(make_mesh({"cp": cp}), "ring")
+    torch.manual_seed(1)  # the same choices on every rank
+    B, T, E = 3, 8 * cp, 4
+    experts = torch.randint(0, E, (B, T, 2))
+    experts[..., 1] = experts[..., 1].masked_fill(torch.rand(B, T) < 0.2, -1)
+    mine = ctx.positions(T // cp, torch.device("cpu"))
+    local = experts[:, mine].reshape(-1, 2)
+    wrong = []
+    for factor in (0.5, 1.0):
+        whole = local_slots(experts.reshape(-1, 2), E, factor).view(B, T, 2)[:, mine].reshape(-1, 2)
+        assert not whole.all()  # capacity drops some
+        wrong.append(int((SequenceSlots(ctx)(local, E, factor, B) != whole).sum()))
+    with ctx.whole_sequences():
+        wrong.append(int((SequenceSlots(ctx)(local, E, 0.5, B) != local_slots(local, E, 0.5)).sum()))
+    return wrong
+
+
+def _over_ep(t: torch.Tensor, p: torch.Tensor, mesh) -> torch.Tensor:
+    """An expert weight (or its gradient) whole: its ep shards joined along the experts' dim."""
+    dim = shard_dims(p).get("ep")
+    if dim is None or mesh.size("ep") == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(mesh.size("ep"))]
+    dist.all_gather(parts, t.contiguous(), group=mesh.group("ep"))
+    return torch.cat(parts, dim=dim)
+
+
 def _whole(model, runner, mesh, cfg, grads: bool) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) whole, by name: gathered over tp, then over the pipeline's stages."""
+    """Every parameter (or its gradient) whole, by name: gathered over tp and ep, then over the pipeline's
+    stages."""
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
     named = runner.named_parameters() if isinstance(runner, PipelineRunner) else dict(model.named_parameters())
-    mine = {n: full_tensor(p.grad if grads else p, p, ctx) for n, p in named.items()}
+    mine = {n: _over_ep(full_tensor(p.grad if grads else p, p, ctx), p, mesh) for n, p in named.items()}
     if mesh.size("pp") == 1:
         return mine
     stages = [None] * mesh.size("pp")
@@ -120,7 +225,8 @@ def _whole(model, runner, mesh, cfg, grads: bool) -> dict[str, torch.Tensor]:
 
 def _train(overrides: list[str], out_dir: str | None = None) -> dict:
     """5 steps of the trainer; losses, norms, validation loss, sample, first gradients, final weights."""
-    cfg = tiny_config(*COMMON, *overrides, out_dir=out_dir)
+    hf = any(o.startswith("model.hf_config") for o in overrides)
+    cfg = tiny_config(*COMMON, *([] if hf else [GQA]), *overrides, out_dir=out_dir)
     trainer, model, runner, mesh = build_trainer(cfg)
     out: dict = {}
     forward_backward = runner.forward_backward
@@ -137,18 +243,24 @@ def _train(overrides: list[str], out_dir: str | None = None) -> dict:
     # losses and norms they produce)
     weights = _whole(model, runner, mesh, cfg, False) if cfg.parallel.zero_stage < 3 else None
     out.update(losses=summary.losses, norms=[row["grad_norm"] for row in trainer.history],
-               val_loss=summary.val_loss, sample=summary.sample, weights=weights)
+               val_loss=summary.val_loss, sample=summary.sample, weights=weights,
+               moe={k: [row[k] for row in trainer.history] for k in MOE_METRICS if k in trainer.history[0]})
     return out
 
 
-def _layouts(layouts: dict, llama: str) -> dict[str, list[str]]:
-    return {name: [o.format(llama=f'model.hf_config="{llama}"') for o in overrides]
-            for name, overrides in layouts.items()}
+def _layouts(layouts: dict, hf: dict[str, str]) -> dict[str, list[str]]:
+    """The layouts' overrides with the Hugging Face configs' paths in (and "ref:" overrides kept)."""
+    paths = {kind: f'model.hf_config="{path}"' for kind, path in hf.items()}
+    return {name: [o.format(**paths) for o in overrides] for name, overrides in layouts.items()}
 
 
-def _world(layouts: dict, llama: str, root: str) -> dict:
-    out = {"attention": _attention_errors()}
-    out.update({name: _train(o) for name, o in _layouts(layouts, llama).items()})
+def _parallel(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("ref:")]
+
+
+def _world(layouts: dict, hf: dict[str, str], root: str) -> dict:
+    out = {"attention": _attention_errors(), "slots": _slot_errors()}
+    out.update({name: _train(_parallel(o)) for name, o in _layouts(layouts, hf).items()})
     if dist.get_world_size() == 2:  # saved under cp2 at step 3 (and trained on to 5), resumed below by one process
         saved = [*WORLD2["ring_cp2"], "checkpoint.every=3", "fault.heartbeat_s=0"]
         out["saved_cp2"] = _train(saved, out_dir=f"{root}/saved_cp2")["losses"]
@@ -158,10 +270,11 @@ def _world(layouts: dict, llama: str, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("hf") / "llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return str(path)
+def hf(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("hf")
+    for kind, doc in HF.items():
+        (folder / f"{kind}.json").write_text(json.dumps(doc))
+    return {kind: str(folder / f"{kind}.json") for kind in HF}
 
 
 @pytest.fixture(scope="module")
@@ -170,22 +283,23 @@ def root(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world2(llama, root):
-    return spawn(_world, 2, WORLD2, llama, root, timeout=600)
+def world2(hf, root):
+    return spawn(_world, 2, WORLD2, hf, root, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def world4(llama, root):
-    return spawn(_world, 4, WORLD4, llama, root, timeout=600)
+def world4(hf, root):
+    return spawn(_world, 4, WORLD4, hf, root, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def references(llama):
-    """One process, the same recipes without the parallel fields (recompute kept: it changes no number)."""
+def references(hf):
+    """One process, the same recipes without the parallel fields (recompute kept: it changes no number), with
+    the "ref:" overrides. A Hugging Face model's is the unmodified transformers model."""
     refs: dict[tuple, dict] = {}
     out = {}
-    for name, overrides in _layouts({**WORLD2, **WORLD4}, llama).items():
-        key = tuple(o for o in overrides if not o.startswith("parallel.") or "recompute" in o)
+    for name, overrides in _layouts({**WORLD2, **WORLD4}, hf).items():
+        key = tuple(o.removeprefix("ref:") for o in overrides if not o.startswith("parallel.") or "recompute" in o)
         if key not in refs:
             refs[key] = _train(list(key))
         out[name] = refs[key]
@@ -197,14 +311,27 @@ def _check(name: str, got: dict, ref: dict, rank: int) -> None:
     assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL, msg=lambda m: f"{where}: {m}")
     assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), **NORM_TOL,
                  msg=lambda m: f"{where} grad norm: {m}")
-    assert_close(got["val_loss"], ref["val_loss"], **LOSS_TOL)
+    if name not in NO_VAL:
+        assert_close(got["val_loss"], ref["val_loss"], **LOSS_TOL)
     assert got["sample"] == ref["sample"], f"{where}: sample differs"
+    recipe = {**WORLD2, **WORLD4}[name]
+    if DROP in recipe:  # capacity decides: the same tokens dropped as one process drops
+        assert min(ref["moe"]["moe/drop_rate"]) > 0.05, ref["moe"]["moe/drop_rate"]
+    if NO_DROP in recipe:
+        assert max(ref["moe"]["moe/drop_rate"]) == 0
+    if "parallel.pp=2" not in recipe:  # (a pipeline rank's moe/* rows count its own stage's layers)
+        # the aux and z-losses, the drop rate, a load share of each step: summed over cp (and ep)
+        assert got["moe"].keys() == ref["moe"].keys()
+        for key, values in got["moe"].items():
+            assert_close(torch.tensor(values), torch.tensor(ref["moe"][key]), **LOSS_TOL,
+                         msg=lambda m, key=key: f"{where} {key}: {m}")
     if got["weights"] is None:
         return
     # a pipeline's last stage holds its own copy of a tied head: it must equal the embedding
     assert set(got["weights"]) - set(ref["weights"]) <= set(TIED)
     assert set(ref["weights"]) <= set(got["weights"])
-    ref_name = {n: n if n in ref["weights"] else TIED[n] for n in got["weights"]}
+    ref_name = {n: n if n in ref["weights"] else next(t for t in TIED[n] if t in ref["weights"])
+                for n in got["weights"]}
     for n, g in got.get("grads", {}).items():
         assert_close(g, ref["grads"][ref_name[n]], **GRAD_TOL, msg=lambda m, n=n: f"{where} grad {n}: {m}")
     for n, w in got["weights"].items():
@@ -232,6 +359,12 @@ def test_attention_matches_sdpa_on_the_whole_sequence(world2, world4):
         for rank, result in enumerate(world):
             for mode, errors in result["attention"].items():
                 assert max(errors) < ATTN_TOL["atol"], (len(world), mode, rank, errors)
+
+
+def test_moe_capacity_under_cp_drops_what_one_process_drops(world2, world4):
+    for world in (world2, world4):
+        for rank, result in enumerate(world):
+            assert result["slots"] == [0, 0, 0], (len(world), rank, result["slots"])
 
 
 def test_a_cp2_checkpoint_resumes_under_cp1(world2, root, references):
