@@ -88,3 +88,10 @@ def train_and_collect(cfg: Config, weights: bool = True) -> dict:
 def metrics_rows(out_dir) -> list[dict]:
     """The rows a run wrote to <out_dir>/metrics.jsonl, in order."""
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_configs(folder: Path, docs: dict[str, dict]) -> dict[str, str]:
+    """Each model config of `docs` written as <name>.json in folder (what model.hf_config names); name -> path."""
+    for name, doc in docs.items():
+        (folder / f"{name}.json").write_text(json.dumps(doc))
+    return {name: str(folder / f"{name}.json") for name in docs}

@@ -33,7 +33,6 @@ model's activations term for the same layout (planned_peak) is within 10% of it.
 tokens comes from benchmarks/cp_memory.py.
 """
 
-import json
 
 import pytest
 import torch
@@ -51,7 +50,7 @@ from tessel.parallel.pipeline.runner import PipelineRunner
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.sharding import shard_dims
 from tessel.spawn import spawn
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import build_trainer, tiny_config, write_configs
 
 STEPS = 5
 # seq 32: cp4 holds 8 chunks of 4 tokens; 2 kv heads: the ring passes kv heads un-repeated (a Hugging Face
@@ -274,10 +273,7 @@ def _world(layouts: dict, hf: dict[str, str], root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("hf")
-    for kind, doc in HF.items():
-        (folder / f"{kind}.json").write_text(json.dumps(doc))
-    return {kind: str(folder / f"{kind}.json") for kind in HF}
+    return write_configs(tmp_path_factory.mktemp("hf"), HF)
 
 
 @pytest.fixture(scope="module")

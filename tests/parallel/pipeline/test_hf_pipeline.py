@@ -13,7 +13,6 @@ schedules ZB-H1, ZBV (Llama) and ZB-H2 (GPT-2), whose split backward runs on the
 parallelism).
 """
 
-import json
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import build_runner, tiny_config
+from tests.helpers import build_runner, tiny_config, write_configs
 
 STEPS = 5
 # dropout 0 (GPT-2 has dropout by default); 4 layers so that pp2 leaves two decoder layers a stage
@@ -68,10 +67,7 @@ WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("hf")
-    for name, doc in CONFIGS.items():
-        (folder / f"{name}.json").write_text(json.dumps(doc))
-    return {name: str(folder / f"{name}.json") for name in CONFIGS}
+    return write_configs(tmp_path_factory.mktemp("hf"), CONFIGS)
 
 
 def _run(path: str, overrides: list[str]) -> dict:
