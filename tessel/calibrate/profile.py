@@ -397,7 +397,7 @@ def profile_ranks(cfg: ModelConfig, seq_len: int, micro_batches: list[int], prec
     for _ in range(rounds):
         for key, mb in times:
             dist.barrier()
-            times[key, mb].append(_median_time(lambda: fwd_bwd(key, batches[mb]), 1))
+            times[key, mb].append(_slowest(_median_time(lambda: fwd_bwd(key, batches[mb]), 1)))
     med = {k: statistics.median(v) for k, v in times.items()}
     # whole-model FLOPs per second of one rank's time: a tp rank does 1/tp of them in that time
     points = {tp: [(mb * seq_len, spec.model_flops_per_token() * mb * seq_len / med[(tp, False), mb])
@@ -410,6 +410,15 @@ def profile_ranks(cfg: ModelConfig, seq_len: int, micro_batches: list[int], prec
     t_opt, t_over = _time_step_rest(models[1, False][0], seq_len, max(micro_batches))
     n_params = sum(p.numel() for p in models[1, False][0].parameters())
     return {"points": points, "tp_comm": tp_comm, "opt_s_per_param": t_opt / n_params, "overhead": t_over}
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's time of a round that started at a barrier: a synchronous step (its gradient
+    all-reduce, a tp layer's collective, a pipeline's hand-off) ends when its slowest rank does, and on a
+    host with fewer cores than ranks that is the unluckiest rank's descheduling, not the typical one's."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _time_step_rest(model, seq_len: int, mb: int) -> tuple[float, float]:
