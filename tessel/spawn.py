@@ -31,7 +31,8 @@ def free_port() -> int:
     """A port free now, below the kernel's ephemeral range: between this check and the rendezvous binding
     it, the port is free for anyone, and gloo's own connections (and every other outgoing socket) take
     theirs from the ephemeral range, so a port from that range can be gone by then (EADDRINUSE)."""
-    below = range(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+    low = _ephemeral_low()
+    below = range(max(1024, low - 12000), low)
     for port in random.Random().sample(below, min(64, len(below))):
         with socket.socket() as s:
             try:
