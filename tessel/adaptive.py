@@ -32,6 +32,7 @@ from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tessel.models.emulated import emulate_device
 from tessel.parallel.tensor_nd.apply import describe_mode
+from tessel.runtime import make_deterministic
 from tessel.train.fault.elastic import Replanned, replan_for_world
 from tessel.train.fault.preempt import StopRequest
 from tessel.train.fault.slow import Relayout
@@ -75,7 +76,7 @@ def fit_layout(cfg: Config, device: torch.device, run_id: str | None, stop: Stop
     else:
         mesh.check_topology(r.nproc_per_node)
     if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
+        make_deterministic()
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank before any split
     model = build_model(cfg.model).to(device)
     flops = emulated_flops(cfg, rank, dist.get_world_size())

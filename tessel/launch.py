@@ -30,7 +30,7 @@ from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
 from tessel.observe.trackers import check_installed
 from tessel.supervise import Supervisor
-from tessel.train.fault.elastic import rendezvous_args, replan
+from tessel.train.fault.elastic import rendezvous_args, replan, shutdown_args
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -126,6 +126,9 @@ def ranks_per_node(cfg: Config, opts: LaunchOptions) -> int:
 
 def check_devices(cfg: Config, nproc: int) -> None:
     r = cfg.runtime
+    if r.device == "auto" and r.backend != "nccl":
+        _say_auto_device(nproc)
+        return
     if r.device != "cuda" and r.backend != "nccl":
         return
     import torch
@@ -136,6 +139,17 @@ def check_devices(cfg: Config, nproc: int) -> None:
     if torch.cuda.device_count() < nproc:
         raise ConfigError(field, f"{nproc} ranks per node need {nproc} GPUs; this machine has "
                           f"{torch.cuda.device_count()}")
+
+
+def _say_auto_device(nproc: int) -> None:
+    """runtime.device = "auto" on a node with GPUs, but fewer than its ranks: one line saying the run
+    takes the CPU (tessel.runtime.auto_uses_cuda), so that nobody mistakes it for a GPU run."""
+    import torch
+    from tessel.runtime import auto_uses_cuda
+    if torch.cuda.is_available() and not auto_uses_cuda(nproc):
+        print(f"[tessel] runtime.device = 'auto': {nproc} ranks per node but {torch.cuda.device_count()} GPU(s) "
+              "here, so the ranks run on the CPU (gloo); set runtime.device = 'cuda' with one GPU per rank",
+              file=sys.stderr, flush=True)
 
 
 def check_environment(cfg: Config) -> None:
@@ -209,8 +223,7 @@ def torchrun_command(cfg: Config, opts: LaunchOptions, nproc: int, rank_args: li
     else:
         rdzv = rendezvous_args(opts.nnodes)
     return [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={nproc}",
-            f"--max-restarts={opts.max_restarts}", f"--shutdown-timeout={int(opts.grace_s)}",
-            "-m", "tessel", *rank_args]
+            f"--max-restarts={opts.max_restarts}", *shutdown_args(int(opts.grace_s)), "-m", "tessel", *rank_args]
 
 
 def launch(checked: Preflight, opts: LaunchOptions, say=print) -> int:

@@ -14,12 +14,30 @@ import torch
 import torch.distributed as dist
 
 
+def auto_uses_cuda(ranks_per_node: int) -> bool:
+    """What runtime.device = "auto" means: a GPU per rank when this node has one for each of its ranks,
+    else the CPU. NCCL refuses two ranks on one GPU, so 2 ranks on a 1-GPU laptop run on its CPU (gloo)
+    rather than fail at the rendezvous."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= ranks_per_node
+
+
 def pick_device(choice: str = "auto") -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if choice == "cuda" or (choice == "auto" and auto_uses_cuda(local_ranks)):
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def make_deterministic() -> None:
+    """train.deterministic: every op's deterministic algorithm, or an error naming the op that has none.
+
+    On CUDA, cuBLAS needs a fixed workspace for reproducible matmuls; it reads
+    CUBLAS_WORKSPACE_CONFIG when its handle is made (the first matmul), so it is
+    set here, before any, unless the user chose a size."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def pick_backend(device: torch.device, choice: str = "auto") -> str:

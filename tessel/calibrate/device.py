@@ -38,7 +38,7 @@ def check_memory(cfg: Config, ranks_per_node: int, force: bool = False) -> Memor
 
 
 def device_budget(cfg: Config, ranks_per_node: int) -> Budget:
-    if _uses_cuda(cfg.runtime.device):
+    if _uses_cuda(cfg.runtime.device, ranks_per_node):
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("runtime.device", "is 'cuda', but torch sees no GPU")
@@ -64,13 +64,13 @@ def data_limit() -> float | None:
     return None if soft == resource.RLIM_INFINITY else float(soft)
 
 
-def _uses_cuda(device: str) -> bool:
+def _uses_cuda(device: str, ranks_per_node: int) -> bool:
     """tessel.runtime.pick_device's rule. torch is imported only to ask; the launcher has it loaded
     already (tessel.train.data.validate_data runs first)."""
     if device == "cpu":
         return False
-    import torch
-    return device == "cuda" or torch.cuda.is_available()
+    from tessel.runtime import auto_uses_cuda
+    return device == "cuda" or auto_uses_cuda(ranks_per_node)
 
 
 def available_ram() -> float:

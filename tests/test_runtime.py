@@ -1,0 +1,53 @@
+"""tessel.runtime: which device "auto" picks, and what train.deterministic switches on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tessel.config import build_config
+from tessel.launch import check_devices
+from tessel.runtime import auto_uses_cuda, make_deterministic, pick_device
+
+
+def _gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+@pytest.mark.parametrize("gpus, ranks, cuda", [(0, 1, False), (1, 1, True), (1, 2, False), (8, 8, True),
+                                               (4, 8, False)])
+def test_auto_takes_the_gpus_only_when_every_local_rank_has_one(monkeypatch, gpus, ranks, cuda):
+    _gpus(monkeypatch, gpus)
+    assert auto_uses_cuda(ranks) is cuda
+
+
+def test_auto_with_fewer_gpus_than_ranks_runs_on_the_cpu_and_says_so(monkeypatch, capsys):
+    # NCCL refuses two ranks on one GPU: 2 ranks on a 1-GPU laptop would die at the rendezvous
+    _gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert pick_device("auto") == torch.device("cpu")
+    check_devices(build_config({"parallel": {"dp": 2}}), nproc=2)
+    err = capsys.readouterr().err
+    assert "2 ranks per node but 1 GPU(s)" in err and "run on the CPU" in err and len(err.splitlines()) == 1
+
+
+def test_auto_without_gpus_says_nothing(monkeypatch, capsys):
+    _gpus(monkeypatch, 0)
+    check_devices(build_config({"parallel": {"dp": 2}}), nproc=2)
+    assert capsys.readouterr().err == ""
+
+
+def test_deterministic_sets_cublas_workspace_unless_the_user_did(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        make_deterministic()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # cuBLAS's reproducible workspace
+        assert torch.are_deterministic_algorithms_enabled()
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        make_deterministic()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
