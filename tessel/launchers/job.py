@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tessel.config import Config, ConfigError, at_least, check_layout, to_toml
 from tessel.observe.trackers import check_installed
+from tessel.train.fault.elastic import shutdown_args
 
 
 @dataclass
@@ -84,4 +85,4 @@ def torchrun_argv(job: ClusterJob, recipe: str, endpoint: str, rdzv_id: str, pyt
     against its own (and where several nodes share a machine, the first to bind the port hosts it)."""
     return [python, "-m", "torch.distributed.run", f"--nnodes={job.nodes}", f"--nproc-per-node={job.per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0",
-            f"--shutdown-timeout={job.grace_s}", "-m", "tessel", "train", recipe, "--resume", "auto"]
+            *shutdown_args(job.grace_s), "-m", "tessel", "train", recipe, "--resume", "auto"]
