@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from tessel.axes import AXES
 from tessel.mesh import Mesh
@@ -27,13 +28,14 @@ def _reduce_axes(axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
 
 def global_grad_norm(params: Iterable[nn.Parameter], mesh: Mesh) -> torch.Tensor:
     """L2 norm of all gradients of the whole model, identical on every rank."""
-    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    grads: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for p in dict.fromkeys(params):
         if p.grad is None or is_replica(p):
             continue
-        key = _reduce_axes(shard_axes(p), mesh)
-        sq = p.grad.detach().float().pow(2).sum()
-        sums[key] = sums[key] + sq if key in sums else sq
+        grads.setdefault(_reduce_axes(shard_axes(p), mesh), []).append(p.grad.detach().float())
+    # one multi-tensor norm kernel per group (torch's foreach path), not three kernels per parameter:
+    # on a GPU the launches of a per-parameter loop cost more than the arithmetic
+    sums = {key: get_total_norm(gs, 2.0).square() for key, gs in grads.items()}
     total = torch.zeros((), device=mesh.device)
     # iterate in a fixed order: all ranks of a group must issue the same collectives
     for key in sorted(_all_keys(sums, mesh)):
@@ -68,8 +70,6 @@ def _group_for(mesh: Mesh, axes: tuple[str, ...]):
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, mesh: Mesh) -> torch.Tensor:
     params = [p for p in dict.fromkeys(params) if p.grad is not None]
     norm = global_grad_norm(params, mesh)
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(scale.to(p.grad.device))
+    if max_norm > 0:  # every gradient times min(1, max_norm / (norm + 1e-6)), one foreach kernel per dtype
+        clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -63,13 +63,13 @@ class MeshCohort:
         # the norm is over what the optimizer steps (a sharded optimizer's gradients are marked)
         grad_norm = clip_grad_norm_(optimizer_params(state.optimizer), self.grad_clip, self.mesh)
         lr = state.optimizer.param_groups[0]["lr"]
-        finite, stop_signal = agree(loss, grad_norm, stop_signal, self.device)
-        if finite:
+        agreed = agree(loss, grad_norm, stop_signal, self.device)
+        if agreed.finite:
             state.optimizer.step()
         state.scheduler.step()
         # set_to_none=False keeps gradients as views of the data-parallel buckets
         state.optimizer.zero_grad(set_to_none=False)
-        return StepOutcome(loss.item(), lr, grad_norm.item(), not finite, stop_signal)
+        return StepOutcome(agreed.loss, lr, agreed.grad_norm, not agreed.finite, agreed.stop_signal)
 
     def eval_mean(self, loss: torch.Tensor) -> torch.Tensor:
         return mean_over(loss, self.mesh, *TOKEN_AXES)

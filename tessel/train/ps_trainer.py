@@ -109,7 +109,7 @@ class WorkerCohort:
         if self.lockstep and group is not None:
             loss = mean_over(loss, self.mesh, "dp")
             # nothing to skip (the update is applied already): one all-reduce for the stop decision
-            _, stop_signal = agree(loss, torch.zeros(()), stop_signal, self.device, group)
+            stop_signal = agree(loss, torch.zeros((), device=self.device), stop_signal, self.device, group).stop_signal
         with warnings.catch_warnings():  # "scheduler stepped before the optimizer": the servers stepped
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             state.scheduler.step()

@@ -8,16 +8,31 @@ to any rank stops them all after the same step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank of the group decided after the all-reduce, with the step's loss and gradient norm as
+    numbers on the host."""
+    finite: bool  # the loss and the gradient norm are finite on every rank
+    stop_signal: int  # the signal some rank was asked to stop on, or 0
+    loss: float
+    grad_norm: float
+
+
 def agree(loss: torch.Tensor, grad_norm: torch.Tensor, stop_signal: int, device: torch.device,
-          group=None) -> tuple[bool, int]:
-    """One all-reduce per step over `group` (None: every rank), so its ranks take the same decisions:
-    (the loss and gradient norm are finite on every rank, the signal some rank was asked to stop on or 0)."""
-    finite = bool(torch.isfinite(loss).all()) and bool(torch.isfinite(grad_norm).all())
-    flags = torch.tensor([0.0 if finite else 1.0, float(stop_signal)], device=device)
+          group=None) -> Agreement:
+    """One all-reduce per step over `group` (None: every rank), so its ranks take the same decisions, and one
+    copy to the host of the flags, the loss and the gradient norm together: on a GPU each `.item()` waits
+    for the device to drain, so a step that read them one by one stalled the GPU several times."""
+    bad = ~(torch.isfinite(loss).all() & torch.isfinite(grad_norm).all())
+    flags = torch.stack([bad.float(), torch.full((), float(stop_signal), device=device)])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return flags[0].item() == 0.0, int(flags[1].item())
+    bad_anywhere, signal, loss_value, norm_value = torch.cat(
+        [flags, loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]).tolist()
+    return Agreement(bad_anywhere == 0.0, int(signal), loss_value, norm_value)

@@ -12,26 +12,48 @@ import torch.distributed as dist
 
 
 class ForwardTimer:
-    """Sums the wall time of some modules' forward passes (hooks; no change to the model): a rank's
-    compute (tessel.parallel.runner.Runner.timed_modules: its model, or its pipeline chunks)."""
+    """Sums the time of some modules' forward passes (hooks; no change to the model): a rank's compute
+    (tessel.parallel.runner.Runner.timed_modules: its model, or its pipeline chunks).
+
+    On a GPU the forward's kernels run after the hooks return, so the time is taken between two CUDA
+    events recorded on the stream, read when the sum is taken: a synchronize in the hook would make the
+    host wait for every forward before it queues the backward, on every step."""
 
     def __init__(self, modules: list[torch.nn.Module], device: torch.device):
         self.total, self._t0, self.device = 0.0, None, device
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) of each forward
         for module in modules:
             module.register_forward_pre_hook(self._pre)
             module.register_forward_hook(self._post)
 
     def _pre(self, *_):
         # training forwards only: evaluation and sampling run without grad and are not a step's work
-        self._t0 = time.perf_counter() if torch.is_grad_enabled() else None
+        if not torch.is_grad_enabled():
+            self._t0 = None
+        elif self.cuda:
+            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0.record()
+        else:
+            self._t0 = time.perf_counter()
 
     def _post(self, *_):
-        if self._t0 is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self._t0 is not None:
+        if self._t0 is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._t0, end))
+        else:
             self.total += time.perf_counter() - self._t0
+        self._t0 = None
 
     def take(self) -> float:
+        """Seconds of forward since the last take (on a GPU, waits for the last timed forward to finish)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.total += sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+            self._events = []
         t, self.total = self.total, 0.0
         return t
 
