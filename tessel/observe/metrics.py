@@ -10,8 +10,27 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak per device from vendor spec sheets (no sparsity), FLOP/s.
-KNOWN_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+# Dense peaks per device from vendor spec sheets (no sparsity), FLOP/s: bf16 (and fp16) on tensor cores; tf32,
+# the tensor cores' fp32 matmuls, which torch uses only when allowed (torch.set_float32_matmul_precision);
+# plain fp32 on the CUDA cores, torch's default for fp32 matmuls. The first name found in the device's wins.
+KNOWN_PEAKS = {
+    "H100 PCIe": {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},  # SXM
+    "H200": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L4": {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
+}
+
+
+def spec_sheet_peak(name: str, dtype: torch.dtype) -> float | None:
+    """The spec-sheet peak of a GPU called `name` for matmuls in dtype, as torch will run them; None if unknown."""
+    for key, peaks in KNOWN_PEAKS.items():
+        if key in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return peaks["bf16"]
+            return peaks["tf32"] if torch.get_float32_matmul_precision() != "highest" else peaks["fp32"]
+    return None
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
@@ -23,10 +42,9 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     are. On a known GPU the spec-sheet peak is used (MFU is defined against it).
     """
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in KNOWN_PEAKS.items():
-            if key in name:
-                return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+        peak = spec_sheet_peak(torch.cuda.get_device_name(device), dtype)
+        if peak is not None:
+            return peak
     n = n or (256 if device.type == "cpu" else 8192)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
