@@ -32,6 +32,7 @@ from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tessel.models.emulated import emulate_device
 from tessel.parallel.tensor_nd.apply import describe_mode
+from tessel.runtime import job_store
 from tessel.train.fault.elastic import Replanned, replan_for_world
 from tessel.train.fault.preempt import StopRequest
 from tessel.train.fault.slow import Relayout
@@ -131,11 +132,10 @@ def regroup(evicted: list[int], timeout_s: float) -> bool:
     """A new default process group of the ranks that stay, renumbered in order; False on an evicted rank.
 
     Every rank leaves the old group; the ones that stay rendezvous again in the
-    store the job started with (torchrun's agent's, or rank 0's under
+    job's store (tessel.runtime.job_store: torchrun's agent's, or rank 0's under
     tessel.spawn, which must then stay), under a prefix of their own. An
     evicted rank joins a group of its own, so that its teardown finds one.
     """
-    store = dist.distributed_c10d._get_default_store()  # the job's store outlives the group we leave
     backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     stay = [r for r in range(world) if r not in evicted]
     dist.barrier()
@@ -149,7 +149,7 @@ def regroup(evicted: list[int], timeout_s: float) -> bool:
         print(f"[tessel slow] rank {rank} evicted: leaving the run", flush=True)
         return False
     new_rank = stay.index(rank)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"tessel/regroup{generation}", store), rank=new_rank,
-                            world_size=len(stay), timeout=timeout)
+    store = dist.PrefixStore(f"tessel/regroup{generation}", job_store(timeout_s))
+    dist.init_process_group(backend, store=store, rank=new_rank, world_size=len(stay), timeout=timeout)
     os.environ.update(RANK=str(new_rank), WORLD_SIZE=str(len(stay)))
     return True
