@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.adaptive import regroup
+from tessel.adaptive import regroup, with_nodes_of, without_ranks
 from tessel.spawn import spawn
+from tessel.train.fault.slow import evicted_with
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +44,20 @@ def test_tessel_calls_no_private_torch_distributed_function():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "tessel").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert hits == []
+
+
+def test_eviction_takes_the_slow_ranks_node_or_the_rank_alone_on_one_node():
+    two_nodes = tiny_config("parallel.dp=4", "runtime.nnodes=2", "runtime.nproc_per_node=2",
+                            "runtime.device_speeds=[1.0, 2.0, 3.0, 4.0]")
+    assert evicted_with(two_nodes, 4, 3)[0] == [2, 3] and evicted_with(two_nodes, 4, 0)[0] == [0, 1]
+    one_node = tiny_config("parallel.dp=4")
+    leave, why = evicted_with(one_node, 4, 3)
+    assert leave == [3] and "alone" in why
+    # the ranks left keep their declarations, renumbered, and their node size where whole nodes left
+    left = without_ranks(two_nodes, [0, 1])
+    assert left.runtime.device_speeds == [3.0, 4.0] and (left.runtime.nnodes, left.runtime.nproc_per_node) == (1, 2)
+    assert without_ranks(one_node, [3]).runtime.nproc_per_node is None
+    # a re-plan clears the node size; where whole nodes left it still holds, and a later eviction needs it
+    replanned = tiny_config("parallel.dp=2")
+    assert with_nodes_of(left, replanned, None)[0].runtime.nproc_per_node == 2
+    assert with_nodes_of(two_nodes, replanned, None)[0].runtime.nproc_per_node is None  # 2 x 2 is not 2 ranks
