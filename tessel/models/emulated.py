@@ -22,6 +22,7 @@ its measured bubble mixes the schedule with CPU contention. Two emulations:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -78,6 +79,16 @@ def emulate_devices(model: nn.Module, fwd_s: float) -> nn.Module:
     for i, block in enumerate(model.layers):
         model.layers[i] = EmulatedBlock(block, fwd_s)
     return model
+
+
+@dataclass
+class Ledger:
+    """Where an emulated device's time went (benchmarks/hetero.py --account reads it)."""
+    kernels: int = 0
+    device_s: float = 0.0  # the kernels' device time
+    math_s: float = 0.0  # the CPU their own math took, inside their device time where it fits
+    oversleep_s: float = 0.0  # how much later than asked the host woke from the kernels' waits
+    credit_s: float = 0.0  # oversleep taken off the next kernels' waits
 
 
 class _Kernel:
@@ -160,7 +171,8 @@ class EmulatedDevice:
         self.credited = 0.0  # CPU seconds counted inside ended kernels (an enclosing one does not count them again)
         self._late = 0.0  # how much later than the device the host woke from the last kernel's wait
         self._woke, self._woke_cpu = time.perf_counter(), time.thread_time()  # when, and its CPU clock then
-        self._open: list[_BlockCall] = []  # forwards begun and not ended (a stack: recompute nests them)
+        self._open: list[_BlockCall] = []  # forwards begun and not ended (a stack, should blocks nest)
+        self.ledger = Ledger()
 
     def seconds(self, block: nn.Module, tokens: int) -> float:
         params = sum(p.numel() for p in block.parameters())
@@ -174,7 +186,7 @@ class EmulatedDevice:
 
     def end(self, kernel: _Kernel, device_s: float) -> None:
         """The kernel's math is done: wait what is left of its device time."""
-        own = time.thread_time() - kernel.cpu0 - (self.credited - kernel.credited0)  # nested kernels counted theirs
+        own = time.thread_time() - kernel.cpu0 - (self.credited - kernel.credited0)  # a nested kernel counts its own
         self.credited += own
         rest = device_s - own - kernel.ahead
         t0 = time.perf_counter()
@@ -182,6 +194,10 @@ class EmulatedDevice:
             time.sleep(rest)
         self._woke, self._woke_cpu = time.perf_counter(), time.thread_time()
         self._late = self._woke - t0 - rest if rest > 0 else 0.0
+        book = self.ledger
+        book.kernels, book.device_s, book.math_s = book.kernels + 1, book.device_s + device_s, book.math_s + own
+        book.oversleep_s += self._late
+        book.credit_s += min(kernel.ahead, max(0.0, device_s - own))
 
     def _pre_hook(self, block: nn.Module, args: tuple):
         if not torch.is_grad_enabled():  # evaluation and sampling: not a training step's work

@@ -82,10 +82,12 @@ class Clock:
         time.sleep(s + self.late)
 
 
-def _run(model: Model, clock: Clock, monkeypatch) -> tuple[list[float], list[float]]:
+def _run(model: Model, clock: Clock, monkeypatch, device: list | None = None) -> tuple[list[float], list[float]]:
     """(sleeps asked in forward, in backward) for one forward and backward of `model` on the device."""
     monkeypatch.setattr(emulated, "time", clock)
-    emulate_device(model, FLOPS)
+    on = emulate_device(model, FLOPS)
+    if device is not None:
+        device.append(on)
     x = torch.randn(1, TOKENS, D, requires_grad=True)
     out = model(x)
     forward = list(clock.asked)
@@ -94,10 +96,14 @@ def _run(model: Model, clock: Clock, monkeypatch) -> tuple[list[float], list[flo
 
 
 def test_a_block_waits_only_what_its_math_leaves_of_its_device_time(monkeypatch):
-    forward, backward = _run(Model(Block(0.015, 0.030)), Clock(), monkeypatch)
+    device = []
+    forward, backward = _run(Model(Block(0.015, 0.030)), Clock(), monkeypatch, device)
     # 40 ms forward, 15 of them computed: 25 left to wait (the sum would wait all 40 after the math)
     assert forward == pytest.approx([0.025], abs=0.004)
     assert backward == pytest.approx([0.080 - 0.030], abs=0.004)  # 80 ms backward, paced across its math
+    book = device[0].ledger  # what benchmarks/hetero.py --account reads
+    assert book.kernels == 2 and book.device_s == pytest.approx(0.120)
+    assert book.math_s == pytest.approx(0.045, abs=0.004)
 
 
 def test_math_longer_than_the_device_time_is_not_padded(monkeypatch):
