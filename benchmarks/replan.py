@@ -31,11 +31,15 @@ activations across a slow link, so that the planner puts the pipeline across
 the nodes and dp inside them (dp2 x pp2), with a global batch of 2 sequences
 of 128 tokens, so each of the two pipelines runs one micro-batch per flush.
 dp-only then keeps pp2 and half its time is bubble; the full re-plan runs
-dp2. Measured on this shared 2-core machine with the defaults, at load
-averages of 12-16 from other jobs: 1.41, 1.37, 1.41 (median 1.41; three
-earlier runs 1.33, 1.37, 1.40), the planner predicting 1.3-1.9 (the probe's
-latency, 1-5 ms under that load, overprices the pipeline's messages; the dp2
-step it predicts within 4-40%). With more micro-batches per flush the
+dp2. Measured on this shared 2-core machine with the defaults, with the
+emulator that takes a block's own math inside its device time: 1.40, 1.40,
+1.48 at load 1.3-2.1 and 1.28, 1.40, 1.31 at load 2-8 (median 1.40; the
+planner now lays the 4 ranks out as dp2 x pp2 ZB-H1 ZeRO-3, dp-only keeps
+pp2 ZB-H1, the full re-plan runs dp2), the planner predicting each
+continuation within 20% (dp-only 0.216-0.273 s predicted against
+0.214-0.240 measured, dp2 0.133-0.172 against 0.144-0.175). Before that
+emulator change: 1.41, 1.37, 1.41 at load 12-16 (three earlier runs 1.33,
+1.37, 1.40). With more micro-batches per flush the
 bubble, and so the gain, shrinks: --batch 4 --seq 64 --inter-gbit 0.1 plans
 dp2 x pp2 with 2 micro-batches per flush (1F1B at --flops 2e10, interleaved
 at 5e9), measured 1.16-1.29. A small model (large activations next to its

@@ -8,17 +8,20 @@
     mesh, model, runner     TP/SP -> EP -> PP -> recompute -> DP/ZeRO (tessel.apply), then Trainer.fit
     Relayout                fault.slow_policy named a slow rank; the trainer checkpointed and stopped:
       rebalance             the same ranks go on from that checkpoint in the rebalanced layout
-      evict                 the evicted ranks leave; the others form a new process group (regroup),
-                            re-plan for their number and go on from the checkpoint
+      evict                 the slow rank's node leaves (its rank alone where it is the job's only
+                            node: tessel.train.fault.slow.evicted_with); the others form a new process
+                            group (regroup), re-plan for their number and devices and go on from the
+                            checkpoint; the evicted ranks idle until they are done (park)
 
 Nothing restarts: the processes stay, the model is built again and the
 layout-independent checkpoint (weights, optimizer, data position, RNG) loads
-into the new layout. The evicted rank returns None.
+into the new layout. An evicted rank returns None.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -32,33 +35,43 @@ from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tessel.models.emulated import emulate_device
 from tessel.parallel.tensor_nd.apply import describe_mode
-from tessel.runtime import make_deterministic
+from tessel.runtime import job_store, make_deterministic
 from tessel.train.fault.elastic import Replanned, replan_for_world
 from tessel.train.fault.preempt import StopRequest
-from tessel.train.fault.slow import Relayout
+from tessel.train.fault.slow import Relayout, world_nodes
 from tessel.train.trainer import Summary, Trainer
 
 REGROUP_ENV = "TESSEL_REGROUP"  # how many times this job's ranks formed a new group without evicted ranks
+# in the job's store: how many evicted ranks wait, how many have left, and that the ranks that went on are done
+PARKED_KEY, LEFT_KEY, RELEASE_KEY = "tessel/evicted/parked", "tessel/evicted/left", "tessel/evicted/release"
+PARK_POLL_S = 0.5
+RELEASE_WAIT_POLLS = 10  # the most rank 0 waits for them to go: 5 s (one that died never does)
 
 
 def run_layouts(cfg: Config, device: torch.device, run_id: str | None = None,
                 stop: StopRequest | None = None) -> Summary | None:
     """Train cfg on the current process group, through every change of layout; None on an evicted rank."""
-    replanned = None
+    replanned, evicted = None, False
     if cfg.runtime.elastic:
         cfg, replanned = relayout(cfg, device, run_id)
-    while True:
-        cfg = resolve_speeds(cfg, device, emulated_flops(cfg, dist.get_rank(), dist.get_world_size()))
-        check_layout(cfg, world_size=dist.get_world_size())
-        try:
-            return fit_layout(cfg, device, run_id, stop, replanned)
-        except Relayout as change:
-            cfg, replanned = change.cfg.model_copy(deep=True), None
-            cfg.checkpoint.resume = change.checkpoint
-            if change.evict:
-                if not regroup(change.evict, cfg.runtime.timeout_s):
-                    return None
-                cfg, replanned = relayout(without_ranks(cfg, change.evict), device, run_id)
+    try:
+        while True:
+            cfg = resolve_speeds(cfg, device, emulated_flops(cfg, dist.get_rank(), dist.get_world_size()))
+            check_layout(cfg, world_size=dist.get_world_size())
+            try:
+                return fit_layout(cfg, device, run_id, stop, replanned)
+            except Relayout as change:
+                cfg, replanned = change.cfg.model_copy(deep=True), None
+                cfg.checkpoint.resume = change.checkpoint
+                if change.evict:
+                    if not regroup(change.evict, cfg.runtime.timeout_s):
+                        evicted = True
+                        park(cfg.runtime.timeout_s, stop)
+                        return None
+                    cfg, replanned = relayout(without_ranks(cfg, change.evict), device, run_id)
+    finally:
+        if not evicted:  # done, stopped or failed: the evicted ranks need not wait any longer
+            release_evicted(cfg.runtime.timeout_s)
 
 
 def fit_layout(cfg: Config, device: torch.device, run_id: str | None, stop: StopRequest | None,
@@ -104,7 +117,7 @@ def relayout(cfg: Config, device: torch.device, run_id: str | None) -> tuple[Con
         return cfg, None
     if cfg.fault.replan == "dp-only":
         try:
-            return replan_for_world(cfg, world, rank, run_id)
+            return with_nodes_of(cfg, *replan_for_world(cfg, world, rank, run_id))
         except ConfigError as err:
             if rank == 0:
                 print(f"[tessel replan] dp-only cannot continue on {world} ranks ({err}): re-planning the whole "
@@ -113,18 +126,32 @@ def relayout(cfg: Config, device: torch.device, run_id: str | None) -> tuple[Con
     new, report = full_replan(cfg, device, run_id)
     if rank == 0:
         print("\n".join(report.lines()), flush=True)
+    return with_nodes_of(cfg, new, report)
+
+
+def with_nodes_of(old: Config, new: Config, report: Replanned | None) -> tuple[Config, Replanned | None]:
+    """new with old's node size where it still describes the world: a re-plan clears it (after a resize the
+    node size is torchrun's to say), but where whole nodes left, a later eviction needs it to find a node."""
+    r = old.runtime
+    if r.nproc_per_node and r.nnodes * r.nproc_per_node == new.parallel.world_size:
+        new = new.model_copy(deep=True)
+        new.runtime.nnodes, new.runtime.nproc_per_node = r.nnodes, r.nproc_per_node
     return new, report
 
 
 def without_ranks(cfg: Config, evicted: list[int]) -> Config:
-    """cfg's per-rank declarations without the evicted ranks' entries (the others are renumbered in order)."""
+    """cfg's per-rank declarations without the evicted ranks' entries (the others are renumbered in order),
+    and the node size of the ranks left where they fill whole nodes of one size."""
     new = cfg.model_copy(deep=True)
     r = new.runtime
     if r.device_speeds is not None:
         r.device_speeds = [s for i, s in enumerate(r.device_speeds) if i not in evicted]
     if r.device_memory_gib is not None:
         r.device_memory_gib = [m for i, m in enumerate(r.device_memory_gib) if i not in evicted]
-    r.nproc_per_node, r.topology = None, None  # the node sizes were the old world's
+    left = [n for n in world_nodes(cfg, cfg.parallel.world_size) if not set(n) & set(evicted)]
+    whole = len({len(n) for n in left}) == 1 and sum(map(len, left)) == cfg.parallel.world_size - len(evicted)
+    r.topology = None  # its rank numbers are the old world's
+    r.nnodes, r.nproc_per_node = (len(left), len(left[0])) if whole else (1, None)
     return new
 
 
@@ -132,11 +159,10 @@ def regroup(evicted: list[int], timeout_s: float) -> bool:
     """A new default process group of the ranks that stay, renumbered in order; False on an evicted rank.
 
     Every rank leaves the old group; the ones that stay rendezvous again in the
-    store the job started with (torchrun's agent's, or rank 0's under
+    job's store (tessel.runtime.job_store: torchrun's agent's, or rank 0's under
     tessel.spawn, which must then stay), under a prefix of their own. An
     evicted rank joins a group of its own, so that its teardown finds one.
     """
-    store = dist.distributed_c10d._get_default_store()  # the job's store outlives the group we leave
     backend, rank, world = dist.get_backend(), dist.get_rank(), dist.get_world_size()
     stay = [r for r in range(world) if r not in evicted]
     dist.barrier()
@@ -147,10 +173,43 @@ def regroup(evicted: list[int], timeout_s: float) -> bool:
     timeout = timedelta(seconds=timeout_s)
     if rank in evicted:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        print(f"[tessel slow] rank {rank} evicted: leaving the run", flush=True)
+        print(f"[tessel slow] rank {rank} evicted: no more work, idle until the others finish", flush=True)
         return False
     new_rank = stay.index(rank)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"tessel/regroup{generation}", store), rank=new_rank,
-                            world_size=len(stay), timeout=timeout)
+    store = dist.PrefixStore(f"tessel/regroup{generation}", job_store(timeout_s))
+    dist.init_process_group(backend, store=store, rank=new_rank, world_size=len(stay), timeout=timeout)
     os.environ.update(RANK=str(new_rank), WORLD_SIZE=str(len(stay)))
     return True
+
+
+def park(timeout_s: float, stop: StopRequest | None) -> None:
+    """An evicted rank does no more work but stays until the ranks that went on are done (release_evicted),
+    the job's store is gone, or the run is told to stop. It may host that store (tessel.spawn's rank 0), and
+    under torchrun its agent would only wait at its exit barrier (300 s), then leave, taking a rendezvous
+    store it hosts with it."""
+    store = job_store(timeout_s)
+    store.add(PARKED_KEY, 1)
+    try:
+        while stop is None or not stop.pending():
+            if store.check([RELEASE_KEY]):
+                break
+            time.sleep(PARK_POLL_S)
+        store.add(LEFT_KEY, 1)
+    except RuntimeError:  # (torch.distributed.DistError) the store is gone: so is the job
+        pass
+
+
+def release_evicted(timeout_s: float) -> None:
+    """Rank 0 of the ranks that went on after an eviction tells the evicted ones (park) they may leave, and
+    gives them a moment to go before this process, which may host the job's store, ends."""
+    if os.environ.get(REGROUP_ENV) is None or not dist.is_initialized() or dist.get_rank() != 0:
+        return
+    try:
+        store = job_store(timeout_s)
+        store.set(RELEASE_KEY, "1")
+        for _ in range(RELEASE_WAIT_POLLS):
+            if store.add(LEFT_KEY, 0) >= store.add(PARKED_KEY, 0):
+                return
+            time.sleep(PARK_POLL_S)
+    except RuntimeError:  # (DistError) the store is gone, the job is ending: nobody is waiting
+        pass

@@ -21,9 +21,10 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
+
+from tessel.runtime import job_store
 
 STALL_EXIT_CODE = 43
 
@@ -33,15 +34,11 @@ def log(msg: str) -> None:
 
 
 def _store_client(timeout_s: float):
-    """A connection of our own to the rendezvous store (the threads must not share the trainer's)."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port:
+    """A connection of our own to the job's store (the threads must not share the trainer's); None outside a job."""
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         return None
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "spawn")
     regroup = os.environ.get("TESSEL_REGROUP", "0")  # the ranks left after an eviction (tessel.adaptive.regroup)
-    return dist.PrefixStore(f"tessel-hb/{run}/{attempt}/{regroup}/", store)
+    return dist.PrefixStore(f"tessel-hb/{regroup}/", job_store(timeout_s))
 
 
 class Heartbeat:

@@ -65,14 +65,23 @@ def _attempt_store(timeout_s: float) -> dict:
     from it (the dead ranks' addresses) would otherwise be read by the new
     ranks, which then wait forever to connect to processes that are gone.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None or "MASTER_ADDR" not in os.environ:
         return {}
+    return {"store": job_store(timeout_s), "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def job_store(timeout_s: float) -> dist.Store:
+    """A connection of this process's own to the store the job's ranks met in (MASTER_ADDR, MASTER_PORT),
+    under this torchrun attempt's prefix. The store outlives every process group of the job: torchrun's
+    agent hosts it for the whole job (its rendezvous shares it with the workers), tessel.spawn's rank 0
+    for as long as that process runs. A new group of the same job meets in it (tessel.adaptive.regroup)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # tessel.spawn: one attempt, its own port
+        return store
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    return {"store": dist.PrefixStore(f"tessel/{run}/attempt{attempt}", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    return dist.PrefixStore(f"tessel/{run}/attempt{attempt}", store)
 
 
 def shutdown_and_exit(code: int = 0) -> None:

@@ -63,7 +63,10 @@ def _rank_main(fn, rank, world, port, outdir, args, threads, backend, timeout_s,
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        # the job's store, hosted by rank 0 while this frame lives: it outlives the process group, so that
+        # ranks that leave it can meet again in it (tessel.runtime.job_store, tessel.adaptive.regroup)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
         result = fn(*args)
         torch.save(result, Path(outdir) / f"result{rank}.pt")

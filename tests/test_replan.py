@@ -12,8 +12,13 @@ from torch.testing import assert_close
 
 from tessel.calibrate.emulator import Emulator, require_root
 from tessel.planner.cluster import Link
-from tessel.replan import choose, world_cluster
+from tessel.planner.cost import CostModel
 from tessel.planner.fit import Budget
+from tessel.planner.hetero import priced, with_speeds
+from tessel.planner.layout import config_layout
+from tessel.planner.model_spec import from_config
+from tessel.planner.search import search
+from tessel.replan import choose, rank_speeds, world_cluster
 from tessel.train.fault.elastic import Previous
 from tests.helpers import build_trainer, metrics_rows, tiny_config, write_recipe
 
@@ -96,3 +101,41 @@ def test_choose_keeps_what_may_not_change_and_refits_the_rest():
     assert new.model == cfg.model and new.train.seq_len == cfg.train.seq_len and new.train.lr == cfg.train.lr
     assert report.predicted_s > 0 and report.alternative.startswith("tp2")  # dp-only keeps tp2 and drops dp
     assert report.lines()[0] == "[tessel replan] full: world 4 -> 2"
+
+
+def test_choose_prices_each_rank_at_its_own_speed():
+    cfg = tiny_config("parallel.dp=2", "parallel.tp=2", "train.global_batch=8")
+
+    def chosen(speeds: tuple[float, ...]):
+        cluster = world_cluster(_ranks([0, 0]), [[0, 40], [40, 0]], [[0, 10], [10, 0]], speeds=speeds)
+        return cluster, *choose(cfg, 2, cluster, None, Previous(4, "dp2 tp2 mb4x1"))
+
+    _, alike, alike_report = chosen(())
+    cluster, new, report = chosen((1.0, 2.0))
+    # alike, the planner's first is ZeRO-2, whose reduction per micro-batch cannot split unevenly; on speeds 1 and 2
+    # an even split waits for the slow rank, and the split in proportion to speed (plain dp or ZeRO-1) wins
+    assert alike.parallel.zero_stage == 2 and alike.parallel.dp_split == "even"
+    assert new.parallel.dp_split == "speed" and new.parallel.zero_stage <= 1
+    assert with_speeds(new, [1.0, 2.0]).parallel.dp_shares == [3, 5]
+    # its prediction is the heterogeneous model's price of that layout on these devices
+    cm = CostModel(from_config(cfg.model, cfg.train.seq_len, 8), cluster, cfg.train.precision)
+    est = next(e for e in search(cm, 2, 8).ranked if e.layout == config_layout(new))
+    price = priced(est, [1.0, 2.0], cfg.model.n_layer)
+    assert report.predicted_s == pytest.approx(price.uneven_s) and price.uneven_s < price.even_s
+    assert "speeds 1, 2" in "\n".join(report.lines()) and report.layout.endswith("dp by speed")
+    # devices of speed 1 and 2 run the step faster than two of speed 1 and slower than two of speed 2
+    assert chosen((2.0, 2.0))[2].predicted_s < report.predicted_s < alike_report.predicted_s
+
+
+def test_rank_speeds_declared_or_by_kind():
+    cpu = _ranks([0, 0])
+    gpus = [dict(cpu[0], kind="old gpu", fp32=1e12), dict(cpu[1], kind="new gpu", fp32=3e12)]
+
+    def declared(speeds: str, *more: str):
+        return tiny_config("parallel.dp=2", f"runtime.device_speeds={speeds}", *more)
+    # relative to emulate_flops, where the profile runs
+    assert rank_speeds(declared("[4.0, 2.0]", "runtime.emulate_flops=1e9"), cpu) == (4.0, 2.0)
+    assert rank_speeds(declared("[4.0, 2.0]"), cpu) == (2.0, 1.0)  # real devices: to the slowest, the profile's
+    assert rank_speeds(declared("[1.0, 1.0]", "runtime.emulate_flops=1e9"), cpu) == ()
+    assert rank_speeds(tiny_config(), cpu) == ()  # one kind, undeclared: alike
+    assert rank_speeds(tiny_config(), gpus) == (1.0, 3.0)  # kinds differ: their measured matmuls

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessel.axes import AXES
 from tessel.config import Config, ConfigError, build_config
 from tessel.planner.cost import Estimate, chunk_layers, peak_chunks_in_flight
 from tessel.planner.memory import layer_activation_bytes
 from tessel.planner.model_spec import from_config
 from tessel.planner.simulate import simulate_pipeline
+
+
+AXIS_ORDER = tuple(AXES)  # the mesh's default rank order, outermost first (parallel.rank_order)
 
 
 def proportional_shares(speeds: list[float], total: int, capacity: list[int] | None = None) -> list[int]:
@@ -153,40 +157,49 @@ def gain(est: Estimate, speeds: list[float], n_layer: int) -> Gain | None:
     """Even vs uneven split of est's layout on devices of these relative speeds (speed 1: the devices est
     was priced on); None where neither split applies (all one speed, or dp = pp = 1)."""
     lay = est.layout
-    sizes = {"pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp}
-    order = ["pp", "dp", "ep", "tp"]
-    if len(set(speeds)) <= 1:
+    if len(set(speeds)) <= 1 or (lay.pp == 1 and (lay.dp == 1 or lay.ep > 1)):
         return None
+    return priced(est, speeds, n_layer)
+
+
+def priced(est: Estimate, speeds: list[float], n_layer: int, capacity: list[int] | None = None,
+           order: list[str] | tuple[str, ...] = AXIS_ORDER) -> Gain:
+    """est's layout on devices of these relative speeds (speed 1: the device est was priced on; rank order,
+    the mesh's `order`), split evenly and in proportion to speed: a pipeline's blocks per stage (within
+    `capacity`, the most blocks each stage's memory holds), else the dp ranks' micro-batches. Where the
+    layout has no such split (dp = 1, experts, virtual stages) both prices are the even split's. Whether
+    the runtime runs the uneven split of a layout is tessel.config's to say (dp_split, pp_balance)."""
+    lay = est.layout
     if lay.pp > 1:
-        stages = min_per_coord(speeds, sizes, order, "pp")
-        return _pipeline_gain(est, stages, n_layer)
-    if lay.dp > 1 and lay.ep == 1:
-        return _dp_gain(est, min_per_coord(speeds, sizes, order, "dp"))
-    return None
+        return _pipeline_gain(est, min_per_coord(speeds, lay.axis_sizes, list(order), "pp"), n_layer, capacity)
+    return _dp_gain(est, min_per_coord(speeds, lay.axis_sizes, list(order), "dp"), split=lay.ep == 1)
 
 
-def _dp_gain(est: Estimate, speeds: list[float]) -> Gain:
+def _dp_gain(est: Estimate, speeds: list[float], split: bool = True) -> Gain:
     f, b = est.chunk_times[0][0]
     per_mb = f + b  # one micro-batch's forward and backward on a speed-1 device
     k = est.layout.chunks  # micro-batches per dp rank, even
-    shares = proportional_shares(speeds, k * len(speeds))
+    shares = proportional_shares(speeds, k * len(speeds)) if split else [k] * len(speeds)
     rest = est.step_s - k * per_mb  # communication, optimizer, overhead: the same either way
     even = rest + max(k * per_mb / s for s in speeds)
     uneven = rest + max(n * per_mb / s for n, s in zip(shares, speeds))
     return Gain(even, uneven, shares, "dp")
 
 
-def _pipeline_gain(est: Estimate, speeds: list[float], n_layer: int) -> Gain:
-    """The flush replayed with each stage's chunk times scaled by its blocks and speed (v = 1)."""
+def _pipeline_gain(est: Estimate, speeds: list[float], n_layer: int, capacity: list[int] | None = None) -> Gain:
+    """The flush replayed with each stage's chunk times scaled by its blocks and speed."""
     lay = est.layout
+    rest = est.step_s - lay.ga * est.flush_s
     even_layers = [len(c) for c in chunk_layers(n_layer, lay.pp, 1)]
-    layers = proportional_shares(speeds, n_layer)
+    if lay.v > 1:  # a stage's chunks all run at its speed; the cut moves one chunk per stage only (v = 1)
+        times = [[(f / s, b / s) for f, b in row] for row, s in zip(est.chunk_times, speeds)]
+        even = rest + lay.ga * simulate_pipeline(times, lay.schedule, lay.m, lay.v).step_s
+        return Gain(even, even, even_layers, "pp")
+    layers = proportional_shares(speeds, n_layer, capacity)
     per_block = [(f / n, b / n) for (f, b), n in zip((row[0] for row in est.chunk_times), even_layers)]
     mean = (sum(f for f, _ in per_block) / lay.pp, sum(b for _, b in per_block) / lay.pp)
 
     def flush(cut: list[int]) -> float:
         times = [[(mean[0] * n / s, mean[1] * n / s)] for n, s in zip(cut, speeds)]
-        return simulate_pipeline(times, lay.schedule if lay.schedule != "interleaved" else "1f1b", lay.m).step_s
-    rest = est.step_s - lay.ga * est.flush_s
+        return simulate_pipeline(times, lay.schedule, lay.m).step_s
     return Gain(rest + lay.ga * flush(even_layers), rest + lay.ga * flush(layers), layers, "pp")
-

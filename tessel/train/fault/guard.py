@@ -34,7 +34,7 @@ from tessel.train.checkpoint.manager import run_model, step_dir
 from tessel.train.cohort import Cohort
 from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.injection import FaultInjector
-from tessel.train.fault.slow import Relayout, SlowRank, SlowRanks
+from tessel.train.fault.slow import Relayout, SlowRank, SlowRanks, evicted_with
 from tessel.train.fault.stragglers import ForwardTimer, straggler_report
 from tessel.train.state import TrainState
 
@@ -171,9 +171,10 @@ class Guard:
                 self.relayout = Relayout(new, "", [], f"rebalance: {what}")
             self._say(f"[tessel slow] policy rebalance: {what}" + ("" if new is not None else "; nothing to do"))
         elif policy == "evict" and self.world > 1:
-            self.relayout = Relayout(self.cfg, "", [found.rank], f"evict rank {found.rank}")
-            self._say(f"[tessel slow] policy evict: checkpoint, then continue on {self.world - 1} ranks without "
-                      f"rank {found.rank}, re-planned (fault.replan = '{self.cfg.fault.replan}')")
+            leave, which = evicted_with(self.cfg, self.world, found.rank)
+            self.relayout = Relayout(self.cfg, "", leave, f"evict {which}")
+            self._say(f"[tessel slow] policy evict: {which} leave; checkpoint, then continue on "
+                      f"{self.world - len(leave)} ranks, re-planned (fault.replan = '{self.cfg.fault.replan}')")
         else:
             self._say(f"[tessel slow] policy {policy}: no action")
 

@@ -17,8 +17,9 @@ What follows is the policy's (tessel.train.fault.guard acts on it):
   speed (its work over its forward time): its dp share, or its pipeline
   stage's blocks (tessel.planner.hetero.rebalanced), and the run continues
   from a checkpoint in that layout;
-- evict: a checkpoint, then the run continues without that rank, re-planned
-  for the ranks left (tessel.launch.run_layout).
+- evict: a checkpoint, then the run continues without that rank's node (every
+  rank that shares it: `evicted_with`), re-planned for the ranks left
+  (tessel.adaptive.run_layouts).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from tessel.comm.topology import nodes_from_nproc, resolve_nodes
 from tessel.config import Config, FaultConfig
 
 IDLE_BACKWARD = 2.0  # backward takes this many times a forward (the planner's and the emulator's assumption)
@@ -89,3 +91,28 @@ class SlowRanks:
         found = SlowRank(slow, (self.seen[0][0], self.seen[-1][0]), med, idle, ratio)
         self.seen = []
         return found
+
+
+def world_nodes(cfg: Config, world: int) -> list[list[int]]:
+    """The ranks of each node: the topology file, runtime.nproc_per_node, else torchrun's node size."""
+    r = cfg.runtime
+    try:
+        return resolve_nodes(world, r.topology, r.nproc_per_node)
+    except ValueError:  # a topology file, or torchrun's node size, of the world before an earlier eviction
+        per = r.nproc_per_node
+        return nodes_from_nproc(world, per) if per and world % per == 0 else [list(range(world))]
+
+
+def evicted_with(cfg: Config, world: int, slow: int) -> tuple[list[int], str]:
+    """The ranks that leave when `slow` is evicted, and a line that says which and why.
+
+    Its whole node (world_nodes): a node is what a scheduler replaces and what tensor parallelism's groups
+    sit inside, and the node's other ranks left behind would spread the world unevenly over the nodes.
+    Where that node is the whole job, the rank leaves alone: evicting a slow device should not stop the
+    job, and the node's other devices are healthy.
+    """
+    nodes = world_nodes(cfg, world)
+    if len(nodes) == 1:
+        return [slow], f"rank {slow} alone (its node is the whole job; the node's other {world - 1} ranks stay)"
+    k, node = next((k, n) for k, n in enumerate(nodes) if slow in n)
+    return list(node), f"node {k} (ranks {', '.join(map(str, node))}, with slow rank {slow})"

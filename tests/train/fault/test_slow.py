@@ -1,24 +1,30 @@
 """fault.slow_policy: a rank slowed 3x from step 3 is named within the window; rebalance gives it less of the
-batch and the step recovers to the ideal for the capacity left; evict goes on without it, re-planned.
+batch and the step recovers to the ideal for the capacity left; evict goes on without it, re-planned: without its
+whole node where the job has several, without the rank alone where its node is the whole job.
 
-Three ranks (dp3, 21 sequences a step, 7 micro-batches each) on emulated devices of one speed
-(tessel.models.emulated), so that compute, not the 2 shared cores, sets the step; TESSEL_FAULT's
-slow:...:factor=3 makes rank 2's forward and backward take 3x as long from step 3 on. One spawn runs
-the rebalance run, then the evict run (which leaves rank 2 out of the process group).
+Ranks on emulated devices (tessel.models.emulated), so that compute, not the 2 shared cores, sets the step;
+TESSEL_FAULT's slow:...:factor=3 makes a rank's forward and backward take 3x as long from step 3 on. One
+node: three ranks (dp3, 21 sequences a step, 7 micro-batches each); one spawn runs the rebalance run, then
+the evict run (which leaves rank 2 out of the process group). Two nodes of 2 ranks: rank 3 is slowed and
+node 1 leaves; ranks 0 and 1 (speeds 1 and 2) go on, re-planned in full for their speeds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import statistics
 
 import torch
 from torch.testing import assert_close
 
 from tessel.adaptive import run_layouts
+from tessel.planner.hetero import proportional_shares
 from tessel.spawn import spawn
 from tessel.train.fault.slow import SlowRanks
-from tests.helpers import metrics_rows, tiny_config
+from tests.helpers import build_trainer, metrics_rows, tiny_config
 
 STEPS, SLOW_FROM, WINDOW = 10, 3, 3
 BASE = ["parallel.dp=3", "train.global_batch=21", "train.grad_accum=7", f"train.steps={STEPS}", "train.lr=1e-3",
@@ -83,3 +89,49 @@ def test_the_window_needs_a_persistent_slowest_rank():
     assert found.idle_s[0] > found.idle_s[2]  # the fast ranks wait for it
     assert slow.observe(5, [0.1, 0.1, 0.3], 1.0) is None  # the window starts again after a decision
     assert SlowRanks(FaultConfig(slow_window=2)).observe(0, [0.1], 1.0) is None  # one rank: nobody to compare
+
+
+# ---- two nodes: the slow rank's node leaves -------------------------------------------------------
+NODES = ["parallel.dp=4", "train.global_batch=8", "train.grad_accum=2", f"train.steps={STEPS}", "train.lr=1e-3",
+         "runtime.emulate_flops=1e8", "runtime.nnodes=2", "runtime.nproc_per_node=2",
+         "runtime.device_speeds=[1.0, 2.0, 1.0, 1.0]", 'fault.slow_policy="evict"', 'fault.replan="full"',
+         f"fault.slow_window={WINDOW}", "fault.slow_factor=2.0", "fault.straggler_every=0",
+         "fault.heartbeat_s=0.5", "fault.hang_timeout_s=60"]
+
+
+def _node_run(root: str) -> dict:
+    os.environ["TESSEL_FAULT"] = f"slow:rank=3:step={SLOW_FROM}:factor=3:count=1000"
+    os.environ["TESSEL_FAULT_DIR"] = f"{root}/faults"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        summary = run_layouts(tiny_config(*NODES, out_dir=f"{root}/nodes"), torch.device("cpu"))
+    return {"losses": None if summary is None else summary.losses, "world": torch.distributed.get_world_size(),
+            "log": out.getvalue() + err.getvalue()}
+
+
+def test_evict_takes_the_slow_ranks_node_and_replans_for_the_ranks_left(tmp_path):
+    got = spawn(_node_run, 4, str(tmp_path), timeout=600, env={"TESSEL_CACHE": str(tmp_path / "cache")})
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "nodes")}
+    named = [s for s, r in rows.items() if r.get("slow_rank") is not None]
+    assert len(named) == 1 and SLOW_FROM <= named[0] < SLOW_FROM + WINDOW and rows[named[0]]["slow_rank"] == 3
+    log = got[0]["log"]
+    assert "policy evict: node 1 (ranks 2, 3, with slow rank 3) leave" in log, log[-3000:]
+    # node 1 left whole (rank 2 was not slow); node 0's ranks went on as a world of 2
+    assert got[2]["losses"] is None and got[3]["losses"] is None
+    assert got[0]["world"] == got[1]["world"] == 2 and sorted(rows) == list(range(STEPS))
+    # re-planned for the 2 ranks left at their own speeds (1 and 2): the split in proportion to speed
+    report = log[log.index("[tessel replan] full: world 4 -> 2"):]
+    assert re.search(r"new  dp2 .*dp by speed\s+2 ranks, predicted", report), report[:2000]
+    shares = re.search(r"devices of speeds 1, 2: .*micro-batches per dp rank \[(\d+), (\d+)\]", report)
+    assert shares, report
+    shares = [int(n) for n in shares.groups()]
+    assert shares == proportional_shares([1.0, 2.0], sum(shares)) and shares[1] > shares[0]
+    # the losses after the eviction are those of one process on the same 8 sequences a step, from the
+    # checkpoint the eviction left: every layout sums them in its own order, and the [3, 5] split weights
+    # each rank's loss by its share (tessel.parallel.data.uneven): fp32 rounding over 4 AdamW steps
+    moved = named[0] + 1
+    ref_cfg = tiny_config(f"train.steps={STEPS}", "train.grad_accum=8", "train.lr=1e-3", "fault.heartbeat_s=0",
+                          f'checkpoint.resume="{tmp_path}/nodes/checkpoints/step_{moved:08d}"',
+                          out_dir=str(tmp_path / "ref"))
+    ref = build_trainer(ref_cfg)[0].fit().losses
+    assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-5)
