@@ -145,7 +145,7 @@ def _say_auto_device(nproc: int) -> None:
     """runtime.device = "auto" on a node with GPUs, but fewer than its ranks: one line saying the run
     takes the CPU (tessel.runtime.auto_uses_cuda), so that nobody mistakes it for a GPU run."""
     import torch
-    from tessel.runtime import auto_uses_cuda
+    from tessel.runtime import auto_uses_cuda  # deferred: loads torch
     if torch.cuda.is_available() and not auto_uses_cuda(nproc):
         print(f"[tessel] runtime.device = 'auto': {nproc} ranks per node but {torch.cuda.device_count()} GPU(s) "
               "here, so the ranks run on the CPU (gloo); set runtime.device = 'cuda' with one GPU per rank",

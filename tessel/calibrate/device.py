@@ -69,7 +69,7 @@ def _uses_cuda(device: str, ranks_per_node: int) -> bool:
     already (tessel.train.data.validate_data runs first)."""
     if device == "cpu":
         return False
-    from tessel.runtime import auto_uses_cuda
+    from tessel.runtime import auto_uses_cuda  # deferred: loads torch
     return device == "cuda" or auto_uses_cuda(ranks_per_node)
 
 
