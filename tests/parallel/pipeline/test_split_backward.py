@@ -9,7 +9,8 @@ from torch.testing import assert_close
 from tessel.config import ModelConfig
 from tessel.models.build import build_model
 from tessel.models.gpt import GPT, cross_entropy
-from tessel.parallel.pipeline.split_backward import backward_input
+from tessel.parallel.pipeline.split_backward import backward_input, grad_node
+from tessel.parallel.pipeline.split_plan import plan_of, walk
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 
 
@@ -51,6 +52,7 @@ def _compare(model, stage, x, seed_grad=None):
     assert set(got) == set(want) and len(got) > 0
     for name in want:
         assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    model.zero_grad(set_to_none=True)  # for the next comparison
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "recompute", "selective"])
@@ -124,3 +126,65 @@ def test_the_first_stage_cuts_at_its_blocks_input():
     assert set(_grads(model)) == set(want)
     for name, g in want.items():
         assert_close(model.get_parameter(name).grad, g, rtol=0, atol=0)
+
+
+def _middle_stage(model):
+    def stage(h):
+        for layer in model.layers:
+            h = layer(h, model.rope_cos, model.rope_sin)
+        return h
+    return stage
+
+
+def test_micro_batches_of_one_shape_reuse_one_plan_and_stay_exact():
+    """Each micro-batch builds a graph of one shape: the first is analysed, the others replay its plan
+    (in walk positions) on their own nodes, and every one's B and W still equal its whole backward."""
+    model = _gpt()
+    plan_of.cache_clear()
+    for mb in range(3):
+        _compare(model, _middle_stage(model), torch.randn(2, 16, 32), torch.randn(2, 16, 32))
+        assert plan_of.cache_info().misses == 1 and plan_of.cache_info().hits == mb
+    # a batch of another size builds the same nodes: the same plan, still exact
+    _compare(model, _middle_stage(model), torch.randn(3, 8, 32), torch.randn(3, 8, 32))
+    assert plan_of.cache_info().misses == 1
+
+
+def test_a_replayed_plan_equals_a_fresh_analysis_of_the_new_graph():
+    model = _gpt()
+    stage = _middle_stage(model)
+    graphs = []
+    for _ in range(2):
+        inp = torch.randn(2, 16, 32, requires_grad=True)
+        graphs.append((walk(stage(inp).grad_fn), grad_node(inp)))
+    (first, in_first), (second, in_second) = graphs
+    assert first.shape == second.shape and first.nodes[0] is not second.nodes[0]  # two graphs, one shape
+    fresh = plan_of.__wrapped__(second.shape, second.position[in_second], 0)
+    assert fresh == plan_of.__wrapped__(first.shape, first.position[in_first], 0)
+    cut = [second.nodes[n].name() for n, _ in fresh.inputs]
+    assert cut.count("MmBackward0") == 2 * 7  # q, k, v, out, and the MLP's three, in each block
+
+
+def test_a_graph_of_another_shape_misses_and_is_planned_afresh():
+    """A stage whose graph differs (here one block where the plan was found on two) does not match the
+    kept plan: it is analysed on its own, kept beside the first, and both stay exact."""
+    model = _gpt()
+    plan_of.cache_clear()
+    x, seed = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    two_blocks, one_block = _middle_stage(model), lambda h: model.layers[0](h, model.rope_cos, model.rope_sin)
+    _compare(model, two_blocks, x, seed)
+    _compare(model, one_block, x, seed)
+    assert plan_of.cache_info().misses == 2
+    _compare(model, two_blocks, x, seed)  # the first shape's plan, still kept
+    assert plan_of.cache_info().misses == 2 and plan_of.cache_info().hits == 1
+
+
+def test_a_recomputed_attention_core_keeps_the_graph_and_its_plan():
+    """Non-reentrant recomputation rebuilds saved tensors, not nodes: the dense stage's plan is replayed on
+    the recomputed stage, exactly."""
+    model = _gpt()
+    plan_of.cache_clear()
+    x, seed = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    _compare(model, _middle_stage(model), x, seed)
+    recompute_attention_cores(model.modules())
+    _compare(model, _middle_stage(model), x, seed)
+    assert plan_of.cache_info().misses == 1 and plan_of.cache_info().hits == 1
