@@ -6,8 +6,8 @@ takes several passes over the graph in Python. Every micro-batch of a chunk buil
 shape, and the answer depends on that shape alone, so it is found once per shape, written in positions
 of a breadth-first walk from the root, and read back on the next graph after the walk alone.
 
-The walk records every node's name and edges (the positions they lead to and which input of that node
-they feed). Two graphs with equal records have the same nodes in the same places, so a plan found on one
+The walk records every node's kind (its class: one per backward formula, MmBackward0, AccumulateGrad,
+a custom Function's) and edges (the positions they lead to and which input of that node they feed). Two graphs with equal records have the same nodes in the same places, so a plan found on one
 is exact on the other; a graph whose record differs (another stage, a model changed between steps, an
 MoE layer that skips an expert no token chose) misses and is analysed afresh, and its plan is kept beside
 the others.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch.autograd.graph import Node
 
 Edges = tuple[tuple[int, int], ...]  # a node's edges: (position of the node it leads to, or -1; its input)
-Shape = tuple[tuple[str, Edges], ...]  # every node of a graph in walk order: its name and its edges
+Shape = tuple[tuple[type, Edges], ...]  # every node of a graph in walk order: its class and its edges
 
 PLANS_KEPT = 32  # shapes remembered: a few per chunk (its stages, an MoE routing that skips an expert)
 
@@ -35,7 +35,7 @@ class GraphWalk:
 
 
 def walk(root: Node) -> GraphWalk:
-    """Every node below root, breadth-first in the order of each node's edges, and the shape's record."""
+    """Every node below root, breadth-first in the order of each node's edges, and the record of its shape."""
     position = {root: 0}
     nodes = [root]
     shape = []
@@ -50,7 +50,8 @@ def walk(root: Node) -> GraphWalk:
                 pos = position[child] = len(nodes)
                 nodes.append(child)
             edges.append((pos, nr))
-        shape.append((node.name(), tuple(edges)))
+        # the class, not name(): name() demangles a C++ type name on every call (a sixth of the walk)
+        shape.append((type(node), tuple(edges)))
     return GraphWalk(nodes, position, tuple(shape))
 
 
