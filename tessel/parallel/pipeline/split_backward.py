@@ -19,7 +19,9 @@ for tessel's executor, and W never walks back into the input's path, so no
 activation gradient is computed twice: any module's graph (the reference GPT's
 blocks, a Hugging Face decoder layer, MoE aux losses, selective recompute)
 splits without a change to the model. (A fully recomputed block would be
-rebuilt by each of W's calls: tessel.config refuses that pairing.)
+rebuilt by each of W's calls: tessel.config refuses that pairing.) Parameters
+of one dimension (norms' scales, biases) are the exception: B computes their
+gradients in its call (split_plan.py says why) and W only accumulates them.
 
 W's last backward starts from the weight branches and accumulates into
 `.grad` through autograd, so every post-accumulate hook fires inside one
@@ -92,16 +94,18 @@ class WeightGroup:
 
 @dataclass
 class WeightWork:
-    """What a B leaves for its W: the cut nodes and their captured gradients, or (a stage without an
-    input gradient) the output and its gradient for a whole backward."""
+    """What a B leaves for its W: the cut nodes and their captured gradients, and the gradients B computed
+    for parameters of one dimension; or (a stage without an input gradient) the output and its gradient
+    for a whole backward."""
     groups: list[WeightGroup] = field(default_factory=list)
+    ready: list[tuple[Edge, torch.Tensor]] = field(default_factory=list)  # edge into a vector's accumulator
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of captured gradients held until W (the saved activations are counted apart)."""
-        return sum(g.untyped_storage().nbytes() for group in self.groups for grads in group.grads.values()
-                   for g in grads if g is not None)
+        captured = [g for group in self.groups for grads in group.grads.values() for g in grads]
+        return sum(g.untyped_storage().nbytes() for g in captured + [g for _, g in self.ready] if g is not None)
 
     def run(self) -> None:
         """Accumulate this micro-batch's weight gradients into `.grad` (hooks fire as in a backward)."""
@@ -110,13 +114,14 @@ class WeightWork:
             self.whole = None
             torch.autograd.backward(out, grad)
             return
-        edges, grads = [], []
+        edges = [GradientEdge(*edge) for edge, _ in self.ready]
+        grads = [g for _, g in self.ready]
         for group in self.groups:
             for edge, g in zip(group.edges, group.branch_grads()):
                 if g is not None:
                     edges.append(GradientEdge(*edge))
                     grads.append(g)
-        self.groups = []  # the graph goes with them
+        self.groups, self.ready = [], []  # the graph goes with them
         if edges:
             torch.autograd.backward(edges, grads)  # the weight branches alone: they reach no activation
 
@@ -135,7 +140,9 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None,
     # the gradient flowing into each cut node is captured by the same call, as one of its inputs: autograd
     # hands it over as it runs the node for the input's path (no hooks)
     captured = [GradientEdge(nodes[n], i) for n, fed in plan.inputs for i in range(fed)]
-    dx, *grads = torch.autograd.grad(out, [inp] + captured, grad, retain_graph=True,  # W needs the graph
+    # and the edges into parameters of one dimension are computed here, by the nodes that run anyway
+    vectors = [GradientEdge(nodes[c], i) for c, i in plan.vectors]
+    dx, *grads = torch.autograd.grad(out, [inp] + captured + vectors, grad, retain_graph=True,  # W needs it
                                      allow_unused=True)  # an input of a node no gradient reached
     if dx is None:
         raise RuntimeError("the stage's input got no gradient although its output depends on it")
@@ -145,4 +152,5 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None,
         at += fed
     groups = [WeightGroup([nodes[n] for n in g.nodes], [(nodes[c], i) for c, i in g.edges],
                           {nodes[n]: flowing[nodes[n]] for n in g.nodes}, g.chained) for g in plan.groups]
-    return dx, WeightWork(groups=groups)
+    ready = [((edge.node, edge.output_nr), g) for edge, g in zip(vectors, grads[at:]) if g is not None]
+    return dx, WeightWork(groups=groups, ready=ready)

@@ -1,16 +1,22 @@
 """Where B cuts one micro-batch's autograd graph (split_backward.py), found once per shape of graph.
 
 B cuts at the nodes that lie on the input's path and also feed a weight (a matmul's node feeds both x
-and W), grouped where they lead into one weight branch and batched by depth for W's calls. Finding them
-takes several passes over the graph in Python. Every micro-batch of a chunk builds a graph of the same
-shape, and the answer depends on that shape alone, so it is found once per shape, written in positions
-of a breadth-first walk from the root, and read back on the next graph after the walk alone.
+and W), grouped where they lead into one weight branch and batched by depth for W's calls. The gradient
+of a parameter of one dimension (a norm's scale, a bias) is not deferred: where an input-path node feeds
+such a parameter's accumulator directly, B computes that edge in its own call. That gradient is a
+reduction over the tokens, as cheap as an activation gradient, while in W it would cost an autograd call
+of its own (a norm's node sits at a depth of its own: two of a GPT block's six); it is held, a vector,
+until W accumulates it with the rest.
 
-The walk records every node's kind (its class: one per backward formula, MmBackward0, AccumulateGrad,
-a custom Function's) and edges (the positions they lead to and which input of that node they feed). Two graphs with equal records have the same nodes in the same places, so a plan found on one
-is exact on the other; a graph whose record differs (another stage, a model changed between steps, an
-MoE layer that skips an expert no token chose) misses and is analysed afresh, and its plan is kept beside
-the others.
+Finding all this takes several passes over the graph in Python. Every micro-batch of a chunk builds a
+graph of the same shape, and the answer depends on that shape alone, so it is found once per shape,
+written in positions of a breadth-first walk from the root, and read back on the next graph after the
+walk alone. The walk records every node's kind (its class: one per backward formula, MmBackward0,
+AccumulateGrad, a custom Function's; an accumulator's with its parameter's number of dimensions) and
+edges (the positions they lead to and which input of that node they feed). Two graphs with equal
+records have the same nodes in the same places, so a plan found on one is exact on the other; a graph
+whose record differs (another stage, a model changed between steps, an MoE layer that skips an expert no
+token chose) misses and is analysed afresh, and its plan is kept beside the others.
 """
 
 from __future__ import annotations
@@ -18,12 +24,21 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch.autograd.graph import Node
 
 Edges = tuple[tuple[int, int], ...]  # a node's edges: (position of the node it leads to, or -1; its input)
-Shape = tuple[tuple[type, Edges], ...]  # every node of a graph in walk order: its class and its edges
+Shape = tuple[tuple[type | tuple[type, int], Edges], ...]  # every node in walk order: its kind, its edges
 
 PLANS_KEPT = 32  # shapes remembered: a few per chunk (its stages, an MoE routing that skips an expert)
+
+
+def _accumulator_class() -> type:
+    leaf = torch.empty(0, requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # a view's only edge: the leaf's accumulator
+
+
+ACCUMULATOR = _accumulator_class()  # AccumulateGrad: where a parameter's gradient is added to its .grad
 
 
 @dataclass
@@ -51,7 +66,10 @@ def walk(root: Node) -> GraphWalk:
                 nodes.append(child)
             edges.append((pos, nr))
         # the class, not name(): name() demangles a C++ type name on every call (a sixth of the walk)
-        shape.append((type(node), tuple(edges)))
+        kind = type(node)
+        if kind is ACCUMULATOR:  # whether B computes its gradient (a parameter of one dimension)
+            kind = (kind, node.variable.dim())
+        shape.append((kind, tuple(edges)))
     return GraphWalk(nodes, position, tuple(shape))
 
 
@@ -65,9 +83,11 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Where B cuts graphs of one shape: the groups W runs, and the gradients B captures for them."""
+    """Where B cuts graphs of one shape: the groups W runs, the gradients B captures for them, and the
+    edges into parameters of one dimension B computes itself."""
     groups: tuple[GroupPlan, ...]
     inputs: tuple[tuple[int, int], ...]  # each cut node's position, how many of its inputs take a gradient
+    vectors: Edges  # input-path edges straight into the accumulator of a parameter of one dimension
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
@@ -80,11 +100,14 @@ def plan_of(shape: Shape, in_pos: int | None, root_input: int) -> SplitPlan | No
     children = [edges for _, edges in shape]
     parents = _parents(children)
     on_input_path = _ancestors(in_pos, parents)
-    groups = _batched(_weight_groups(on_input_path, children), _depths(in_pos, on_input_path, parents, children))
+    vectors = {c for c, (kind, _) in enumerate(shape) if kind == (ACCUMULATOR, 1) and c not in on_input_path}
+    groups = _weight_groups(on_input_path, children, vectors)
+    groups = _batched(groups, _depths(in_pos, on_input_path, parents, children))
     fed = _inputs_fed(children, root_input)
     cut = sorted({n for g in groups for n in g.nodes})
+    into_vectors = dict.fromkeys((c, i) for n in sorted(on_input_path) for c, i in children[n] if c in vectors)
     return SplitPlan(tuple(GroupPlan(tuple(g.nodes), tuple(g.edges), g.chained) for g in groups),
-                     tuple((n, fed[n]) for n in cut))
+                     tuple((n, fed[n]) for n in cut), tuple(into_vectors))
 
 
 def _parents(children: list[Edges]) -> list[list[int]]:
@@ -164,14 +187,14 @@ def _batched(groups: list[_Group], depth: dict[int, int]) -> list[_Group]:
     return out
 
 
-def _weight_groups(on_input_path: set[int], children: list[Edges]) -> list[_Group]:
-    """The input path's nodes with edges leaving it (into weight branches), grouped where two of them
-    lead into the same node (a weight used twice: its branch must see both gradients at once). Walk order,
-    so equal shapes give equal plans."""
+def _weight_groups(on_input_path: set[int], children: list[Edges], vectors: set[int]) -> list[_Group]:
+    """The input path's nodes with edges leaving it (into weight branches), but not straight into a
+    vector's accumulator (B's), grouped where two of them lead into the same node (a weight used twice:
+    its branch must see both gradients at once). Walk order, so equal shapes give equal plans."""
     group_of: dict[int, _Group] = {}  # a weight branch's first node -> its group
     groups: list[_Group] = []
     for node in sorted(on_input_path):
-        edges = [(c, i) for c, i in children[node] if c >= 0 and c not in on_input_path]
+        edges = [(c, i) for c, i in children[node] if c >= 0 and c not in on_input_path and c not in vectors]
         if not edges:
             continue
         group = _Group([node], list(dict.fromkeys(edges)))

@@ -161,7 +161,10 @@ def test_a_replayed_plan_equals_a_fresh_analysis_of_the_new_graph():
     fresh = plan_of.__wrapped__(second.shape, second.position[in_second], 0)
     assert fresh == plan_of.__wrapped__(first.shape, first.position[in_first], 0)
     cut = [second.nodes[n].name() for n, _ in fresh.inputs]
-    assert cut.count("MmBackward0") == 2 * 7  # q, k, v, out, and the MLP's three, in each block
+    assert cut == ["MmBackward0"] * (2 * 7)  # q, k, v, out, and the MLP's three, in each block
+    scales = {second.nodes[c].variable for c, _ in fresh.vectors}  # the norms' weights: B's, not W's
+    assert scales == {layer.attn_norm.weight for layer in model.layers} | {layer.mlp_norm.weight
+                                                                           for layer in model.layers}
 
 
 def test_a_graph_of_another_shape_misses_and_is_planned_afresh():
@@ -188,3 +191,21 @@ def test_a_recomputed_attention_core_keeps_the_graph_and_its_plan():
     recompute_attention_cores(model.modules())
     _compare(model, _middle_stage(model), x, seed)
     assert plan_of.cache_info().misses == 1 and plan_of.cache_info().hits == 1
+
+
+def test_vectors_weights_are_computed_by_b_and_matrices_wait_for_w():
+    """Biases and a LayerNorm's weight and bias are vectors: B computes their gradients along with the
+    input's (held, not accumulated, until W), so the norm is no cut node; the matrices' gradients wait for
+    W. Both exact."""
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 32),
+                                torch.nn.LayerNorm(32))
+    x, seed = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    _compare(stage, stage, x, seed)
+    inp = x.clone().requires_grad_(True)
+    graph = walk(stage(inp).grad_fn)
+    plan = plan_of(graph.shape, graph.position[grad_node(inp)], 0)
+    vectors = {graph.nodes[c].variable for c, _ in plan.vectors}
+    assert vectors == {stage[0].bias, stage[2].bias, stage[3].weight, stage[3].bias}
+    deferred = {graph.nodes[c].next_functions[0][0].variable for g in plan.groups for c, _ in g.edges}
+    assert deferred == {stage[0].weight, stage[2].weight}  # each through its transpose's node
