@@ -2,8 +2,8 @@
 
 B cuts at the nodes that lie on the input's path and also feed a weight (a matmul's node feeds both x
 and W), grouped where they lead into one weight branch and batched by depth for W's calls. The gradient
-of a parameter of one dimension (a norm's scale, a bias) is not deferred: where an input-path node feeds
-such a parameter's accumulator directly, B computes that edge in its own call. That gradient is a
+of a parameter of one dimension (a norm's scale, a bias) is not deferred: where input-path nodes alone
+feed such a parameter's accumulator, B computes those edges in its own call. That gradient is a
 reduction over the tokens, as cheap as an activation gradient, while in W it would cost an autograd call
 of its own (a norm's node sits at a depth of its own: two of a GPT block's six); it is held, a vector,
 until W accumulates it with the rest.
@@ -100,7 +100,7 @@ def plan_of(shape: Shape, in_pos: int | None, root_input: int) -> SplitPlan | No
     children = [edges for _, edges in shape]
     parents = _parents(children)
     on_input_path = _ancestors(in_pos, parents)
-    vectors = {c for c, (kind, _) in enumerate(shape) if kind == (ACCUMULATOR, 1) and c not in on_input_path}
+    vectors = _vectors(shape, on_input_path, parents)
     groups = _weight_groups(on_input_path, children, vectors)
     groups = _batched(groups, _depths(in_pos, on_input_path, parents, children))
     fed = _inputs_fed(children, root_input)
@@ -108,6 +108,15 @@ def plan_of(shape: Shape, in_pos: int | None, root_input: int) -> SplitPlan | No
     into_vectors = dict.fromkeys((c, i) for n in sorted(on_input_path) for c, i in children[n] if c in vectors)
     return SplitPlan(tuple(GroupPlan(tuple(g.nodes), tuple(g.edges), g.chained) for g in groups),
                      tuple((n, fed[n]) for n in cut), tuple(into_vectors))
+
+
+def _vectors(shape: Shape, on_input_path: set[int], parents: list[list[int]]) -> set[int]:
+    """The accumulators of parameters of one dimension whose every gradient comes straight from an input-path
+    node. B captures the gradient flowing into such an accumulator: only nodes B runs anyway feed it. One
+    also reached through a weight branch stays W's: capturing it would pull that branch into B, and W would
+    run the branch again (its gradient counted twice)."""
+    return {c for c, (kind, _) in enumerate(shape)
+            if kind == (ACCUMULATOR, 1) and c not in on_input_path and set(parents[c]) <= on_input_path}
 
 
 def _parents(children: list[Edges]) -> list[list[int]]:

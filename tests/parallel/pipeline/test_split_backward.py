@@ -209,3 +209,37 @@ def test_vectors_weights_are_computed_by_b_and_matrices_wait_for_w():
     assert vectors == {stage[0].bias, stage[2].bias, stage[3].weight, stage[3].bias}
     deferred = {graph.nodes[c].next_functions[0][0].variable for g in plan.groups for c, _ in g.edges}
     assert deferred == {stage[0].weight, stage[2].weight}  # each through its transpose's node
+
+
+class _ScaledTwice(torch.nn.Module):
+    """A vector used by the input's path (x * s) and by a weight branch of its own ((s * s).sum())."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32, bias=False)
+        self.s = torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        return self.lin(x) * self.s + (self.s * self.s).sum()
+
+
+def test_a_vector_also_fed_by_a_weight_branch_stays_w_s():
+    """Capturing s's gradient in B would pull its branch (s * s) into B, and W would run it again: counted
+    twice. B leaves such a vector to W."""
+    torch.manual_seed(0)
+    stage = _ScaledTwice()
+    x, seed = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    inp = x.clone().requires_grad_(True)
+    torch.autograd.backward(stage(inp), seed)
+    want = _grads(stage)
+    stage.zero_grad(set_to_none=True)
+    inp = x.clone().requires_grad_(True)
+    out = stage(inp)
+    graph = walk(out.grad_fn)
+    assert plan_of(graph.shape, graph.position[grad_node(inp)], 0).vectors == ()
+    _, work = backward_input(out, seed, inp)
+    work.run()
+    # s's two gradients are summed in another order than one backward sums them: equal to float32's rounding
+    # (twice the branch's would be off by 2 * 16 * 32 * |s|)
+    for name, g in _grads(stage).items():
+        assert_close(g, want[name], msg=name)
