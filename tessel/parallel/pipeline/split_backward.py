@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from tessel.parallel.pipeline.split_plan import plan_of, walk
+from tessel.parallel.pipeline.split_plan import SplitPlan, plan_of, walk
 
 
 def grad_node(t: torch.Tensor) -> Node | None:
@@ -132,8 +132,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None,
 
     No weight's `.grad` changes here: the weight branches, found in the graph (split_plan.py), wait for W."""
     in_node = grad_node(inp) if inp is not None else None
-    graph = walk(out.grad_fn) if out.grad_fn is not None else None
-    plan = plan_of(graph.shape, graph.position.get(in_node), out.output_nr) if graph and in_node else None
+    graph = walk(out.grad_fn) if out.grad_fn is not None and in_node is not None else None
+    plan = plan_of(graph.shape, graph.position.get(in_node), out.output_nr) if graph is not None else None
     if plan is None:  # nothing upstream needs a gradient
         return None, WeightWork(whole=(out, grad))
     nodes = graph.nodes
@@ -146,11 +146,17 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None,
                                      allow_unused=True)  # an input of a node no gradient reached
     if dx is None:
         raise RuntimeError("the stage's input got no gradient although its output depends on it")
+    return dx, _weight_work(plan, nodes, grads)
+
+
+def _weight_work(plan: SplitPlan, nodes: list[Node], grads: list[torch.Tensor | None]) -> WeightWork:
+    """The plan's groups on this graph's nodes, each with the gradients B captured for it (`grads` in the
+    order B asked for them: each cut node's inputs, then the vectors' edges)."""
     flowing, at = {}, 0
     for n, fed in plan.inputs:
         flowing[nodes[n]] = tuple(grads[at:at + fed])
         at += fed
     groups = [WeightGroup([nodes[n] for n in g.nodes], [(nodes[c], i) for c, i in g.edges],
                           {nodes[n]: flowing[nodes[n]] for n in g.nodes}, g.chained) for g in plan.groups]
-    ready = [((edge.node, edge.output_nr), g) for edge, g in zip(vectors, grads[at:]) if g is not None]
-    return dx, WeightWork(groups=groups, ready=ready)
+    ready = [((nodes[c], i), g) for (c, i), g in zip(plan.vectors, grads[at:]) if g is not None]
+    return WeightWork(groups=groups, ready=ready)
