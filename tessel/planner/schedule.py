@@ -147,10 +147,10 @@ def flush_time(schedule: str, stage_busy: list[float], stage_fwd: list[float], m
 
 def captured_gradient_bytes(d_model: int, kv_dim: int, ffn_dim: int, tokens: int, tp: int, act_bytes: int) -> float:
     """Bytes of the gradients B captures for W in one reference-GPT block (split_backward.py): the gradient
-    flowing into each weight's node, as wide as that node's output: wq (d), wk and wv (kv each), wo (d), the
-    SwiGLU's gate and up (ffn each) and down (d), the two norms' scales (d each); tp splits the matmuls'."""
-    matmuls = (3 * d_model + 2 * kv_dim + 2 * ffn_dim) / tp
-    return tokens * (matmuls + 2 * d_model) * act_bytes
+    flowing into each matmul's node, as wide as that node's output: wq (d), wk and wv (kv each), wo (d), the
+    SwiGLU's gate and up (ffn each) and down (d); tp splits them. The two norms' scales are vectors whose
+    gradients B computes itself (split_plan.py): 2 d numbers, not counted."""
+    return tokens * (3 * d_model + 2 * kv_dim + 2 * ffn_dim) / tp * act_bytes
 
 
 def stashed_versions(schedule: str, held: int) -> int:

@@ -4,7 +4,7 @@
   per-rank Action lists (torch-free; the planner reads the same lists); action: one
   entry of a list; zero_bubble: the zero-bubble schedules' compute orders
 - split_backward: a backward as B (the input's gradient) and W (the weights'), for
-  the zero-bubble schedules
+  the zero-bubble schedules; split_plan: where it cuts a graph, found once per shape of graph
 - partition: stage layouts, and a stage as the model with the modules it does not own removed
 - comm: the point-to-point messages between stages
 - executor: runs this rank's Action list on its chunks (the step's typed StepState)

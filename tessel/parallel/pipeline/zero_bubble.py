@@ -93,11 +93,19 @@ class UnitTimeBuilder:
     """Compute orders found by running the pipeline at unit times (F = B = W = 1).
 
     Each rank first runs its prefix as written (waiting for inputs), then, at
-    every time step, the first of: a B whose gradient has arrived (the deepest
-    stage first: it unblocks the longest chain), an F whose input has arrived
-    while fewer than `limit` micro-batch-chunks are held between F and W (the
-    deepest stage first), the oldest pending W. Each stage runs its F's and
-    its B's in micro-batch order, so messages on a link match in order.
+    every time step, the first of: a B whose gradient has arrived (one whose
+    gradient goes to another rank first, then the deepest stage: it unblocks
+    the longest chain), an F whose input has arrived while fewer than `limit`
+    micro-batch-chunks are held between F and W (the deepest stage first), the
+    oldest pending W. Each stage runs its F's and its B's in micro-batch order,
+    so messages on a link match in order.
+
+    Sending first matters at the turn of ZBV's V (rank p-1), whose two B's are
+    often ready at once in the cool-down: stage p's gradient only feeds its own
+    stage p-1, stage p-1's is what rank p-2 waits for. At unit times either
+    order ends the step at once; where B takes longer than F (this CPU: B about
+    1.25 F, W 0.85 F), deepest-first left the turn rank idle for its own
+    gradient while rank p-2 waited for the other (docs/pipeline.md).
     """
 
     def __init__(self, p: int, m: int, stages: list[list[int]], limit: int,
@@ -151,7 +159,7 @@ class UnitTimeBuilder:
 
     def _choose(self, r: int, t: int) -> Action | None:
         deepest_first = sorted(range(len(self.stages[r])), key=lambda c: -self.stages[r][c])
-        for c in deepest_first:
+        for c in sorted(deepest_first, key=lambda c: not self._sends_gradient_away(r, c)):  # stable: then deepest
             a = Action("B", self.next_b[self.stages[r][c]], c)
             if a.mb < self.m and self._ready(r, a, t):
                 self.next_b[self.stages[r][c]] += 1
@@ -164,6 +172,11 @@ class UnitTimeBuilder:
                     self.next_f[self.stages[r][c]] += 1
                     return a
         return self.pending_w[r].popleft() if self.pending_w[r] else None
+
+    def _sends_gradient_away(self, r: int, c: int) -> bool:
+        """Whether the B of rank r's chunk c sends its input's gradient to another rank."""
+        s = self.stages[r][c]
+        return s > 0 and s - 1 not in self.stages[r]
 
     def _run(self, r: int, a: Action, t: int) -> None:
         self.done[(a.kind, a.mb, self.stages[r][a.chunk])] = t + 1

@@ -156,3 +156,18 @@ def test_zero_bubble_bubbles_and_held_micro_batches(p, m):
         max(max_in_flight(a) for a in build_schedule("1f1b", p, m))
     assert max(max_in_flight(a) for a in _zb("zb-h2", p, m)[0]) <= 2 * p - 1
     assert max(max_in_flight(a) for a in _zb("zbv", p, m)[0]) <= 2 * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8)])
+@pytest.mark.parametrize("t_b,t_w", [(1.25, 0.85), (1.5, 0.7)])
+def test_zbv_turn_rank_sends_a_gradient_before_it_hands_itself_one(p, m, t_b, t_w):
+    """With B longer than F, as on this CPU, the turn of the V (rank p-1) never idles after its first B: where
+    both its B's are ready it first runs stage p-1's, which rank p-2 waits for, then stage p's, which only
+    feeds its own stage p-1 (deepest-first idled it 0.4 F at B = 1.25 F, 0.8 F at 1.5 F)."""
+    schedule, v = _zb("zbv", p, m)
+    timeline = simulate(schedule, v, cost=lambda r, a: {"F": 1.0, "B": t_b, "W": t_w}.get(a.kind, 0.0),
+                        strict=False, vshape=True)
+    turn = sorted(timeline[p - 1], key=lambda x: x[1])
+    first_b = next(i for i, (a, _, _) in enumerate(turn) if a.kind == "B")
+    for (_, _, end), (a, start, _) in zip(turn[first_b:], turn[first_b + 1:]):
+        assert start == pytest.approx(end), a
