@@ -7,6 +7,7 @@ machine's load does not stretch, so the assertions hold on a busy machine too.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -89,9 +90,17 @@ def _run(model: Model, clock: Clock, monkeypatch, device: list | None = None) ->
     if device is not None:
         device.append(on)
     x = torch.randn(1, TOKENS, D, requires_grad=True)
-    out = model(x)
-    forward = list(clock.asked)
-    out.sum().backward()
+    with torch.no_grad():  # not timed (evaluation): the first call's one-time set-up is not a block's math
+        model(x)
+    # a garbage collection inside a block is CPU time the block would be credited with: ms in a long pytest
+    # process, enough to move a sleep past the tolerance (seen once in a run of the suite's files)
+    gc.disable()
+    try:
+        out = model(x)
+        forward = list(clock.asked)
+        out.sum().backward()
+    finally:
+        gc.enable()
     return forward, clock.asked[len(forward):]
 
 
