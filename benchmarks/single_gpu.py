@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -36,16 +35,6 @@ def _config(args):
                   "warmup_steps": 10, "eval_every": 0, "sample_tokens": 0, "grad_clip": 1.0},
         "data": {"source": "synthetic"},
         "logging": {"out_dir": args.out, "progress": False, "tensorboard": False}})
-
-
-def _synced(device: torch.device, fn) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def _plain_loop(cfg, device: torch.device):
@@ -77,7 +66,7 @@ def _bench(args) -> dict:
     from tessel.mesh import make_mesh
     from tessel.models.build import build_model
     from tessel.models.flops import training_flops_per_token
-    from tessel.observe.metrics import device_peak_flops
+    from tessel.observe.metrics import device_peak_flops, synced_seconds
     from tessel.runtime import pick_device
     from tessel.train.trainer import Trainer
     device = pick_device("auto")
@@ -90,9 +79,9 @@ def _bench(args) -> dict:
     ours, theirs = [], []
     for i in range(args.warmup + args.steps):
         if i % 2 == 0:
-            a, b = _synced(device, lambda: trainer.train_step(i)), _synced(device, plain)
+            a, b = synced_seconds(lambda: trainer.train_step(i), device), synced_seconds(plain, device)
         else:
-            b, a = _synced(device, plain), _synced(device, lambda: trainer.train_step(i))
+            b, a = synced_seconds(plain, device), synced_seconds(lambda: trainer.train_step(i), device)
         if i >= args.warmup:
             ours.append(a)
             theirs.append(b)

@@ -7,6 +7,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,6 +32,18 @@ def spec_sheet_peak(name: str, dtype: torch.dtype) -> float | None:
                 return peaks["bf16"]
             return peaks["tf32"] if torch.get_float32_matmul_precision() != "highest" else peaks["fp32"]
     return None
+
+
+def synced_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of fn on `device`: on a GPU the queue is drained before and after, so the time is fn's
+    kernels', not their launches' (CUDA runs them after the host returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,

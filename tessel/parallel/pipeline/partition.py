@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,6 +30,7 @@ import torch.nn as nn
 
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.models.parts import GPT_PARTS, ModelParts
+from tessel.observe.metrics import synced_seconds
 from tessel.parallel.pipeline.schedules import stage_of
 
 
@@ -153,16 +153,9 @@ def time_costs(model: GPT, batch: int, seq_len: int, device: torch.device, repea
     idx = torch.randint(0, vocab, (batch, seq_len), device=device)
 
     def timed(fn) -> float:
-        samples = []
-        for _ in range(repeats + 1):  # the first call warms up kernels and allocator
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - t0)
-        return sorted(samples[1:])[len(samples[1:]) // 2]
+        # the first call warms up kernels and allocator
+        samples = [synced_seconds(fn, device) for _ in range(repeats + 1)][1:]
+        return sorted(samples)[len(samples) // 2]
 
     x = model.tok_emb(idx).detach().requires_grad_(True)
     cos, sin = model.rope_cos, model.rope_sin
