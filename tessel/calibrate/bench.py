@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -25,6 +24,7 @@ from tessel.comm import algorithms as A
 from tessel.comm import all_to_all as X
 from tessel.comm.topology import Topology, resolve_nodes
 from tessel.config import ConfigError, at_least, output_file
+from tessel.observe.metrics import synced_seconds
 from tessel.runtime import init_distributed, shutdown_and_exit
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -154,11 +154,7 @@ def time_call(call: Callable[[], object], iters: int, warmup: int, dev) -> float
     times = []
     for _ in range(iters):
         dist.barrier()
-        t0 = time.perf_counter()
-        call()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+        times.append(synced_seconds(call, dev))
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

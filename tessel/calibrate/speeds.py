@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from tessel.config import Config
 from tessel.models.build import build_model
 from tessel.models.emulated import emulate_device
 from tessel.models.gpt import cross_entropy
+from tessel.observe.metrics import synced_seconds
 from tessel.planner.hetero import layer_capacity, min_per_coord, with_speeds
 
 REPS = 3
@@ -36,13 +36,8 @@ def rank_speed(cfg: Config, device: torch.device, emulate_flops: float | None) -
     if emulate_flops is not None:
         emulate_device(model, emulate_flops)
     x = torch.randint(0, cfg.model.vocab_size, (mb, t.seq_len), device=device)
-    times = []
-    for _ in range(REPS + 1):  # the first pays for allocations
-        t0 = time.perf_counter()
-        cross_entropy(model(x), x).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    # the first pays for allocations
+    times = [synced_seconds(lambda: cross_entropy(model(x), x).backward(), device) for _ in range(REPS + 1)]
     return 1.0 / statistics.median(times[1:])
 
 
