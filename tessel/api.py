@@ -54,19 +54,22 @@ from tessel.train.optim import optimizer_params, param_groups
 LayoutSpec = str | dict | Layout | None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, precision: str = "fp32") -> "ParallelJob":
+def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, precision: str = "fp32",
+                compile: str = "off", fused_loss: bool = False) -> "ParallelJob":
     """Cut a transformers causal LM over `mesh` by `layout`; the job a training loop drives.
 
     layout: 'zero=1,sp=true' (the keys of `tessel plan --layout`), a dict of them, or a Layout; an axis it
     leaves out takes the mesh's size, one it names must equal it. `model` is used as it is (no copy, no
     rebuild): its layers are replaced by their shards, and its forward answers with the logits tensor
     (B, T, V) instead of a ModelOutput, as everywhere in tessel. Bad input raises ConfigError naming it,
-    before any collective.
+    before any collective. precision, compile and fused_loss are the recipe's train.precision, train.compile
+    ('off', 'blocks': each decoder layer compiled, 'model') and train.fused_loss.
     """
     check_model(model)
     if not isinstance(mesh, Mesh):
         raise ConfigError("mesh", f"expected a tessel.Mesh (tessel.make_mesh({{'dp': 2, ...}})), got {type(mesh).__name__}")
-    cfg = job_config(model, resolve_layout(layout, mesh), mesh, precision)
+    cfg = job_config(model, resolve_layout(layout, mesh), mesh,
+                     {"precision": precision, "compile": compile, "fused_loss": fused_loss})
     check_world(mesh)
     answer_with_logits(model)
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
@@ -121,15 +124,16 @@ def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
     return replace(given, **mesh_sizes)
 
 
-def job_config(model: nn.Module, layout: Layout, mesh: Mesh, precision: str) -> Config:
+def job_config(model: nn.Module, layout: Layout, mesh: Mesh, train: dict) -> Config:
     """The recipe `tessel train` would run: the model's config as model.hf_config, the layout's parallel
-    fields; the train fields are placeholders that pass the batch rules (the batch comes with each step)."""
+    fields, `train`'s fields (precision, compile, fused_loss); the other train fields are placeholders that
+    pass the batch rules (the batch comes with each step)."""
     hf_config = hf_config_file(model)
     max_seq_len = model_shape(hf_config)["max_seq_len"]
     raw = {"model": {"hf_config": str(hf_config)},
            "parallel": {**layout.parallel_fields(), "rank_order": list(mesh.order)},
            "train": {"global_batch": layout.batch_shards * layout.chunks, "grad_accum": layout.ga,
-                     "seq_len": max_seq_len - max_seq_len % layout.tp, "precision": precision,
+                     "seq_len": max_seq_len - max_seq_len % layout.tp, **train,
                      "eval_every": 0, "sample_tokens": 0},
            "data": {"source": "synthetic"}}
     return build_config(raw)

@@ -225,6 +225,15 @@ class TrainConfig(Strict):
     sample_tokens: int = Field(200, ge=0)
     sample_prompt: str = Field("def ", description="the text sampling continues (not empty when sample_tokens > 0)")
     deterministic: bool = False
+    compile: Literal["off", "blocks", "model"] = Field(
+        "off", description="torch.compile: 'blocks' compiles each transformer block (regional), 'model' the whole "
+                           "model or pipeline stage; 'off' runs eagerly")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile's backend: inductor generates kernels; aot_eager and eager only "
+                                "capture graphs (for debugging a layout's capture without code generation)")
+    fused_loss: bool = Field(
+        False, description="the output head and the cross-entropy fused, chunked over tokens (vocabulary-parallel "
+                           "under tp): the full fp32 logits never exist")
 
     @model_validator(mode="after")
     def _sampling(self) -> "TrainConfig":
