@@ -1,0 +1,160 @@
+"""The output head's matmul and the cross-entropy in one pass over chunks of tokens: the whole logits never exist.
+
+Follows Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels
+for LLM Training", sec. 3.3; its `fused_linear_cross_entropy_forward`), in plain torch: for each chunk of
+tokens, the chunk's logits (the matmul in the autocast dtype, as the head computes them), their fp32
+statistics (max, log-sum-exp, the target's logit), the loss, and at once the gradients, since the chunk's
+softmax minus one-hot is all they need: the hidden states' gradient (d @ W) and the weight's (d^T @ x),
+accumulated in fp32. The forward keeps these two gradients for backward, which only scales them by the
+incoming gradient: no second logits matmul, no logits saved. Under no_grad only the loss is computed.
+
+Vocabulary-parallel (Megatron's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3, as
+tessel.parallel.tensor.tensor_parallel.VocabParallelCrossEntropy): each rank holds a block of the head's
+rows; per chunk one MAX all-reduce of the row maxima and one SUM all-reduce of (target logit, sum of exp)
+give every rank the whole vocabulary's statistics; its gradients are its own columns' (the hidden states'
+gradient is a partial sum that the head's tp entry sums on its way back). Rows past the real vocabulary
+(padding to a multiple of tp) are masked out: never the max, exp() = 0, never a target, zero gradient.
+
+Gemma 2's final soft-capping, cap * tanh(logits / cap), can be applied to each chunk's logits before the
+statistics (its derivative, 1 - tanh^2, joins the chunk's gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Which rows of the vocabulary this rank's head holds, and how the loss treats the logits."""
+    start: int = 0  # the first row's id (rank * rows under vocab-parallel tp)
+    size: int | None = None  # the real vocabulary; rows at ids >= size are padding (None: every row is real)
+    group: object = None  # the tp group the vocabulary is split over (None: whole here)
+    softcap: float | None = None  # cap * tanh(logits / cap) before the loss (Gemma 2)
+    chunk: int | None = None  # tokens per chunk (None: chunk_tokens' choice)
+    ignore_index: int = -100  # a target that takes no part, as F.cross_entropy's
+
+
+def chunk_tokens(tokens: int, hidden: int, rows: int) -> int:
+    """Tokens per chunk such that a chunk's fp32 logits (n x rows) hold about as many elements as the hidden
+    states (tokens x hidden), as Liger-Kernel chooses: the loss then adds about the hidden states' size of
+    memory (twice their bytes in bf16) on top of the model's, whatever the vocabulary, and a chunk's matmul
+    (n x hidden x rows) stays as large as a block's own (tokens x hidden x hidden) GEMMs, big enough to keep
+    a GPU busy. Rounded up to a multiple of 64 tokens (whole GEMM tiles), never more than `tokens`."""
+    n = math.ceil(tokens * hidden / max(rows, 1))
+    return max(1, min(tokens, 64 * math.ceil(n / 64)))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         targets: torch.Tensor, vocab: Vocab = Vocab()) -> torch.Tensor:
+    """Mean cross-entropy of F.linear(hidden, weight, bias) against targets, over the tokens whose target is
+    not vocab.ignore_index (F.cross_entropy's mean), without the logits: hidden (..., C), weight (rows, C)
+    this rank's rows, targets (...) global ids. Under autocast the matmuls run in its dtype, as the head's."""
+    hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    inputs = (hidden, weight, bias)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        with torch.autocast(device, enabled=False):
+            return _chunks(hidden, weight, bias, targets, vocab, dtype, (False, False, False))[0]
+    return LinearCrossEntropy.apply(hidden, weight, bias, targets, vocab, dtype)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """loss = mean cross-entropy of hidden @ weight^T + bias; the gradients are made in forward (module doc)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, vocab: Vocab, dtype: torch.dtype):
+        want = tuple(ctx.needs_input_grad[:3])
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here, explicitly
+            loss, grads = _chunks(hidden, weight, bias, targets, vocab, dtype, want)
+        ctx.save_for_backward(*grads)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # scaled out of place: a zero-bubble pipeline runs this node twice (its B and its W,
+        # tessel.parallel.pipeline.split_backward), so the saved gradients must stay as they are
+        return (*(None if g is None else g * grad for g in ctx.saved_tensors), None, None, None)
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+            vocab: Vocab, dtype: torch.dtype, want: tuple[bool, bool, bool]):
+    """(mean loss, (d hidden, d weight, d bias) or None where not wanted), chunk by chunk."""
+    tokens, rows = hidden.size(0), weight.size(0)
+    w = weight.to(dtype)  # the head's matmul dtype (autocast's cast, once for every chunk)
+    b = bias.to(dtype) if bias is not None else None
+    real = rows if vocab.size is None else min(max(vocab.size - vocab.start, 0), rows)  # rows past it: padding
+    valid = targets != vocab.ignore_index
+    count = valid.sum()  # a tensor: no host synchronization
+    local = targets - vocab.start
+    own = valid & (local >= 0) & (local < real)  # targets in this rank's rows
+    local = local.masked_fill(~own, 0)
+    share = valid / count  # each token's weight in the mean
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    d_hidden = torch.empty_like(hidden) if want[0] else None
+    d_weight = torch.zeros(rows, weight.size(1), dtype=torch.float32, device=weight.device) if want[1] else None
+    d_bias = torch.zeros(rows, dtype=torch.float32, device=weight.device) if want[2] and b is not None else None
+    n = vocab.chunk or chunk_tokens(tokens, hidden.size(1), rows)
+    for s in range(0, tokens, n):
+        e = min(s + n, tokens)
+        x = hidden[s:e].to(dtype)
+        z = F.linear(x, w, b).float()  # (n, rows): the chunk's fp32 logits, the only ones that exist
+        slope = _softcap_(z, vocab.softcap, any(want))
+        if real < rows:
+            z[:, real:] = float("-inf")  # padding: never the max, exp() = 0, no gradient
+        loss_rows, sum_exp = _statistics_(z, local[s:e], own[s:e], vocab.group)
+        total += loss_rows.masked_fill(~valid[s:e], 0.0).sum()
+        if not any(want):
+            continue
+        # the softmax, minus one-hot at this rank's targets, times each token's share of the mean
+        z.div_(sum_exp.unsqueeze(-1))
+        z.scatter_add_(1, local[s:e, None], -own[s:e, None].to(z.dtype))
+        z.mul_(share[s:e, None])
+        if slope is not None:
+            z.mul_(slope)
+        d = z.to(dtype)
+        if d_hidden is not None:
+            d_hidden[s:e] = d @ w  # under tp a partial sum over the vocabulary: the head's entry adds them up
+        if d_weight is not None:
+            d_weight.add_(d.t() @ x)  # accumulated in fp32 over the chunks
+        if d_bias is not None:
+            d_bias.add_(z.sum(0))
+    grads = (d_hidden, _as(d_weight, weight), _as(d_bias, bias))
+    return total / count, grads
+
+
+def _softcap_(z: torch.Tensor, cap: float | None, slope: bool) -> torch.Tensor | None:
+    """z <- cap * tanh(z / cap) in place; returns d(capped)/d(z) = 1 - tanh^2 when gradients follow."""
+    if cap is None:
+        return None
+    t = z.div_(cap).tanh_()
+    out = 1.0 - t * t if slope else None
+    t.mul_(cap)
+    return out
+
+
+def _statistics_(z: torch.Tensor, local: torch.Tensor, own: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: log-sum-exp minus the target's logit over the whole vocabulary (two all-reduces under tp), and
+    the sum of exp(z - max); z becomes exp(z - max) in place (this rank's columns)."""
+    m = z.amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z.sub_(m.unsqueeze(-1))
+    target = z.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~own, 0.0)
+    z.exp_()
+    both = torch.stack([target, z.sum(dim=-1)])  # (2, n): one all-reduce for both
+    if group is not None:
+        dist.all_reduce(both, group=group)
+    target, sum_exp = both
+    return sum_exp.log() - target, sum_exp
+
+
+def _as(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient accumulated in fp32, in its parameter's dtype (bf16 under ZeRO's bf16 storage)."""
+    return None if grad is None else grad.to(param.dtype)
