@@ -121,8 +121,11 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         d = z.to(dtype)
         if d_hidden is not None:
             d_hidden[s:e] = d @ w  # under tp a partial sum over the vocabulary: the head's entry adds them up
-        if d_weight is not None:
-            d_weight.add_(d.t() @ x)  # accumulated in fp32 over the chunks
+        if d_weight is not None:  # accumulated in fp32 over the chunks
+            if d.dtype == d_weight.dtype:
+                d_weight.addmm_(d.t(), x)  # in place: no (rows, C) temporary
+            else:
+                d_weight.add_(d.t() @ x)  # the product in the matmul dtype (bf16), as the head's own backward
         if d_bias is not None:
             d_bias.add_(z.sum(0))
     grads = (d_hidden, _as(d_weight, weight), _as(d_bias, bias))

@@ -17,8 +17,12 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tessel.parallel.fused_loss.apply import HeadInput
+from tessel.parallel.fused_loss.kernel import Vocab, linear_cross_entropy
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.sharding import shard_axes
 from tessel.spawn import spawn
@@ -72,11 +76,12 @@ def _train(cfg) -> dict:
     if cfg.parallel.dp_arch == "ps":
         summary = train_rank_ps(cfg, torch.device("cpu"))
         return {} if summary is None else {"losses": summary.losses, "val_loss": summary.val_loss,
-                                           "sample": summary.sample}
+                                           "sample": summary.sample, "fused": True}
     trainer, model, runner, mesh = build_trainer(cfg)
     summary = trainer.fit()
     out = {"losses": summary.losses, "val_loss": summary.val_loss, "sample": summary.sample,
-           "grad_norms": [row["grad_norm"] for row in trainer.history]}
+           "grad_norms": [row["grad_norm"] for row in trainer.history],
+           "fused": any(isinstance(m.forward, HeadInput) for m in model.modules())}  # its head hands out its input
     gathered = runner.gathered() if hasattr(runner, "gathered") else runner.model.gathered() \
         if getattr(getattr(runner, "model", None), "stage", 0) == 3 else contextlib.nullcontext()
     with gathered:  # a pipeline's stage under the full model's names; ZeRO-3's parameters whole
@@ -88,7 +93,36 @@ def _train(cfg) -> dict:
 
 
 def _run_layouts(paths: dict[str, str]) -> dict:
-    return {name: _train(tiny_config(*STEPS, FUSED, *_overrides(run, paths))) for name, (run, _) in LAYOUTS.items()}
+    out = {name: _train(tiny_config(*STEPS, FUSED, *_overrides(run, paths))) for name, (run, _) in LAYOUTS.items()}
+    return {**out, "kernel": _vocab_parallel_kernel()}
+
+
+KERNEL_VOCAB, KERNEL_ROWS = 251, 126  # split over tp2: 252 rows, the last one padding
+
+
+def _kernel_inputs():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g)
+    weight = torch.randn(KERNEL_VOCAB, 16, generator=g)
+    return hidden, weight, torch.randint(0, KERNEL_VOCAB, (37,), generator=g)
+
+
+def _vocab_parallel_kernel() -> dict:
+    """This rank's half of the head's rows, straight through the kernel (chunks of 8 tokens: a ragged last one),
+    plain and soft-capped: the loss, the hidden states' gradient once summed over tp as the head's entry sums
+    it, and the rows' gradient."""
+    rank = dist.get_rank()
+    hidden, weight, targets = _kernel_inputs()
+    shard = torch.cat([weight, weight.new_zeros(1, 16)])[rank * KERNEL_ROWS:(rank + 1) * KERNEL_ROWS]
+    out = {}
+    for cap in (None, 2.0):
+        h, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+        vocab = Vocab(start=rank * KERNEL_ROWS, size=KERNEL_VOCAB, group=dist.group.WORLD, softcap=cap, chunk=8)
+        loss = linear_cross_entropy(h, w, None, targets, vocab)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        dist.all_reduce(dh)
+        out[cap] = (loss.detach(), dh, dw)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +134,48 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def references(paths):
+    """The one-process unfused run of some reference overrides, trained once for the layouts that share it."""
+    done = {}
+
+    def reference(overrides: list[str]) -> dict:
+        key = tuple(overrides)
+        if key not in done:
+            done[key] = train_and_collect(tiny_config(*STEPS, *_overrides(overrides, paths)))
+        return done[key]
+    return reference
+
+
+@pytest.fixture(scope="module")
 def world2(paths):
     return spawn(_run_layouts, 2, paths, timeout=600)
 
 
+def test_vocab_parallel_kernel_equals_the_whole_vocabularys_loss(world2):
+    """tp2 over a vocabulary it does not divide (251 -> 2 x 126, one padding row), with and without Gemma 2's
+    soft-capping: the loss and the hidden states' gradient of the whole head, and each rank its rows' gradient
+    (the padding row's zero). fp32: the two all-reduces merge the halves' statistics in another order (~1e-7)."""
+    hidden, weight, targets = _kernel_inputs()
+    for cap in (None, 2.0):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = F.linear(h, w)
+        loss = F.cross_entropy(logits if cap is None else torch.tanh(logits / cap) * cap, targets)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        dw = torch.cat([dw, dw.new_zeros(1, 16)])
+        for rank, got in enumerate(r["kernel"][cap] for r in world2):
+            assert_close(got[0], loss.detach(), rtol=1e-5, atol=1e-6, msg=f"cap {cap} rank {rank} loss")
+            assert_close(got[1], dh, rtol=1e-5, atol=1e-6, msg=f"cap {cap} rank {rank} hidden")
+            assert_close(got[2], dw[rank * KERNEL_ROWS:(rank + 1) * KERNEL_ROWS], rtol=1e-5, atol=1e-6,
+                         msg=f"cap {cap} rank {rank} rows")
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fused_loss_trains_as_the_unfused_one_on_one_process(world2, paths, name):
-    ref = train_and_collect(tiny_config(*STEPS, *_overrides(LAYOUTS[name][1], paths)))
+def test_fused_loss_trains_as_the_unfused_one_on_one_process(world2, references, name):
+    ref = references(LAYOUTS[name][1])
     assert ref["losses"][-1] < ref["losses"][0]  # it learns, so equality is not trivial
+    # every rank that holds the head fused it (under pp the last stage alone)
+    fused = [r[name]["fused"] for r in world2 if r[name]]
+    assert all(fused) if "pp2" not in name else fused == [False, True]
     for rank, got in enumerate(world2):
         got = got[name]
         if not got:  # the parameter server's server rank trains nothing
