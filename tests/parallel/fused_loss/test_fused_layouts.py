@@ -6,8 +6,8 @@ each step's loss and global gradient norm, the validation loss (the fused loss w
 text (the head's logits taken back from its input: the model's whole-vocabulary logits, TP's FullLogits, a
 pipeline's last stage through gather_vocab, cp's whole sequences) and the final weights (tp shards gathered;
 under a pipeline the rank's stage). Layouts: tp2 (plain, sequence-parallel, a vocabulary tp does not divide,
-tied embeddings), pp2 (1F1B with the tied head on the last stage, and ZBV, whose last stage is rank 0's
-second chunk and whose split backward runs the fused node twice), dp2 ZeRO-3 (the root unit holds the head), cp2, ep2 MoE
+tied embeddings), pp2 (1F1B with the tied head on the last stage, the same under ZeRO-3, and ZBV, whose last
+stage is rank 0's second chunk and whose split backward runs the fused node twice), dp2 ZeRO-3 (the root unit holds the head), cp2, ep2 MoE
 (aux losses added to the fused loss), Hugging Face Llama (tp2 + SP, a padded vocabulary) and GPT-2 (tp2, its
 head tied), and the parameter server (one worker, one server).
 """
@@ -47,6 +47,9 @@ LAYOUTS = {
     "tp2_tied": (["parallel.tp=2", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
     "pp2_1f1b_tied": (["parallel.pp=2", "parallel.micro_batches=2", "model.tie_embeddings=true"],
                       ["model.tie_embeddings=true"]),
+    # ZeRO-3 under a pipeline: each stage gathered for a step, an evaluation (its loss reads the head) or sampling
+    "pp2_zero3_tied": (["parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=3",
+                        "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
     # ZBV: the last stage is rank 0's second chunk, and the split backward runs the fused node twice (B, W)
     "pp2_zbv": (["parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="zbv"', "parallel.virtual_stages=2",
                  "model.n_layer=4"], ["model.n_layer=4"]),
