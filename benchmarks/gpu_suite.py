@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu_suite.py            # one H100 or H200: under 8 minutes
     PYTHONPATH=. python benchmarks/gpu_suite.py --smoke    # the CPU, toy shapes, seconds (the test suite runs it)
+    PYTHONPATH=. python benchmarks/gpu_suite.py --predict h100   # the planner's step times alone, no run
 
 (benchmarks/gpu_carry.txt says what to carry to a GPU machine without a package index, and the one-line
 command that installs it there and runs this.)
@@ -11,7 +12,7 @@ shapes of:
 - GPT-2 124M, sequence 1024, batch 16: 12 layers, d 768, 12 heads, vocabulary 50304, tied embeddings
   (124M parameters). GPT-2 proper has LayerNorms with biases, learned positions, a 4x GELU MLP (2 x 3072
   where ours is SwiGLU 3 x 2048: the same parameters per block) and its vocabulary unpadded (50257).
-- a Llama-style 1.3B, sequence 2048, batch 8: 24 layers, d 2048, 16 heads of 128 sharing 8 kv heads
+- a Llama-style 1.3B, sequence 2048, batch 4: 24 layers, d 2048, 16 heads of 128 sharing 8 kv heads
   (grouped-query), SwiGLU width 5504, vocabulary 50304, untied (1.3B parameters).
 
 Each is trained, in one process on one GPU, by
@@ -38,6 +39,7 @@ budget (--budget seconds in all; rows that would start past it are skipped and s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -50,7 +52,7 @@ import torch
 
 SUITE = {  # name: (model fields, sequence, batch)
     "gpt2-124m": (dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768, tie_embeddings=True), 1024, 16),
-    "llama-1.3b": (dict(vocab_size=50304, n_layer=24, n_head=16, n_kv_head=8, d_model=2048, d_ff=5504), 2048, 8),
+    "llama-1.3b": (dict(vocab_size=50304, n_layer=24, n_head=16, n_kv_head=8, d_model=2048, d_ff=5504), 2048, 4),
 }
 SMOKE = {
     "gpt2-124m": (dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, tie_embeddings=True), 64, 4),
@@ -205,13 +207,14 @@ def run_model(name: str, fields: dict, seq: int, batch: int, args, device, peak:
                        seconds=time.monotonic() - t0)
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            del step
         except Exception as err:  # one line, and the suite goes on
             row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
-        finally:
-            import gc
+        finally:  # this run's model, optimizer and compiled code go before the next is built
+            step = None
             gc.collect()
-            torch._dynamo.reset()  # the next row compiles its own model from scratch
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -354,6 +357,25 @@ def print_ratios(result: dict) -> None:
           + (f"{statistics.median(errs):.1%}" if errs else "n/a"))
 
 
+def print_predictions(preset: str) -> None:
+    """The planner's step, tokens/s, MFU and memory for each run of the suite on `preset`."""
+    from tessel.config import ModelConfig
+    from tessel.planner.cluster import get_cluster
+    from tessel.planner.cost import CostModel
+    from tessel.planner.gemm import source
+    from tessel.planner.layout import Layout
+    from tessel.planner.model_spec import from_config
+    cl = get_cluster(preset, 1)
+    print(f"planner, {preset} preset, bf16; {source(cl)}")
+    print(f"{'model':<11} {'run (as priced)':<20} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'GiB':>6}")
+    for name, (fields, seq, batch) in SUITE.items():
+        spec = from_config(ModelConfig(**fields, max_seq_len=seq), seq, batch)
+        for run, (compiled, fused) in PRICED.items():
+            e = CostModel(spec, cl, "bf16", compiled=compiled, fused_loss=fused).estimate(Layout(mb=batch))
+            print(f"{name:<11} {run:<20} {e.step_s * 1e3:9.1f} {e.tokens_per_s:10.0f} {e.mfu:6.3f} "
+                  f"{e.memory_total / 2**30:6.1f}")
+
+
 def gemm_table(result: dict, command: str) -> dict:
     from tessel.planner.gemm import Gemm, GemmTable
     points = tuple((Gemm(g["m"], g["n"], g["k"], g["batch"]), g["seconds"]) for g in result["gemms"] if "seconds" in g)
@@ -367,7 +389,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 15; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps, the compile among them (3; smoke 1)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
+    ap.add_argument("--predict", default=None, metavar="PRESET",
+                    help="only the planner's step times for the suite on a preset (h100, h200): no torch run")
     args = ap.parse_args()
+    if args.predict:
+        print_predictions(args.predict)
+        return
     smoke = args.smoke
     args.budget = args.budget or (120.0 if smoke else 420.0)
     args.steps = args.steps or (2 if smoke else 15)

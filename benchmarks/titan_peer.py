@@ -26,8 +26,10 @@ def titan_step(shape: dict, batch: int, seq: int, device: torch.device, backend:
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
 
+    dist_utils.set_spmd_backend("partial_dtensor")  # as its Trainer does from parallelism.spmd_backend
     model = _build(shape, seq)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1,
                         spmd_backend="partial_dtensor")
@@ -51,7 +53,7 @@ def titan_step(shape: dict, batch: int, seq: int, device: torch.device, backend:
 
     def step() -> float:
         x = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
-        inputs, labels = x[:, :-1], x[:, 1:]
+        inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
         masks = model.get_attention_masks(positions=positions)
         pred = model(inputs, positions=positions, attention_masks=masks)
         loss, _ = loss_fn(pred, labels, torch.tensor(labels.numel(), device=device))
