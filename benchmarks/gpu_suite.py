@@ -385,7 +385,7 @@ def gemm_table(result: dict, command: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU, seconds")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 420; smoke 120)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; smoke 120)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 15; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps, the compile among them (3; smoke 1)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
@@ -396,12 +396,12 @@ def main() -> None:
         print_predictions(args.predict)
         return
     smoke = args.smoke
-    args.budget = args.budget or (120.0 if smoke else 420.0)
+    args.budget = args.budget or (120.0 if smoke else 400.0)
     args.steps = args.steps or (2 if smoke else 15)
     args.warmup = args.warmup or (1 if smoke else 3)
     args.backend = args.backend or ("aot_eager" if smoke else "inductor")
     args.row_budget = args.budget / 8  # one run's timed steps (its compile happens in the warm-up)
-    args.row_floor = 5.0 if smoke else 45.0  # a run that cannot compile and time in this little is skipped
+    args.row_floor = 5.0 if smoke else 60.0  # a run that cannot compile and time in this little is skipped
     args.gemm_share = 0.15  # of the budget for the matmul section
     args.out = tempfile.mkdtemp(prefix="tessel-gpu-suite-")
     from tessel.spawn import spawn

@@ -70,6 +70,9 @@ class Cluster:
     gemm_efficiency: float = 1.0  # fraction of the peak a large GEMM's main loop sustains
     gemm_tile_feed: float = 0.0  # MACs per operand element an SM needs to stay compute-bound (0: none)
     gemm_k_overhead: float = 0.0  # a tile's prologue and epilogue, in K-steps of its main loop
+    # persistent GEMM kernels: each SM loads its next tile while it finishes the last, so the prologue is
+    # paid once per SM and kernel instead of once per wave (tessel.planner.gemm)
+    gemm_persistent: bool = False
     # GEMMs timed on this GPU (benchmarks/gpu_suite.py's matmul section, tessel/planner/gemm_tables/):
     # they correct the roofline prior (tessel.planner.gemm); None: the prior alone
     gemm_table: GemmTable | None = None
@@ -196,6 +199,11 @@ def _h100(nodes: int) -> Cluster:
         # L2 bytes/clk figure is published: the A100's feed requirement is kept
         gemm_tile_feed=312e12 / (5120 * 1.41e9),
         gemm_k_overhead=96,  # as A100: a tile's load pipeline before its first MMA
+        # Hopper's GEMMs are persistent and warp-specialized: a producer warp group's TMA loads fill the next
+        # tile's pipeline while the consumers run the last one's epilogue (CUTLASS 3's sm90 "warp-specialized
+        # persistent" and "ping-pong" kernel schedules, the ones cuBLAS's Hopper kernels follow), so only the
+        # first tile on each SM waits for its pipeline to fill
+        gemm_persistent=True,
         hbm_efficiency=0.90,  # as A100 (first principles, above)
         # FlashAttention-3 (Shah et al. 2024), abstract: FlashAttention-2, which PyTorch's SDPA runs,
         # "achieves only 35% utilization on the H100"; its backward less

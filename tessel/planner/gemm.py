@@ -5,15 +5,17 @@ none fitted to a training run:
 
 - Compute: the output is cut into tiles that run in waves over the SMs (tile and wave
   quantization, NVIDIA's Matrix Multiplication Background User's Guide, ch. 3); a tile too
-  small to feed its SM from L2 runs slower; every tile pays its load pipeline's fill, in
-  K-steps. The library takes the best of its tile shapes.
+  small to feed its SM from L2 runs slower; each wave waits for its tiles' load pipeline to
+  fill, in K-steps of the main loop, except on a GPU whose kernels are persistent (Hopper:
+  the next tile's loads overlap the last one's epilogue), where only the first wave waits.
+  The library takes the best of its tile shapes.
 - Split-K: a GEMM with few output tiles and a long K (the weight gradient of a tp-sharded
   layer: M = its output features / tp, N = d_model, K = the tokens) would leave most SMs
   idle; cuBLAS then splits K into s slices computed by separate tiles and sums their fp32
   partials (cublasLt's split-K reduction schemes). Each slice pays its own pipeline fill and
   the partials cost 2 s M N x 4 bytes of HBM traffic, so splitting only pays where the waves
-  were mostly empty. Without it the prior priced tp = 8's weight gradients at a tenth of the
-  peak (96 x 768 x 16384: 0.08 of it) where one wave of split tiles reaches most of it.
+  were mostly empty. Without it the prior priced a tp = 8 weight gradient such as
+  96 x 768 x 16384 at 0.08 of the peak (24 tiles on 132 SMs); split, it fills one wave: 0.26.
 - Memory: nothing runs faster than HBM streams its operands and result (Williams et al.
   2009's roofline).
 
@@ -34,7 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 
 TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))  # cuBLAS's Ampere tile shapes
-MAX_SPLIT = 16  # split-K slices cuBLAS's heuristics consider (cublasLt's splitK_num goes to 16 in its own search)
+MAX_SPLIT = 16  # the most K slices the prior tries (an assumption, not a cuBLAS figure: 16 fill 132 SMs from 9 tiles)
 NEIGHBOURS = 4  # measured shapes whose corrections a shape outside the table takes
 TABLES = Path(__file__).parent / "gemm_tables"
 
@@ -108,13 +110,14 @@ class _Device:
     efficiency: float
     tile_feed: float
     k_overhead: float
+    persistent: bool
     hbm: float
     elt: int
 
 
 def _device(cl, dtype: str) -> _Device:
     return _Device(cl.peak_flops[dtype], cl.sms, cl.gemm_efficiency, cl.gemm_tile_feed, cl.gemm_k_overhead,
-                   cl.mem_bandwidth * cl.hbm_efficiency, 2 if dtype == "bf16" else 4)
+                   cl.gemm_persistent, cl.mem_bandwidth * cl.hbm_efficiency, 2 if dtype == "bf16" else 4)
 
 
 @lru_cache(maxsize=65536)
@@ -160,7 +163,8 @@ def _prior(g: Gemm, dev: _Device) -> float:
                 break
             k = math.ceil(g.k / split)
             waves = math.ceil(out_tiles * split / dev.sms)
-            seconds = waves * 2 * tm * tn * (k + dev.k_overhead) / rate
+            fills = 1 if dev.persistent else waves  # pipeline fills each SM waits for
+            seconds = 2 * tm * tn * (waves * k + fills * dev.k_overhead) / rate
             if split > 1:  # each slice's fp32 partial written, then read by the reduction
                 seconds += 2 * split * g.m * g.n * 4 * g.batch / dev.hbm
             best = min(best, seconds)

@@ -46,6 +46,16 @@ def test_tp8_weight_gradients_split_k_by_the_same_rule():
     assert Gemm(2048, 2048, 2048) in whole and Gemm(256, 2048, 2048) not in whole
 
 
+def test_persistent_kernels_fill_their_pipeline_once():
+    # Hopper's persistent GEMMs: only the first wave waits for its load pipeline. A short-K GEMM of many waves
+    # (a tp=8 row-parallel projection: K = d_model / 8) gains; a long-K one barely (its fill is 96 of 5120 K-steps)
+    waves = replace(H100, gemm_persistent=False)
+    short, long = Gemm(2048, 5120, 640), Gemm(2048, 640, 5120)
+    assert prior_seconds(short, H100, "bf16") < 0.95 * prior_seconds(short, waves, "bf16")
+    assert prior_seconds(long, H100, "bf16") > 0.97 * prior_seconds(long, waves, "bf16")
+    assert not get_cluster("a100").gemm_persistent  # Ampere's kernels are not: every wave fills
+
+
 def test_measured_table_overrides_the_prior(tmp_path):
     measured, near = Gemm(4096, 4096, 4096), Gemm(4096, 4096, 5120)
     table = GemmTable("NVIDIA H100 80GB HBM3", "2026-11-28", "python benchmarks/gpu_suite.py",
