@@ -106,7 +106,6 @@ def block_forward(s: Shape) -> tuple[list, list]:
     """(the block's forward ops outside the attention core, the attention core's) for one micro-batch."""
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    cast_in = (r + a) * d * t if s.cast else 0.0  # autocast casts a linear's fp32 input
     ops: list = norm_and_cast(s, 3) + [Gemm(t, q, d), Gemm(t, kv, d), Gemm(t, kv, d)]
     core = attention_core(s)
     ops += [Stream(2 * a * q * t), Gemm(t, d, q)]  # y transposed; wo
@@ -131,12 +130,12 @@ def norm_and_cast(s: Shape, users: int) -> list:
     writes the residual's dtype and each linear casts its own copy; compiled: one kernel writes the cast
     once (under SP the gather sits between them: the norm, then one cast of the gathered input)."""
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
-    cast_in = (r + a) * d * t if s.cast else 0.0
+    cast_in = (r + a) * d * t if s.cast else 0.0  # autocast casts a linear's fp32 input
     if not s.compiled:
         return [Stream(2 * r * d * tn), Stream(users * cast_in)]
     if tn == t:
         return [Stream((r + a) * d * tn)]
-    return [Stream(2 * r * d * tn), Stream(cast_in)]
+    return [Stream(2 * r * d * tn), Stream(min(users, 1) * cast_in)]
 
 
 def activation_bytes(s: Shape) -> int:
