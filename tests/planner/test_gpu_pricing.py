@@ -130,3 +130,17 @@ def test_h200_is_the_h100_chip_with_more_and_faster_memory():
     lay = Layout(mb=4)
     # a memory-bound share of the step runs faster on H200; never slower
     assert CostModel(spec, h200, "bf16").estimate(lay).step_s < CostModel(spec, h100, "bf16").estimate(lay).step_s
+
+
+def test_tessel_plan_says_what_priced_the_gemms_and_prices_the_recipes_knobs():
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+    base = ["plan", "--model", "gpt3-125m", "--world", "1", "--cluster", "h100", "--layout", "mb=4,ga=64", "--json"]
+    reports = [json.loads(CliRunner().invoke(app, base + extra).output)
+               for extra in ([], ["--set", "train.compile=blocks", "--set", "train.fused_loss=true"])]
+    assert reports[0]["gemms"] == gemm.source(get_cluster("h100"))
+    eager, compiled = (r["plans"][0] for r in reports)
+    # the recipe's train.compile and train.fused_loss reach the cost model: a faster step, less memory
+    assert compiled["step_s"] < eager["step_s"]
+    assert compiled["memory_mib"]["activations"] < eager["memory_mib"]["activations"]
