@@ -156,7 +156,9 @@ def plain_step(cfg, device, backend: str):
 
 def _titan(cfg, device, backend: str):
     if device.type != "cuda":  # checked on torch 2.13: its mesh asks for CUDA, and flex attention's CPU kernel
-        # has no backward (torchtitan 0.3.0 dropped SDPA for language models)
+        # has no backward (torchtitan 0.3.0 dropped SDPA for language models). With both stood in for on a CPU
+        # (its device type set to "cpu", flex replaced by causal SDPA), titan_step built, compiled (aot_eager)
+        # and trained a 2-layer model for 4 steps at loss ln(256)
         raise RuntimeError("torchtitan trains its Llama only on a GPU (flex attention has no CPU backward)")
     sys.path.insert(0, str(Path(__file__).parent))
     from titan_peer import titan_step
