@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from tessel.parallel.adamw import kernel_options
-from tessel.parallel.data.unused import no_gradient
+from tessel.parallel.data.unused import mark_always_used, may_go_unused, no_gradient
 from tessel.parallel.zero import checkpoint
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.parallel.zero.flat import FlatGroup
@@ -49,7 +49,7 @@ class ZeroAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        segs = [seg for seg in self.grad_params() if seg.grad is not None]
+        segs = [seg for seg in self.grad_params() if seg.grad is not None and may_go_unused(seg)]
         skipped = [(seg, seg.grad) for seg, unused in zip(segs, no_gradient([s.grad for s in segs])) if unused]
         for seg, _ in skipped:
             seg.grad = None  # AdamW leaves a parameter without a gradient alone
@@ -122,6 +122,8 @@ def segments(groups: list[FlatGroup], group_of: Callable[[nn.Parameter], int | N
             mark_sharded(seg, *g.comm.axes, *shard_axes(p))
             if is_replica(p):  # a copy another pipeline stage counts (the last stage's tied head)
                 mark_replica(seg)
+            if not may_go_unused(p):
+                mark_always_used([seg])
             out.setdefault(k, []).append(seg)
     return out
 
