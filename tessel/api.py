@@ -38,6 +38,7 @@ from tessel.config import Config, ConfigError, build_config
 from tessel.hf_shape import model_shape
 from tessel.mesh import Mesh
 from tessel.models.hf.build import answer_with_logits
+from tessel.observe.attention import check_attention
 from tessel.parallel.adamw import adamw
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
@@ -74,6 +75,8 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     check_world(mesh)
     answer_with_logits(model)
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
+    if mesh.rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
+        check_attention(cfg, mesh.device)
     return ParallelJob(model, mesh, cfg, runner)
 
 

@@ -31,6 +31,7 @@ from tessel.mesh import Mesh
 from tessel.models.build import build_model
 from tessel.models.flops import training_flops_per_token
 from tessel.models.gpt import count_params
+from tessel.observe.attention import check_attention
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.observe.trackers import open_trackers
@@ -142,6 +143,8 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(whole, cfg.model, cfg.train.seq_len)  # its own weights
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
+        if rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
+            check_attention(cfg, self.cohort.device)
         # a resumed run appends to the metrics of the attempt it continues
         resumed = cfg.checkpoint.resume is not None
         self.log = MetricsLog(cfg.logging.out_dir, "tensorboard" in cfg.logging.active_trackers, append=resumed,
