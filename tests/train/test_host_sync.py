@@ -4,8 +4,8 @@ On a GPU, torch.cuda.set_sync_debug_mode("error") turns every wait torch knows o
 pageable memory, a stream synchronize) into an error during the steady steps. Without one (CI, this
 machine), the trainer runs the GPU's order on the CPU: each step's numbers read once the next is queued
 (Trainer.read_late) and the fused AdamW that skips a non-finite step on the device (torch's CPU kernel
-standing in for CUDA's: tessel.parallel.adamw.FUSED_DEVICE_TYPES); a TorchFunctionMode counts every call that
-waits for a GPU (HostWaits), each with the tessel line that made it. A step may read the numbers the step
+standing in for CUDA's: tessel.parallel.adamw.FUSED_DEVICE_TYPES), and every call that would wait for a GPU
+is counted (HostWaits), each with the tessel line that made it. A step may read the numbers the step
 before it copied to the host (HostCopy.read: by then the device has a whole step queued); nothing else.
 The same order must train as the CPU's own: the same skipped steps and rollbacks, the same losses.
 """
@@ -18,7 +18,6 @@ import traceback
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from tessel.parallel import adamw
 from tessel.spawn import spawn
@@ -29,34 +28,43 @@ from tests.helpers import build_trainer, tiny_config
 # what waits for a GPU's queue to drain when called on a tensor on it: reading values on the host (a scalar, a
 # list, a truth value, a format), copying them to it, and ops whose output size depends on the values. (A copy
 # `.to(device)` cannot be told from one to the host when the device is the CPU: the GPU test checks copies.)
-WAITS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__format__", "numpy", "cpu",
-         "nonzero", "masked_select", "unique", "unique_consecutive", "repeat_interleave", "bincount"}
+METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__format__", "numpy", "cpu",
+           "nonzero", "masked_select", "unique", "bincount")
+FUNCTIONS = ("nonzero", "masked_select", "unique", "unique_consecutive", "bincount")
 QUIET = ["fault.heartbeat_s=0", "fault.straggler_every=0", "train.eval_every=0", "logging.progress=false",
          "train.sample_tokens=0"]
 
 
-class HostWaits(TorchFunctionMode):
-    """Records each call in WAITS made while a step runs: (step being queued, call, the tessel line)."""
+class HostWaits:
+    """Records each call that would wait for a GPU while a step runs: (step being queued, call, the tessel line).
+
+    The calls are patched on torch.Tensor and torch themselves, not caught by a TorchFunctionMode: a mode is not
+    active inside autograd's hooks and callbacks, where data parallelism and ZeRO do their work."""
 
     def __init__(self):
-        super().__init__()
         self.step: int | None = None
         self.waits: list[tuple[int, str, str]] = []
         self.reads: list[tuple[int, int]] = []  # (step that copied, step that read) of each HostCopy
         self.paused = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in WAITS and not self.paused and self.step is not None:
-            self.waits.append((self.step, name, _tessel_line()))
-        return func(*args, **(kwargs or {}))
+    def install(self, patch: pytest.MonkeyPatch) -> None:
+        for owner, names in ((torch.Tensor, METHODS), (torch, FUNCTIONS)):
+            for name in names:
+                patch.setattr(owner, name, self._counted(name, getattr(owner, name)))
 
-    def watch(self, trainer, monkeypatch) -> None:
+    def _counted(self, name, call):
+        def counted(*args, **kwargs):
+            if not self.paused and self.step is not None:
+                self.waits.append((self.step, name, _tessel_line()))
+            return self.paused_call(lambda: call(*args, **kwargs))  # its own inner calls are its wait
+        return counted
+
+    def watch(self, trainer, patch: pytest.MonkeyPatch) -> None:
         """Follow trainer's steps; its data (host memory by construction) and HostCopy reads are not waits."""
         launch, sampler, waits = trainer.launch_step, trainer.state.sampler, self
-        monkeypatch.setattr(trainer, "launch_step", lambda step: (setattr(waits, "step", step), launch(step))[1])
+        patch.setattr(trainer, "launch_step", lambda step: (setattr(waits, "step", step), launch(step))[1])
         next_batch = sampler.next
-        monkeypatch.setattr(sampler, "next", lambda: self.paused_call(next_batch))
+        patch.setattr(sampler, "next", lambda: self.paused_call(next_batch))
         made, read = HostCopy.__init__, HostCopy.read
 
         def init(copy, values):
@@ -66,8 +74,9 @@ class HostWaits(TorchFunctionMode):
         def read_late(copy):
             waits.reads.append((copy.made_at, waits.step))
             return waits.paused_call(lambda: read(copy))
-        monkeypatch.setattr(HostCopy, "__init__", init)
-        monkeypatch.setattr(HostCopy, "read", read_late)
+        patch.setattr(HostCopy, "__init__", init)
+        patch.setattr(HostCopy, "read", read_late)
+        self.install(patch)
 
     def paused_call(self, fn):
         self.paused += 1
@@ -95,8 +104,7 @@ def _count_waits(overrides: tuple[str, ...], steps: int = 6, fused: bool = True)
         counter = HostWaits()
         with pytest.MonkeyPatch.context() as patch:
             counter.watch(trainer, patch)
-            with counter:
-                trainer.fit()
+            trainer.fit()
     finally:
         adamw.FUSED_DEVICE_TYPES = ("cuda",)
     return counter
