@@ -43,9 +43,9 @@ class HostCopy:
         self.event = None
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
+            self.host.copy_(values, non_blocking=True)  # queued on the device's stream, behind the step
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(values.device))
         else:  # already on the host (a copy, so that a later in-place change does not reach it)
             self.host = values.clone()
 
@@ -65,16 +65,16 @@ class StepClock:
     device's clock: what the step's kernels took, idle gaps included), or the host's clock on the CPU."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         self.t0, self.t1 = time.perf_counter(), None
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.start.record(torch.cuda.current_stream(device))
 
     def stop(self) -> None:
         """The step is queued."""
         if self.cuda:
-            self.end.record()
+            self.end.record(torch.cuda.current_stream(self.device))
         else:
             self.t1 = time.perf_counter()
 

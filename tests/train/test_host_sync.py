@@ -175,6 +175,13 @@ def test_the_gpu_order_skips_and_rolls_back_as_the_cpu_order(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_host_copy_keeps_the_values_it_was_given():
+    values = torch.tensor([1.0, float("nan"), 3.0])
+    copy = HostCopy(values)
+    values.zero_()  # the next step reuses the buffer: the copy must not follow it
+    assert copy.ready() and copy.read()[::2] == [1.0, 3.0]
+
+
 def test_a_stop_signal_read_late_stops_one_step_later():
     def stopped_at(gpu_order: bool) -> int:
         trainer, *_ = build_trainer(tiny_config("train.steps=8", *QUIET))
