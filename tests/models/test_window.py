@@ -62,3 +62,10 @@ def test_the_gpt_with_a_window_sees_less_only_beyond_it():
 def test_a_hugging_face_model_keeps_its_own_window():
     with pytest.raises(ValueError, match="model.sliding_window is the reference GPT's"):
         tiny_config('model.hf_config="recipes/hf/llama_tiny/config.json"', "model.sliding_window=4")
+
+
+def test_a_windowed_gpt_does_not_export_as_a_llama():
+    from tessel.models.hf.convert import NotConvertible, llama_config
+    with pytest.raises(NotConvertible, match="within a window"):
+        llama_config(tiny_config("model.sliding_window=4").model)
+    assert llama_config(tiny_config("model.sliding_window=32").model)["model_type"] == "llama"  # = max_seq_len
