@@ -38,6 +38,8 @@ from tessel.config import Config, ConfigError, build_config
 from tessel.hf_shape import model_shape
 from tessel.mesh import Mesh
 from tessel.models.hf.build import answer_with_logits
+from tessel.observe.attention import check_attention
+from tessel.parallel.adamw import adamw
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
 from tessel.apply import parallelize as apply_layout
@@ -75,6 +77,8 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     check_world(mesh)
     answer_with_logits(model)
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
+    if mesh.rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
+        check_attention(cfg, mesh.device)
     return ParallelJob(model, mesh, cfg, runner)
 
 
@@ -207,11 +211,11 @@ class ParallelJob:
                   weight_decay: float = 0.01) -> torch.optim.Optimizer:
         """AdamW (torch's defaults) over what this rank steps; weight decay on matrices only (norms' gains and
         biases get none: tessel.train.optim). Under ZeRO, the sharded AdamW the layout built, set to these
-        options; otherwise a torch.optim.AdamW (any torch optimizer over parameters() works as well)."""
+        options; otherwise a torch.optim.AdamW (any torch optimizer over parameters() works as well). Either
+        steps in one fused kernel on CUDA, foreach kernels elsewhere (tessel.parallel.adamw)."""
         own = self.runner.optimizer
         if own is None:
-            self._optimizer = torch.optim.AdamW(param_groups(self.parameters(), weight_decay), lr=lr, betas=betas,
-                                                eps=eps)
+            self._optimizer = adamw(param_groups(self.parameters(), weight_decay), lr=lr, betas=betas, eps=eps)
             return self._optimizer
         decayed, plain = own.param_groups  # tessel.train.optim.param_groups' order: matrices, then the rest
         for group, decay in ((decayed, weight_decay), (plain, 0.0)):

@@ -20,6 +20,7 @@ import torch.nn as nn
 from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
+from tessel.models.build import uses_every_parameter
 from tessel.models.gpt import Block, cross_entropy
 from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
@@ -33,6 +34,7 @@ from tessel.parallel.context.context import CPContext
 from tessel.parallel.context.moe import whole_sequence_capacity
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.data.unused import mark_always_used
 from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.balance import (balance_over_batch, balance_over_sequences, global_balance,
                                             sequence_balance)
@@ -264,6 +266,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_pipeline(plan, mesh, cfg)
     plan = apply_fused_loss(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
+    if uses_every_parameter(cfg.model):  # no step asks which went unused: no host read (parallel/data/unused.py)
+        mark_always_used(plan.model.parameters())
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
         runner = pipeline_runner(plan.model, plan.loss(), mesh, cfg, gather_vocab=plan.gather_vocab,

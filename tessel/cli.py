@@ -77,7 +77,7 @@ def rank_entry(config: str = typer.Argument(..., help="the validated config the 
 
 
 _PLAN_OPTS = dict(
-    cluster=typer.Option("a100", "--cluster", help="a100 | h100 | this (this machine, probed and cached)"),
+    cluster=typer.Option("a100", "--cluster", help="a100 | h100 | h200 | this (this machine, probed and cached)"),
     world=typer.Option(None, "--world", help="devices; default the recipe's layout or one node"),
     model=typer.Option(None, "--model", help="model preset, e.g. gpt3-175b (default: the recipe's model)"),
     global_batch=typer.Option(None, "--global-batch", help="sequences per step (default recipe/preset)"),

@@ -65,6 +65,8 @@ class ModelConfig(Strict):
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+    sliding_window: int | None = Field(None, ge=1, description="attention within a window: each token sees itself and "
+                                       "the sliding_window - 1 before it (FlexAttention on a GPU); None: all before it")
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
     n_experts: int = Field(0, ge=0)
     moe_every: int = Field(1, ge=1)
@@ -102,6 +104,9 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
         if self.hf_config is not None:  # transformers' own rules: only what tessel's cuts need
+            if self.sliding_window is not None:
+                raise ValueError("model.sliding_window is the reference GPT's; a Hugging Face model's window is its "
+                                 "config's sliding_window")
             if self.n_head % self.kv_heads:
                 raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
             return self
@@ -725,6 +730,9 @@ def _check_context_parallel(cfg: Config) -> None:
         window = doc.get("sliding_window")
         _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
                  f"attention; the model's sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")
+    window = m.sliding_window
+    _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
+             f"attention; model.sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")
     # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
              "stages by 'layers' or 'params'")

@@ -236,10 +236,7 @@ def launch(checked: Preflight, opts: LaunchOptions, say=print) -> int:
         if finished_already(cfg, claimed.run_id, checked.resume_step, say):
             return 0
         control.config_path.write_text(cfg.model_dump_json())
-        env = dict(os.environ)
-        # one thread per rank unless told otherwise; also silences torchrun's OMP warning
-        env.setdefault("OMP_NUM_THREADS", str(cfg.runtime.threads_per_rank))
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = rank_environment(cfg, os.environ)
         env.update({"TESSEL_CONTROL_DIR": str(control.path), "TESSEL_RUN_ID": claimed.run_id})
         _prepare_data(cfg)  # build the corpus cache once, not once per rank
         cmd = torchrun_command(cfg, opts, nproc, ["_rank", str(control.config_path)])
@@ -247,6 +244,19 @@ def launch(checked: Preflight, opts: LaunchOptions, say=print) -> int:
     finally:
         control.remove()
         claimed.release()
+
+
+def rank_environment(cfg: Config, environ) -> dict[str, str]:
+    """The environment torchrun's ranks start in: one thread per rank unless told otherwise (this also silences
+    torchrun's OMP warning), unbuffered output, and for ranks that may take a GPU the CUDA allocator's default
+    (expandable segments) unless the user set one (tessel.runtime.cuda_allocator_env)."""
+    from tessel.runtime import cuda_allocator_env  # deferred: loads torch (loaded already when this runs)
+    env = dict(environ)
+    env.setdefault("OMP_NUM_THREADS", str(cfg.runtime.threads_per_rank))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cfg.runtime.device != "cpu":  # "auto" takes GPUs where there are; the setting is inert where CUDA never starts
+        env.update(cuda_allocator_env(env))
+    return env
 
 
 def finished_already(cfg: Config, run_id: str, explicit_step: int | None, say=print) -> bool:

@@ -20,6 +20,7 @@ from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
+from tessel.planner.gemm import source as gemm_source
 from tessel.planner.grid_cost import grid_sizes
 from tessel.planner.hetero import Gain, gain
 from tessel.planner.layout import Layout, layout_config, layout_text, parse_fix, parse_layout
@@ -137,7 +138,8 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
         from tessel.calibrate.profile import profile_model  # deferred: loads torch and the trainer
         sizes = [b for b in MICRO_BATCHES if b <= gb]
         cal = profile_model(spec.cfg, spec.seq_len, world, sizes, base.train.precision, refresh=refresh)
-    cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb)
+    cm = CostModel(spec, cl, base.train.precision, cal, base.parallel.bucket_mb,
+                   compiled=base.train.compile != "off", fused_loss=base.train.fused_loss)
     return Problem(base, spec, cl, world, gb, cm, lay, fixed or {})
 
 
@@ -218,7 +220,8 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
               "world": prob.world, "global_batch": prob.global_batch, "seq_len": prob.spec.seq_len,
               "fixed": prob.fixed, "plans": [e.to_json() for e in ranked], "explanation": lines,
               "model_tflops_per_device": winner.model_flops_per_device / 1e12,
-              "model_tflops_per_device_with_recompute": winner.hardware_flops_per_device / 1e12}
+              "model_tflops_per_device_with_recompute": winner.hardware_flops_per_device / 1e12,
+              "gemms": gemm_source(prob.cluster)}
     if opts.tokens is not None:
         report["tokens"], report["days_to_train"] = opts.tokens, winner.days_to_train(opts.tokens)
     if opts.explain:
@@ -246,6 +249,7 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
             console.print("[dim]preset cluster: a device model whose every constant is cited in "
                           "tessel/planner/cluster.py (no training run fitted); override any with "
                           "--set cluster.<field>=value[/dim]")
+            console.print(f"[dim]{gemm_source(prob.cluster)}[/dim]")
         if prob.layout is not None:
             console.print(plan_table(ranked, "predicted cost of the given layout"))
             for line in lines:

@@ -213,7 +213,8 @@ def choose(cfg: Config, world: int, cluster: Cluster, cal, old: Previous) -> tup
     different speeds (cluster.speeds) every layout is priced again on them, split evenly and, where the
     runtime can, in proportion to speed (tessel.planner.hetero.priced), and the fastest of those is taken."""
     spec = from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch)
-    cm = CostModel(spec, cluster, cfg.train.precision, cal, cfg.parallel.bucket_mb, cfg.parallel.zero_reduce_dtype)
+    cm = CostModel(spec, cluster, cfg.train.precision, cal, cfg.parallel.bucket_mb, cfg.parallel.zero_reduce_dtype,
+                   compiled=cfg.train.compile != "off", fused_loss=cfg.train.fused_loss)
     fixed = {"param_dtype": "bf16"} if cfg.parallel.zero_param_dtype == "bf16" else None
     result = search(cm, world, cfg.train.global_batch, fixed)
     base = replan_base(cfg)

@@ -1,7 +1,8 @@
 """Process-group set-up and teardown for one rank.
 
 gloo on CPU with a fixed number of threads per rank (oversubscribed cores make
-every extra thread a loss); NCCL with one device per local rank on CUDA.
+every extra thread a loss); NCCL with one device per local rank on CUDA, whose
+caching allocator grows expandable segments (cuda_allocator_env).
 """
 
 from __future__ import annotations
@@ -9,9 +10,24 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+
+# the allocator setting CUDA ranks start with: segments that grow in place (CUDA's virtual memory) instead of
+# new fixed-size blocks, so a step's changing sizes (a pipeline's micro-batches, MoE's dispatch) leave less
+# memory stranded in fragments (PyTorch's "CUDA memory management" notes; torchtitan runs with it)
+CUDA_ALLOC_CONF = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads the second first
+
+
+def cuda_allocator_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a CUDA rank's environment gets for its allocator: expandable segments, unless the user set either
+    variable (theirs wins, untouched). Read when CUDA starts in the rank, so it is set before it starts: by
+    the launcher for torchrun's ranks, by tessel.spawn for NCCL's."""
+    return {} if any(v in environ for v in ALLOC_CONF_VARS) else dict(CUDA_ALLOC_CONF)
 
 
 def auto_uses_cuda(ranks_per_node: int) -> bool:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tessel.runtime import cuda_allocator_env
+
 
 class SpawnError(RuntimeError):
     pass
@@ -85,7 +87,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0
     Ranks in `may_die` are allowed to die (fault tests); their result is None.
     """
     ctx = mp.get_context("spawn")
-    env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    env = rank_env(backend, threads, env)
     with tempfile.TemporaryDirectory(prefix="tessel-spawn-") as outdir:
         port = free_port()
         procs = [ctx.Process(target=_rank_main, daemon=False,
@@ -105,6 +107,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0
         return [torch.load(Path(outdir) / f"result{r}.pt", weights_only=False)
                 if (Path(outdir) / f"result{r}.pt").exists() or r not in may_die else None
                 for r in range(world_size)]
+
+
+def rank_env(backend: str, threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """What each rank adds to this process's environment: its threads, under NCCL the CUDA allocator's
+    default (tessel.runtime.cuda_allocator_env, unless set here already), then the caller's `env`."""
+    cuda = cuda_allocator_env({**os.environ, **(env or {})}) if backend == "nccl" else {}
+    return {"OMP_NUM_THREADS": str(threads), **cuda, **(env or {})}
 
 
 def _wait_all(procs, deadline, may_die: set[int] = frozenset()) -> str | None:

@@ -38,6 +38,7 @@ BAD = [
     (["parallel.dp=2", "parallel.dp_extra=1"], "parallel.dp_extra"),
     (["parallel.dp=2", 'parallel.zero_param_dtype="bf16"'], "parallel.zero_param_dtype"),  # needs ZeRO
     (["parallel.dp=2", 'parallel.zero_reduce_dtype="bf16"'], "parallel.zero_param_dtype"),
+    (["parallel.cp=2", "model.sliding_window=8"], "parallel.cp"),  # cp attends whole causal prefixes
 ]
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tessel.config import build_config
-from tessel.launch import check_devices
-from tessel.runtime import auto_uses_cuda, make_deterministic, pick_device
+from tessel.launch import check_devices, rank_environment
+from tessel.runtime import ALLOC_CONF_VARS, auto_uses_cuda, make_deterministic, pick_device
+from tessel.spawn import rank_env
 
 
 def _gpus(monkeypatch, n: int) -> None:
@@ -51,3 +52,24 @@ def test_deterministic_sets_cublas_workspace_unless_the_user_did(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_cuda_ranks_get_expandable_segments_unless_the_user_chose(monkeypatch):
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    auto, cpu = build_config({}), build_config({"runtime": {"device": "cpu"}})
+    # the launcher's ranks (torchrun's environment), where they may take a GPU
+    assert rank_environment(auto, {}).items() >= EXPANDABLE.items()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(cpu, {})
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert rank_environment(auto, mine)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    # newer torch reads PYTORCH_ALLOC_CONF first: a user who set that one gets nothing of ours beside it
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(auto, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    # tessel.spawn's ranks under NCCL; gloo's never start CUDA
+    assert rank_env("nccl", 1).items() >= EXPANDABLE.items() and "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("gloo", 1)
+    assert rank_env("nccl", 1, mine)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the ranks inherit the user's own
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("nccl", 1)

@@ -1,8 +1,8 @@
 """A GPT decoder in the style of modern open models, for one device.
 
 RMSNorm, rotary position embeddings, grouped-query causal attention through
-scaled_dot_product_attention, a SwiGLU MLP, optional tied embeddings and
-optional mixture-of-experts blocks. Nothing here knows about parallelism:
+scaled_dot_product_attention (or within a sliding window: tessel.models.window),
+a SwiGLU MLP, optional tied embeddings and optional mixture-of-experts blocks. Nothing here knows about parallelism:
 `tessel.parallelize` swaps layers and wraps modules from the outside, and the
 forward code below is written so that the swaps need no change here (head
 counts are read from tensor shapes, not from the config).
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tessel.config import ModelConfig
 from tessel.models.moe import MoE
+from tessel.models.window import window_attention
 
 
 def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +39,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
+        self.window = cfg.sliding_window  # None: every earlier token (tessel.models.window)
         self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
@@ -54,11 +56,14 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> torch.Tensor:
-        """Rotary, the kv heads shared, causal attention: what selective recompute runs again."""
+        """Rotary, the kv heads shared, causal attention (within the sliding window, if any): what selective
+        recompute runs again."""
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if k.size(1) != q.size(1):  # grouped-query attention: share each kv head
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        if self.window is not None and self.window < q.size(-2):
+            return window_attention(q, k, v, self.window)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

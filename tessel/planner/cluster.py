@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 
 from tessel.config import ConfigError
+from tessel.planner.gemm import GemmTable, load_table
 
 GB = 1e9
 
@@ -69,6 +70,12 @@ class Cluster:
     gemm_efficiency: float = 1.0  # fraction of the peak a large GEMM's main loop sustains
     gemm_tile_feed: float = 0.0  # MACs per operand element an SM needs to stay compute-bound (0: none)
     gemm_k_overhead: float = 0.0  # a tile's prologue and epilogue, in K-steps of its main loop
+    # persistent GEMM kernels: each SM loads its next tile while it finishes the last, so the prologue is
+    # paid once per SM and kernel instead of once per wave (tessel.planner.gemm)
+    gemm_persistent: bool = False
+    # GEMMs timed on this GPU (benchmarks/gpu_suite.py's matmul section, tessel/planner/gemm_tables/):
+    # they correct the roofline prior (tessel.planner.gemm); None: the prior alone
+    gemm_table: GemmTable | None = None
     hbm_efficiency: float = 1.0  # fraction of mem_bandwidth a streaming kernel reaches
     attention_efficiency: tuple[float, float] = (1.0, 1.0)  # fused attention (fwd, bwd), of the peak
     fused_attention: bool = True  # attention through a fused (flash) kernel, as SDPA runs it on GPUs
@@ -110,6 +117,7 @@ class Cluster:
         d["intra"], d["inter"] = asdict(self.intra), asdict(self.inter)
         d["attention_efficiency"] = list(self.attention_efficiency)
         d["speeds"] = list(self.speeds)
+        d["gemm_table"] = self.gemm_table.to_dict() if self.gemm_table else None
         return d
 
     @staticmethod
@@ -119,6 +127,7 @@ class Cluster:
         if "attention_efficiency" in d:
             d["attention_efficiency"] = tuple(d["attention_efficiency"])
         d["speeds"] = tuple(d.get("speeds", ()))
+        d["gemm_table"] = GemmTable.from_dict(d["gemm_table"]) if d.get("gemm_table") else None
         return Cluster(**d)
 
 
@@ -168,7 +177,7 @@ def _a100(nodes: int) -> Cluster:
         # NVIDIA DGX SuperPOD (A100) reference architecture: a rail-optimised, non-blocking HDR fat
         # tree, GPU i of every node on rail switch i, Quantum QM8790 switches with SHARPv2. SHARP is
         # used by NCCL only through its SHARP plugin (opt-in: off here); PXN is NCCL's default since 2.12.
-        rails=True, sharp=False, pxn=True)
+        rails=True, sharp=False, pxn=True, gemm_table=load_table("a100"))
 
 
 def _h100(nodes: int) -> Cluster:
@@ -190,16 +199,28 @@ def _h100(nodes: int) -> Cluster:
         # L2 bytes/clk figure is published: the A100's feed requirement is kept
         gemm_tile_feed=312e12 / (5120 * 1.41e9),
         gemm_k_overhead=96,  # as A100: a tile's load pipeline before its first MMA
+        # Hopper's GEMMs are persistent and warp-specialized: a producer warp group's TMA loads fill the next
+        # tile's pipeline while the consumers run the last one's epilogue (CUTLASS 3's sm90 "warp-specialized
+        # persistent" and "ping-pong" kernel schedules, the ones cuBLAS's Hopper kernels follow), so only the
+        # first tile on each SM waits for its pipeline to fill
+        gemm_persistent=True,
         hbm_efficiency=0.90,  # as A100 (first principles, above)
         # FlashAttention-3 (Shah et al. 2024), abstract: FlashAttention-2, which PyTorch's SDPA runs,
         # "achieves only 35% utilization on the H100"; its backward less
         attention_efficiency=(0.35, 0.30),
         # NVIDIA DGX SuperPOD (H100) reference architecture: rail-optimised NDR fat tree, Quantum-2
         # switches with SHARPv3 (opt-in through NCCL's plugin); PXN by default
-        rails=True, sharp=False, pxn=True)
+        rails=True, sharp=False, pxn=True, gemm_table=load_table("h100"))
 
 
-PRESETS = {"a100": _a100, "h100": _h100}
+def _h200(nodes: int) -> Cluster:
+    """The H100's device model with the H200's memory: the same GH100 chip (132 SMs, the same clocks and
+    Tensor Cores: NVIDIA H200 Tensor Core GPU datasheet, SXM: 989 TFLOP/s dense BF16, as H100 SXM) with
+    141 GB of HBM3e at 4.8 TB/s (datasheet), in DGX H200 nodes whose NVLink and NICs are DGX H100's."""
+    return replace(_h100(nodes), name="h200", memory=141 * 2**30, mem_bandwidth=4800 * GB, gemm_table=load_table("h200"))
+
+
+PRESETS = {"a100": _a100, "h100": _h100, "h200": _h200}
 
 
 def get_cluster(name: str, world: int | None = None) -> Cluster:
@@ -218,7 +239,7 @@ def get_cluster(name: str, world: int | None = None) -> Cluster:
 
 # ---- --set cluster.<field>=value ------------------------------------------------------------
 
-FIXED = ("name", "nodes", "devices_per_node", "source", "collectives", "collective_workspace", "extra")
+FIXED = ("name", "nodes", "devices_per_node", "source", "collectives", "collective_workspace", "extra", "gemm_table")
 
 
 def cluster_fields() -> list[str]:

@@ -4,12 +4,9 @@ A block of tessel's GPT (tessel.models.gpt.Block) forward is a list of ops,
 read off its code as one tp rank runs it under bf16 autocast:
 
 - GEMMs, (M, N, K) per call: the q, k, v, output and MLP projections (and the
-  head, the router and the experts), each priced by `gemm_seconds`: the
-  output is cut into tiles that run in waves over the SMs (tile and wave
-  quantization, NVIDIA's Matrix Multiplication Background User's Guide, ch. 3),
-  a tile too small to feed its SM from L2 runs slower, every tile pays its
-  load pipeline's fill, and nothing runs faster than the GPU's HBM can feed
-  its operands (Williams et al. 2009's roofline).
+  head, the router and the experts), each priced by tessel.planner.gemm: a
+  roofline of tiles in waves over the SMs, split-K where the waves would be
+  empty, HBM's floor, corrected by the GPU's measured table where one exists.
 - Memory-bound ops at HBM bandwidth: the norms, rotary embeddings, the
   activation function, residual adds, autocast's casts of inputs and of fp32
   weights to bf16, the loss, the weight gradients' accumulation, and (without
@@ -24,6 +21,23 @@ gradient out). Full recompute runs the forward again; selective recompute
 (Korthikanti et al. 2022) only the attention core (rotary, the kv repeat, the
 attention), as tessel.parallel.recompute does.
 
+Compiled blocks (train.compile = "blocks" or "model", `Shape.compiled`):
+inductor fuses each chain of memory-bound ops between two GEMMs (or the
+attention kernel) into one kernel that reads its inputs and writes its outputs
+once: a norm with the cast of its output (the q, k, v projections share one
+cast), the residual add with the next norm, rotary with the kv heads' repeat,
+SiLU with its product. The GEMMs and the attention kernel are unchanged, and
+nothing fuses across blocks (each is its own graph). Backward keeps the
+forward's rule (about twice its traffic).
+
+The fused loss (train.fused_loss, `Shape.fused_loss`): the head's GEMM and the
+cross-entropy run chunk by chunk over the tokens; each chunk's bf16 logits are
+read once for the log-sum-exp and the gradient (softmax minus the target) is
+written in the forward, as Liger Kernel's fused linear cross-entropy does
+(Hsu et al. 2024), so the backward runs only the head's two gradient GEMMs.
+No fp32 copy of the logits and no log-softmax pass exist
+(tessel.planner.memory.head_activation_bytes counts what it holds).
+
 Byte counts are per element of the tensors named; `r` is the residual stream's
 element size (fp32 parameters keep it fp32 under autocast), `a` a bf16
 activation's. The cost model sums these per chunk (tessel.planner.cost); on
@@ -32,22 +46,13 @@ activation's. The cost model sums these per chunk (tessel.planner.cost); on
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from tessel.planner.cluster import Cluster
+from tessel.planner.gemm import Gemm, gemm_seconds
 
-TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))  # cuBLAS's Ampere tile shapes
 ROTARY_BYTES = 24  # per element of q or k: read it, 6 fp32 elementwise ops on its halves, stack, cast back
 CAST_BYTES = 6  # autocast's copy of an fp32 weight: read 4, write 2
 FA_BWD_MATMULS = 2.5  # FlashAttention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores)
-
-
-@dataclass(frozen=True)
-class Gemm:
-    m: int
-    n: int
-    k: int
-    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -82,21 +87,8 @@ class Shape:
     expert_rows: int = 0  # MoE: token rows each local expert computes
     router: int = 0  # MoE: experts the router scores
     cp: int = 1  # context parallelism: tokens hold seq/cp positions of each sequence, attending to all seq
-
-
-def gemm_seconds(g: Gemm, cl: Cluster, dtype: str) -> float:
-    """One GEMM (or `batch` of them) on a GPU: the best cuBLAS tile, in waves over the SMs, at the
-    sustained share of the peak, and never faster than HBM can stream its operands."""
-    elt = 2 if dtype == "bf16" else 4
-    per_sm = cl.peak_flops[dtype] / cl.sms * cl.gemm_efficiency
-    best = math.inf
-    for tm, tn in TILES:
-        tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.batch
-        feed = tm * tn / (tm + tn)  # MACs per operand element loaded
-        rate = per_sm * (min(1.0, feed / cl.gemm_tile_feed) if cl.gemm_tile_feed else 1.0)
-        best = min(best, math.ceil(tiles / cl.sms) * 2 * tm * tn * (g.k + cl.gemm_k_overhead) / rate)
-    traffic = (g.m * g.k + g.k * g.n + g.m * g.n) * elt * g.batch
-    return max(best, traffic / (cl.mem_bandwidth * cl.hbm_efficiency))
+    compiled: bool = False  # torch.compile'd blocks: memory-bound chains fused (the module docstring)
+    fused_loss: bool = False  # the head and cross-entropy fused and chunked: no fp32 logits
 
 
 def op_seconds(op, cl: Cluster, dtype: str) -> float:
@@ -114,32 +106,57 @@ def block_forward(s: Shape) -> tuple[list, list]:
     """(the block's forward ops outside the attention core, the attention core's) for one micro-batch."""
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    cast_in = (r + a) * d * t if s.cast else 0.0  # autocast casts a linear's fp32 input
-    ops: list = [Stream(2 * r * d * tn), Stream(3 * cast_in),  # attention norm; q, k, v inputs cast
-                 Gemm(t, q, d), Gemm(t, kv, d), Gemm(t, kv, d)]
+    ops: list = norm_and_cast(s, 3) + [Gemm(t, q, d), Gemm(t, kv, d), Gemm(t, kv, d)]
     core = attention_core(s)
-    ops += [Stream(2 * a * q * t), Gemm(t, d, q), Stream((2 * r + a) * d * tn),  # y transposed; wo; residual
-            Stream(2 * r * d * tn)]  # MLP norm
+    ops += [Stream(2 * a * q * t), Gemm(t, d, q)]  # y transposed; wo
+    if s.compiled and tn == t:  # the residual add, the MLP norm and its cast in one kernel
+        ops.append(Stream((2 * r + 2 * a) * d * tn))
+    else:
+        ops += [Stream((2 * r + a) * d * tn)] + norm_and_cast(s, 0 if s.experts else s.mlp_matrices - 1)
     if s.experts:
         ops += moe_ops(s)
     else:
         f = s.ffn
-        ops += [Stream((s.mlp_matrices - 1) * cast_in)]
         ops += [Gemm(t, f, d)] * (s.mlp_matrices - 1)
-        ops += [Stream((5 if s.mlp_matrices == 3 else 2) * a * f * t), Gemm(t, d, f)]  # silu(g) * u (or GELU)
+        ops += [Stream(activation_bytes(s) * a * f * t), Gemm(t, d, f)]  # silu(g) * u (or GELU)
     ops.append(Stream((2 * r + a) * d * tn))  # residual
     if s.cast:
         ops.append(Stream(CAST_BYTES * block_weights(s)))
     return ops, core
 
 
+def norm_and_cast(s: Shape, users: int) -> list:
+    """An RMSNorm and autocast's casts of its output for the `users` linears that read it. Eager: the norm
+    writes the residual's dtype and each linear casts its own copy; compiled: one kernel writes the cast
+    once (under SP the gather sits between them: the norm, then one cast of the gathered input)."""
+    t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
+    cast_in = (r + a) * d * t if s.cast else 0.0  # autocast casts a linear's fp32 input
+    if not s.compiled:
+        return [Stream(2 * r * d * tn), Stream(users * cast_in)]
+    if tn == t:
+        return [Stream((r + a) * d * tn)]
+    return [Stream(2 * r * d * tn), Stream(min(users, 1) * cast_in)]
+
+
+def activation_bytes(s: Shape) -> int:
+    """Elements of the MLP's width read and written by its activation, per token: SwiGLU eager reads g,
+    writes silu(g), reads it and u, writes the product (5); compiled reads g and u, writes once (3); GELU 2."""
+    if s.mlp_matrices != 3:
+        return 2
+    return 3 if s.compiled else 5
+
+
 def attention_core(s: Shape) -> list:
     """Rotary on q and k, the kv heads repeated for grouped-query attention, and the attention."""
     t, a, hd = s.tokens, s.act, s.head_dim
     mb, q_len = t * s.cp // s.seq, s.seq // s.cp  # under cp a rank's queries see the whole sequence
-    ops: list = [Stream(ROTARY_BYTES * (s.heads + s.kv_heads) * hd * t)]
-    if s.kv_heads < s.heads:  # repeat_interleave writes whole k and v
-        ops.append(Stream(2 * a * (s.heads + s.kv_heads) * hd * t))
+    if s.compiled:  # rotary reads and writes q and k once; k's repeat is written by the same kernel, v copied
+        ops: list = [Stream(a * (4 * s.heads + 2 * s.kv_heads) * hd * t if s.kv_heads < s.heads
+                            else 2 * a * (s.heads + s.kv_heads) * hd * t)]
+    else:
+        ops = [Stream(ROTARY_BYTES * (s.heads + s.kv_heads) * hd * t)]
+        if s.kv_heads < s.heads:  # repeat_interleave writes whole k and v
+            ops.append(Stream(2 * a * (s.heads + s.kv_heads) * hd * t))
     if s.fused:
         ops.append(FusedAttention(2 * mb * s.heads * q_len * s.seq * hd))  # 4 T^2 hd per head, halved by causality
     else:
@@ -190,12 +207,24 @@ def head_ops(s: Shape, vocab: int) -> tuple[list, list]:
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
     logits = vocab * t
     cast = (r + a) * d * t if s.cast else 0.0
-    fwd: list = [Stream(2 * r * d * tn), Stream(cast), Gemm(t, vocab, d),
-                 Stream((a + 4 + 16) * logits)]  # logits to fp32; max, exp, sum, log over them
+    if s.fused_loss:  # each chunk's logits read once; their gradient written in the forward (module docstring)
+        loss_fwd, loss_bwd = Stream(2 * a * logits), Stream(0.0)
+    else:  # logits to fp32; max, exp, sum, log over them; backward: softmax - onehot, cast back
+        loss_fwd, loss_bwd = Stream((a + 4 + 16) * logits), Stream((8 + 4 + a) * logits)
+    fwd: list = [Stream(2 * r * d * tn), Stream(cast), Gemm(t, vocab, d), loss_fwd]
     if s.cast:
         fwd.append(Stream(CAST_BYTES * vocab * d))
-    bwd = [Stream((8 + 4 + a) * logits)] + backward([Gemm(t, vocab, d)]) + [Stream(4 * r * d * tn)]
+    bwd = [loss_bwd] + backward([Gemm(t, vocab, d)]) + [Stream(4 * r * d * tn)]
     return fwd, bwd + [grad_accumulation(vocab * d, s)]
+
+
+def step_gemms(s: Shape, vocab: int) -> list[Gemm]:
+    """Every distinct GEMM one micro-batch runs through a block and the head (forward and backward): the
+    shapes benchmarks/gpu_suite.py times to ground tessel.planner.gemm's table."""
+    fwd, core = block_forward(s)
+    head_fwd, head_bwd = head_ops(s, vocab)
+    ops = fwd + core + backward(fwd + core) + head_fwd + head_bwd
+    return list(dict.fromkeys(op for op in ops if isinstance(op, Gemm)))
 
 
 def embedding_ops(s: Shape, vocab: int) -> tuple[list, list]:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field, replace
 from tessel.axes import AXES
 from tessel.planner.cluster import Cluster, Geometry, Link, group_geometry, link_for
 from tessel.planner import grid_cost
-from tessel.planner.compute import Shape, block_seconds, edge_seconds
+from tessel.planner.compute import Shape, block_seconds, edge_seconds, step_gemms
+from tessel.planner.gemm import Gemm
 from tessel.planner.context import (cp_block_calls, local_tokens, mlp_half_bytes, ring_backward_bytes,
                                     ring_exposed, ring_kv_saving)
 from tessel.planner.layout import Layout
@@ -272,8 +273,12 @@ class CostModel:
     """Prices layouts of one model on one cluster at one global batch."""
 
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str = "bf16",
-                 calibration: Calibration | None = None, bucket_mb: float = 25.0, reduce_dtype: str | None = None):
+                 calibration: Calibration | None = None, bucket_mb: float = 25.0, reduce_dtype: str | None = None,
+                 compiled: bool = False, fused_loss: bool = False):
         self.spec, self.cluster, self.precision = spec, cluster, precision
+        # train.compile != "off" and train.fused_loss: priced by the roofline (tessel.planner.compute) and,
+        # for the loss, in memory; a measured profile ("this") times the model as it was profiled
+        self.compiled, self.fused_loss = compiled, fused_loss
         self.cal = calibration or Calibration()
         self.bucket_bytes = bucket_mb * 2**20
         self.reduce_dtype = reduce_dtype  # parallel.zero_reduce_dtype; None: the layout's param_dtype
@@ -347,6 +352,11 @@ class CostModel:
     def _dtype(self) -> str:
         return "bf16" if self.precision == "bf16" else "fp32"
 
+    def gemms(self, lay: Layout) -> list[Gemm]:
+        """The distinct GEMMs of a dense block and the head on one tp rank of a 1d layout, forward and backward."""
+        tokens = local_tokens(lay.mb * self.spec.seq_len, lay.cp)
+        return step_gemms(self._shape(lay, tokens, False), math.ceil(self.spec.cfg.vocab_size / lay.tp))
+
     def _block(self, shape: Shape) -> tuple[float, float, float]:
         if shape not in self._block_memo:  # thousands of layouts share a few block shapes
             self._block_memo[shape] = block_seconds(shape, self.cluster, self._dtype())
@@ -365,7 +375,7 @@ class CostModel:
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
                      experts=local_experts, cp=lay.cp,
                      expert_rows=max(1, round(tokens * lay.ep * c.moe_top_k / c.n_experts)) if moe else 0,
-                     router=c.n_experts if moe else 0)
+                     router=c.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
@@ -634,7 +644,8 @@ class CostModel:
         # the head's backward comes first, when no block's has begun: the peak is the larger of the two
         workspace = biggest + self._ring_buffers(lay, tokens)
         if len(all_chunks) - 1 in chunks:
-            workspace = max(workspace, head_activation_bytes(self.spec, tokens, lay.tp, self.precision))
+            workspace = max(workspace, head_activation_bytes(self.spec, tokens, lay.tp, self.precision,
+                                                             self.fused_loss))
         mem["activations"] = kept + workspace
         mem["weight_copies"] = self._weight_copies(lay, chunks, all_chunks, in_flight)
         if lay.schedule in NEW_SCHEDULES and lay.pp > 1:
@@ -661,7 +672,8 @@ class CostModel:
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         one = captured_gradient_bytes(c.d_model, c.kv_heads * self.spec.head_dim, c.ffn_dim, tokens, lay.tp,
                                       self.act_bytes)
-        if len(all_chunks) - 1 in chunks:  # the head's: the logits' gradient
+        if len(all_chunks) - 1 in chunks and not self.fused_loss:  # the head's: the logits' gradient (a fused
+            # loss never holds it whole: its chunks' gradients are spent in the forward)
             one += tokens * c.vocab_size * self.act_bytes / lay.tp / layers_per_chunk
         # what the captured gradients add at the moment the stage holds most (not at their own peak)
         act = layers_per_chunk * self._mean_layer_bytes(chunks, all_chunks, lay, tokens)

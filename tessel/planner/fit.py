@@ -82,7 +82,7 @@ def size_text(nbytes: float) -> str:
 def estimate_memory(cfg: Config, budget: Budget) -> MemoryFit:
     """The cost model's per-rank memory of the recipe's layout (its worst pipeline stage)."""
     cost = CostModel(from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch), _cluster(budget),
-                     cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
+                     cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb, fused_loss=cfg.train.fused_loss)
     if cfg.parallel.dp_arch == "ps":
         return _ps_memory(cfg, cost, budget)
     return MemoryFit(cost.estimate(config_layout(cfg)).memory, budget)

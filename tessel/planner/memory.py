@@ -67,10 +67,24 @@ def recompute_layer_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool) -> fl
     return tokens * spec.cfg.d_model * 4 / (tp if sp else 1)
 
 
-def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str) -> float:
-    """Logits, their fp32 copy and the saved log-softmax (vocab split by tp), plus the final norm."""
+FUSED_LOSS_CHUNK = 1024  # tokens per chunk of the fused loss (the chunk a fused linear cross-entropy holds at once)
+
+
+def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, fused_loss: bool = False) -> float:
+    """Logits, their fp32 copy and the saved log-softmax (vocab split by tp), plus the final norm.
+
+    A fused loss (train.fused_loss) holds one chunk of FUSED_LOSS_CHUNK tokens' logits at a time, with their
+    fp32 log-sum-exp pass and their gradient, and keeps until the backward what its forward computed: the
+    gradient of the hidden states (tokens x d) and the head's fp32 weight gradient (Liger Kernel's
+    fused linear cross-entropy, Hsu et al. 2024; tessel.planner.compute says what it runs).
+    """
     a = 2 if precision == "bf16" else 4
-    return tokens * (spec.cfg.vocab_size * (a + 8) / tp + 2 * spec.cfg.d_model * 4)
+    c = spec.cfg
+    norm = tokens * 2 * c.d_model * 4
+    if not fused_loss:
+        return tokens * c.vocab_size * (a + 8) / tp + norm
+    chunk = min(tokens, FUSED_LOSS_CHUNK) * c.vocab_size * (a + 4 + a) / tp
+    return chunk + tokens * c.d_model * a + 4 * c.vocab_size * c.d_model / tp + norm
 
 
 def zero_shards(stage: int, group: int) -> tuple[int, int, int]:

@@ -188,17 +188,18 @@ def bookkeeping_calls(tp: int, pp: int, dp_shards: int, zero: int, stage: int, t
 def trainer_calls(world: int, dp_shards: int) -> dict[str, list[Call]]:
     """The trainer's scalar collectives that the planner does not price call by call, by group.
 
-    The loss mean over dp x ep (4 bytes), the all-finite/stop vote over the
-    world (tessel.train.fault.numerics.agree, 8 bytes) and the gradient norm's
-    agreement on its keys (all_gather_object, a few pickled bytes: 0 here).
-    They cost the same on every layout, latency only: the calibration measures
-    them in a real step (Calibration.step_overhead_s), and presets ignore them.
+    The loss mean over dp x ep (4 bytes) and the all-finite/stop vote over the
+    world (tessel.train.fault.numerics.agreed_values, 8 bytes); the gradient
+    norm agrees on its reductions once, in the first step (all_gather_object,
+    tessel.parallel.norms), not in the steps priced here. They cost the same on
+    every layout, latency only: the calibration measures them in a real step
+    (Calibration.step_overhead_s), and presets ignore them.
     """
     out: dict[str, list[Call]] = {}
     if dp_shards > 1:
         out["dp"] = [Call("all_reduce", 4)]
     if world > 1:
-        out["world"] = [Call("all_reduce", 8), Call("all_gather_object", 0)]
+        out["world"] = [Call("all_reduce", 8)]
     return out
 
 

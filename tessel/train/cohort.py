@@ -41,6 +41,23 @@ class StepOutcome:
     stop_signal: int  # the signal the cohort stops on after this step, 0 for none
 
 
+class PendingOutcome(Protocol):
+    """A step's outcome on its way to the host (tessel.train.overlap): the trainer reads it once the next step
+    is queued, so that on a GPU the host never waits for the device to drain."""
+
+    def read(self) -> StepOutcome:
+        """The outcome (on a GPU, waits for the step's copy to land)."""
+
+
+@dataclass
+class Known:
+    """An outcome the host holds already (the parameter server's, whose update is done on the host)."""
+    outcome: StepOutcome
+
+    def read(self) -> StepOutcome:
+        return self.outcome
+
+
 class Cohort(Protocol):
     device: torch.device
 
@@ -50,9 +67,9 @@ class Cohort(Protocol):
     def sequence_columns(self, seq_len: int) -> list[int] | None:
         """The positions of every sequence this rank reads (its context-parallel chunks); None: all of them."""
 
-    def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> StepOutcome:
-        """After the runner's backward, with this rank's loss: the update applied, the learning-rate
-        schedule advanced, the step's loss and decisions agreed."""
+    def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> PendingOutcome:
+        """After the runner's backward, with this rank's loss: the update applied (or skipped), the
+        learning-rate schedule advanced, the step's loss and decisions agreed, on their way to the host."""
 
     def eval_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """A validation loss over this rank's validation shard -> the one the run reports."""

@@ -5,7 +5,8 @@ linear weights), while on norms' gains and biases it would only pull the
 scale and offset of each feature, so those get none (nanoGPT's
 configure_optimizers; GPT-3 trains with decay 0.1, Brown et al. 2020,
 appendix B). The schedule is a linear warm-up, then cosine decay to min_lr
-(GPT-3, appendix B).
+(GPT-3, appendix B). The kernel follows the parameters' device
+(tessel.parallel.adamw: fused on CUDA, foreach elsewhere).
 
 Strategies that build their own optimizer (ZeRO's, which steps the shard a rank
 owns) take these groups from their caller like a torch optimizer does:
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from tessel.config import TrainConfig
+from tessel.parallel.adamw import adamw
 
 
 def gets_weight_decay(p: nn.Parameter) -> bool:
@@ -39,7 +41,7 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float,
 def build_optimizer(params: list[nn.Parameter], t: TrainConfig,
                     decay: Callable[[nn.Parameter], bool] = gets_weight_decay) -> torch.optim.Optimizer:
     """AdamW with the config's hyper-parameters; `decay` picks who gets weight decay."""
-    return torch.optim.AdamW(param_groups(params, t.weight_decay, decay), lr=t.lr, betas=(t.beta1, t.beta2))
+    return adamw(param_groups(params, t.weight_decay, decay), lr=t.lr, betas=(t.beta1, t.beta2))
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

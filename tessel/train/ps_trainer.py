@@ -57,7 +57,7 @@ from tessel.parallel.runner import LocalRunner, Runner
 from tessel.train.checkpoint.manager import CheckpointManager
 from tessel.train.checkpoint.optimizer_state import OptimizerState
 from tessel.train.checkpoint.tensors import StateTensors
-from tessel.train.cohort import Shard, StepOutcome
+from tessel.train.cohort import Known, Shard, StepOutcome
 from tessel.train.fault.numerics import agree
 from tessel.train.fault.preempt import Stopped, StopRequest
 from tessel.train.mesh_cohort import mean_over
@@ -102,7 +102,7 @@ class WorkerCohort:
     def sequence_columns(self, seq_len: int) -> list[int] | None:
         return None  # workers hold whole models and read whole sequences
 
-    def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> StepOutcome:
+    def update(self, state: TrainState, loss: torch.Tensor, stop_signal: int) -> Known:
         """The runner's push had the servers apply it; the schedule advances with theirs."""
         lr = state.optimizer.param_groups[0]["lr"]
         loss = loss.float()
@@ -114,7 +114,7 @@ class WorkerCohort:
         with warnings.catch_warnings():  # "scheduler stepped before the optimizer": the servers stepped
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             state.scheduler.step()
-        return StepOutcome(loss.item(), lr, None, None, stop_signal)
+        return Known(StepOutcome(loss.item(), lr, None, None, stop_signal))
 
     def eval_mean(self, loss: torch.Tensor) -> torch.Tensor:
         return loss  # each worker's own weights; worker 0's is reported

@@ -6,12 +6,20 @@ how the update is applied (this rank's optimizer over a mesh, or a parameter
 server's); the guard (tessel.train.fault.guard) checkpoints, watches and
 recovers the TrainState (tessel.train.state) the trainer hands it. Parameter-
 server workers run this same loop (tessel.train.ps_trainer).
+
+On a GPU the loop never waits for the device in a steady step: a step's loss,
+gradient norm and agreed flags are read once the next step is queued
+(tessel.train.overlap), so the metrics row, the progress bar and the guard's
+bookkeeping of step N happen at step N+1. A step whose numbers the next step
+depends on is read at once: the last, one before a validation or a checkpoint,
+one the guard acts on (a rollback a skip could trigger, the ranks' timings:
+Guard.acts_after). A stop signal, agreed in every step's all-reduce, is thus
+seen one step later: every rank stops after the same step, one further on.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +31,13 @@ from tessel.mesh import Mesh
 from tessel.models.build import build_model
 from tessel.models.flops import training_flops_per_token
 from tessel.models.gpt import count_params
+from tessel.observe.attention import check_attention
 from tessel.observe.metrics import MetricsLog, device_peak_flops, peak_memory_mb
 from tessel.observe.progress import Progress
 from tessel.observe.trackers import open_trackers
 from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
-from tessel.train.cohort import Cohort
+from tessel.train.cohort import Cohort, PendingOutcome
 from tessel.train.data import BatchSampler, load_tokens, text_codec
 from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.guard import Guard, checkpoint_root
@@ -36,6 +45,7 @@ from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
 from tessel.train.mesh_cohort import MeshCohort
 from tessel.train.optim import build_optimizer, build_scheduler, optimizer_params
+from tessel.train.overlap import StepClock, to_device
 from tessel.train.state import TrainState
 
 
@@ -94,6 +104,15 @@ def summarize(history: list[dict], val_loss: float | None, n_params: int, sample
                    sample=sample, files=files)
 
 
+@dataclass
+class Launched:
+    """A step whose work is queued: its outcome on the way to the host, its clock, the runner's numbers."""
+    step: int
+    outcome: PendingOutcome
+    clock: StepClock
+    extra: dict
+
+
 def tracker_summary(summary: Summary) -> dict:
     """What the experiment trackers keep of a finished run."""
     return {"steps": summary.steps, "final_loss": summary.losses[-1], "val_loss": summary.val_loss,
@@ -124,11 +143,17 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(whole, cfg.model, cfg.train.seq_len)  # its own weights
         per_rank = cfg.logging.peak_flops or device_peak_flops(self.cohort.device, cfg.train.precision)
         self.peak_flops = self.cohort.total(per_rank)  # MFU compares the whole run with the whole machine
+        if rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
+            check_attention(cfg, self.cohort.device)
         # a resumed run appends to the metrics of the attempt it continues
         resumed = cfg.checkpoint.resume is not None
         self.log = MetricsLog(cfg.logging.out_dir, "tensorboard" in cfg.logging.active_trackers, append=resumed,
                               trackers=open_trackers(cfg, run_id, resumed)) if rank == 0 else None
         self.history: list[dict] = []
+        self.val_loss: float | None = None  # the last validation loss of fit
+        # read a step's numbers once the next is queued (fit): on a GPU, so that the host never waits for the
+        # device; on the CPU nothing runs ahead of the host (tests set it, to run the GPU's order there)
+        self.read_late = self.cohort.device.type == "cuda"
 
     def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
         """This rank's shards of the training and the validation batches."""
@@ -160,23 +185,36 @@ class Trainer:
         return self.state.sampler
 
     def train_step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        x, y = self.state.sampler.next()
+        """One step, its metrics row read at once."""
+        return self.read_row(self.launch_step(step))
+
+    def launch_step(self, step: int) -> Launched:
+        """Queue one step's work: the batch, forward and backward, the agreed update (on a GPU nothing here
+        waits for the device: tessel.train.overlap)."""
+        clock = StepClock(self.cohort.device)
+        x, y = (to_device(t, self.cohort.device) for t in self.state.sampler.next())
         loss = self.runner.forward_backward(x, y)
         # TESSEL_FAULT=nan: a drill's NaN gradient, after backward and before the update
         if self.faults.poison(optimizer_params(self.state.optimizer)):
             log(f"[tessel fault] injected a NaN gradient on rank {self.rank}")
-        done = self.cohort.update(self.state, loss, self.stop.pending())
-        self.stop_signal = done.stop_signal
-        elapsed = time.perf_counter() - t0
+        outcome = self.cohort.update(self.state, loss, self.stop.pending())
+        clock.stop()
+        # layout-specific numbers (MoE load, bubble, staleness); collective, so every rank calls it here
+        return Launched(step, outcome, clock, self.runner.extra_metrics())
+
+    def read_row(self, launched: Launched) -> dict:
+        """A launched step's metrics row, its numbers read on the host (on a GPU, waits for them)."""
+        done = launched.outcome.read()
+        self.stop_signal = self.stop_signal or done.stop_signal  # agreed: once set, every rank stops
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
         row = {"loss": done.loss, "lr": done.lr}
         if done.grad_norm is not None:
             row["grad_norm"] = done.grad_norm
-        row.update(speed_fields(elapsed, tokens, self.flops_per_token, self.peak_flops, self.cohort.device))
+        row.update(speed_fields(launched.clock.seconds(), tokens, self.flops_per_token, self.peak_flops,
+                                self.cohort.device))
         if done.skipped is not None:
             row["skipped"] = done.skipped
-        row.update(self.runner.extra_metrics())  # layout-specific numbers (MoE load, bubble, staleness)
+        row.update(launched.extra)
         return row
 
     @torch.no_grad()
@@ -190,35 +228,59 @@ class Trainer:
     def fit(self) -> Summary:
         t, state = self.cfg.train, self.state
         progress = Progress(t.steps, enabled=self.rank == 0 and self.cfg.logging.progress)
-        val_loss = None
+        self.val_loss = None
         # resumes from a checkpoint when asked (state.step); checkpoints, heartbeat, rollback
         guard = Guard(self.cfg, state, self.cohort, self.faults, self.replanned)
+        pending: Launched | None = None  # a step queued whose numbers are not read yet
         with progress:
             while state.step < t.steps and not self.stop_signal:
                 step = state.step
                 guard.begin_step(step)
-                row = self.train_step(step)
-                state.step = guard.end_step(step, row)  # the next step; earlier after a rollback
-                last = step + 1 == t.steps
-                if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
-                    val_loss = row["val_loss"] = self.evaluate()
-                self.history.append(row)
-                if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal
-                                             or guard.relayout is not None):
-                    self.log.log(step, row)
-                progress.update(step, row)
-                if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
-                    guard.close()
-                    if self.log is not None:
-                        self.log.close()
-                    raise guard.relayout
+                launched = self.launch_step(step)
+                if pending is not None:  # the step before, read now that this one is queued
+                    self._conclude(pending, guard, progress, in_flight=step)  # step - 1 + 1 (_reads_late)
+                if self._reads_late(step, guard):
+                    pending, state.step = launched, step + 1
+                else:
+                    pending, state.step = None, self._conclude(launched, guard, progress)
+            if pending is not None:  # a stop signal, which the step after it brought
+                self._conclude(pending, guard, progress)
         if self.stop_signal:
             guard.preempt(state.step)  # a preemption checkpoint (when checkpoints are on)
             if self.log is not None:
                 self.log.close()
             raise Stopped(self.stop_signal, state.step)
         guard.close()
-        return self._summary(val_loss)
+        return self._summary(self.val_loss)
+
+    def _reads_late(self, step: int, guard: Guard) -> bool:
+        """Whether `step`'s numbers may wait until the next step is queued: not where what follows depends on
+        them (the run's last step, a validation or a checkpoint after it, a decision of the guard's)."""
+        t, every = self.cfg.train, self.cfg.checkpoint.every
+        evaluates = t.eval_every and (step + 1) % t.eval_every == 0
+        saves = every and (step + 1) % every == 0
+        return self.read_late and step + 1 < t.steps and not (evaluates or saves or guard.acts_after(step))
+
+    def _conclude(self, launched: Launched, guard: Guard, progress: Progress, in_flight: int | None = None) -> int:
+        """A launched step's end: its row read, the guard's bookkeeping (checkpoint, rollback), validation, the
+        metrics log and the bar; returns the next step to run. in_flight: the step queued after it, if any."""
+        t, step = self.cfg.train, launched.step
+        row = self.read_row(launched)
+        nxt = guard.end_step(step, row, in_flight)  # step + 1; earlier after a rollback
+        last = step + 1 == t.steps
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or last) and not self.stop_signal:
+            self.val_loss = row["val_loss"] = self.evaluate()
+        self.history.append(row)
+        if self.log is not None and (step % self.cfg.logging.log_every == 0 or last or self.stop_signal
+                                     or guard.relayout is not None):
+            self.log.log(step, row)
+        progress.update(step, row)
+        if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
+            guard.close()
+            if self.log is not None:
+                self.log.close()
+            raise guard.relayout
+        return nxt
 
     def _summary(self, val_loss: float | None) -> Summary:
         if not self.history:  # resumed at train.steps: nothing ran, the metrics file tells the run

@@ -63,6 +63,9 @@ def llama_config(m: ModelConfig) -> dict:
     if m.n_experts:
         raise NotConvertible(f"the reference GPT with mixture-of-experts blocks (model.n_experts = {m.n_experts}) "
                              "has no Llama counterpart: its capacity-limited routing drops tokens")
+    if m.sliding_window is not None and m.sliding_window < m.max_seq_len:
+        raise NotConvertible(f"the reference GPT attends within a window (model.sliding_window = {m.sliding_window}); "
+                             "Llama attends to every earlier token")
     return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_dim,
                 num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads,
                 head_dim=m.d_model // m.n_head, max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,

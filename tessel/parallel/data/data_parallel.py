@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from tessel.mesh import Mesh
 from tessel.parallel.data.broadcast import BufferBroadcast, broadcast_by_axes, group_of
-from tessel.parallel.data.unused import mark_no_gradient, no_gradient
+from tessel.parallel.data.unused import mark_no_gradient, may_go_unused, no_gradient
 from tessel.sharding import shard_axes
 
 # A reducer receives a flat buffer and a group and returns a waitable work
@@ -236,7 +236,7 @@ class DataParallel(GradientSyncWrapper):
 
     def _drop_unused(self) -> None:
         """A parameter no rank used keeps grad None, as without data parallelism (AdamW skips it)."""
-        params = [p for bucket in self.buckets for p in bucket.params]
+        params = [p for bucket in self.buckets for p in bucket.params if may_go_unused(p)]
         for p, unused in zip(params, no_gradient([p.grad for p in params])):
             if unused:
                 p.grad = None

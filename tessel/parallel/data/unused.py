@@ -24,11 +24,18 @@ gradient is -0.0 everywhere on every rank would be taken as unused, which
 differs from DDP only in that AdamW skips a step whose gradient is exactly zero.
 A backend that turned -0.0 into +0.0 would give today's zero gradient instead
 of None, never the reverse.
+
+Finding a gradient that is -0.0 everywhere means reading it on the host: on a
+GPU one wait for the device per step. A model whose every forward uses every
+parameter (one without experts: models.build.uses_every_parameter) has none to
+find, so tessel.apply marks its parameters `always_used` and the check skips
+them: its steps read nothing on the host. Its reductions still carry -0.0 for
+a parameter a rank did not use, so the marks change no gradient.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -38,6 +45,17 @@ NO_GRADIENT = -0.0  # what a rank without a gradient for a parameter contributes
 def mark_no_gradient(t: torch.Tensor) -> torch.Tensor:
     """Fill t (a gradient view, a reduction buffer) with "no gradient here"."""
     return t.fill_(NO_GRADIENT)
+
+
+def mark_always_used(params: Iterable[torch.Tensor]) -> None:
+    """Every forward gives these parameters a gradient: no step asks whether one went unused (see above)."""
+    for p in params:
+        p.tessel_always_used = True
+
+
+def may_go_unused(p: torch.Tensor) -> bool:
+    """Whether a step must ask if p went without a gradient (not marked always used)."""
+    return not getattr(p, "tessel_always_used", False)
 
 
 def no_gradient(grads: Sequence[torch.Tensor]) -> list[bool]:

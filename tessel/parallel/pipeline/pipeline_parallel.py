@@ -16,6 +16,7 @@ from tessel.axes import TOKEN_AXES
 from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.parts import GPT_PARTS, ModelParts
+from tessel.parallel.adamw import adamw
 from tessel.parallel.data.reducer import dp_reducer
 from tessel.parallel.pipeline.grad_sync import GradientSync, TiedEmbedding
 from tessel.parallel.pipeline.partition import balanced_layout, param_costs, split_model, time_costs, uniform_layout
@@ -87,6 +88,5 @@ def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gat
                         stage_losses=None if stage_losses is None else tuple(stage_losses), blocks=parts.blocks)
     micro = None
     if p.schedule == "pipedream":  # the stage updates after every micro-batch (async_executor.py)
-        micro = torch.optim.AdamW(param_groups or [{"params": list(chunks.parameters())}], lr=t.lr,
-                                  betas=(t.beta1, t.beta2))
+        micro = adamw(param_groups or [{"params": list(chunks.parameters())}], lr=t.lr, betas=(t.beta1, t.beta2))
     return PipelineRunner(chunks, mesh, spec, sync, optimizer, micro_optimizer=micro, vertical_sync=p.vertical_sync)

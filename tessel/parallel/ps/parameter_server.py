@@ -82,6 +82,7 @@ import torch.nn as nn
 
 from tessel.comm.algorithms import offsets_of, split_sizes
 from tessel.heartbeat import Heartbeat, watch_beats
+from tessel.parallel.adamw import step_count
 from tessel.parallel.data.broadcast import broadcast_tensors
 from tessel.parallel.data.unused import NO_GRADIENT, no_gradient
 
@@ -273,7 +274,7 @@ class ParameterServer:
             n = piece.numel()
             if self.state_keys:
                 st = {key: state[key][off:off + n].to(piece.dtype).clone() for key in self.state_keys}
-                self.optimizer.state[piece] = {"step": torch.tensor(float(updates)), **st}
+                self.optimizer.state[piece] = {"step": step_count(self.optimizer, piece, updates), **st}
             off += n
         self.start_updates = updates
 

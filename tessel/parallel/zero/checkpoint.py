@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from tessel.parallel.adamw import step_count
 from tessel.parallel.zero.collectives import all_gather_shards
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.parallel.zero.flat import FlatGroup
@@ -182,5 +183,5 @@ def load_checkpoint_tensors(engine: ZeroDataParallel, optimizer: torch.optim.Opt
         if step is None:  # a parameter AdamW never stepped: no state, as in the saved run
             optimizer.state.pop(seg, None)
             continue
-        optimizer.state[seg] = {"step": step.clone(), **{k: flats[gi][k][lo: lo + seg.numel()].clone()
+        optimizer.state[seg] = {"step": step_count(optimizer, seg, step), **{k: flats[gi][k][lo: lo + seg.numel()].clone()
                                                           for k in MOMENTS}}

@@ -9,7 +9,9 @@ the last zero_grad, tessel.parallel.data.unused) has grad None for the step, so
 AdamW skips it as it skips an unused parameter without ZeRO. After stepping, the
 optimizer asks the engine to make the parameters whole again (publish);
 checkpoints save and load its shard as logical whole tensors
-(tessel.parallel.zero.checkpoint).
+(tessel.parallel.zero.checkpoint). The segments of a parameter group are
+stepped together, in one fused (CUDA) or foreach kernel per group
+(tessel.parallel.adamw), not one update per segment.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from tessel.parallel.data.unused import no_gradient
+from tessel.parallel.adamw import kernel_options
+from tessel.parallel.data.unused import mark_always_used, may_go_unused, no_gradient
 from tessel.parallel.zero import checkpoint
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.parallel.zero.flat import FlatGroup
@@ -40,13 +43,13 @@ class ZeroAdamW(torch.optim.AdamW):
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         groups = _param_groups(params)
         segs = segments(engine.groups, _group_index(groups, engine.groups))
-        super().__init__([{**group, "params": segs.get(k, [])} for k, group in enumerate(groups)],
-                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        groups = [{**group, "params": segs.get(k, [])} for k, group in enumerate(groups)]
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel_options(groups))
         self.engine = engine
 
     @torch.no_grad()
     def step(self, closure=None):
-        segs = [seg for seg in self.grad_params() if seg.grad is not None]
+        segs = [seg for seg in self.grad_params() if seg.grad is not None and may_go_unused(seg)]
         skipped = [(seg, seg.grad) for seg, unused in zip(segs, no_gradient([s.grad for s in segs])) if unused]
         for seg, _ in skipped:
             seg.grad = None  # AdamW leaves a parameter without a gradient alone
@@ -119,6 +122,8 @@ def segments(groups: list[FlatGroup], group_of: Callable[[nn.Parameter], int | N
             mark_sharded(seg, *g.comm.axes, *shard_axes(p))
             if is_replica(p):  # a copy another pipeline stage counts (the last stage's tied head)
                 mark_replica(seg)
+            if not may_go_unused(p):
+                mark_always_used([seg])
             out.setdefault(k, []).append(seg)
     return out
 

@@ -88,6 +88,7 @@ import torch
 import torch.nn as nn
 
 from tessel.mesh import Mesh
+from tessel.parallel.adamw import adamw
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.parallel.zero.optim import ZeroAdamW
@@ -115,7 +116,7 @@ def zero_parallel(module: nn.Module, mesh: Mesh, stage: int, params: Iterable[nn
         if param_dtype not in (None, torch.float32) or reduce_dtype not in (None, torch.float32):
             raise ValueError("param_dtype/reduce_dtype need ZeRO stage 1, 2 or 3 (fp32 masters)")
         return (data_parallel(module, mesh, axes, bucket_mb, broadcast_buffers=broadcast_buffers),
-                torch.optim.AdamW(params, **hyper))
+                adamw(params, **hyper))
     model = ZeroDataParallel(module, mesh, stage, axes, bucket_mb, units, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers, chunks=chunks)
     return model, ZeroAdamW(model, params, **hyper)

@@ -135,12 +135,16 @@ def run_model(cfg) -> dict:
 
 
 def check_model(path: Path, manifest: dict, model: dict | None) -> None:
-    """CheckpointError unless the checkpoint holds `model` (None: any model)."""
-    if model is None or manifest["model"] == model:
+    """CheckpointError unless the checkpoint holds `model` (None: any model). A field the checkpoint does not
+    name is null there: a field added to the model's config later, whose default (null) keeps the model as it
+    was, leaves older checkpoints loadable."""
+    if model is None:
         return
     saved = manifest["model"]
     diff = [f"{k} {saved.get(k, '(unset)')} (this run: {model.get(k, '(unset)')})"
             for k in sorted(set(saved) | set(model)) if saved.get(k) != model.get(k)]
+    if not diff:
+        return
     raise CheckpointError(f"{path}: holds another model: {', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}")
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 
+from tessel.parallel.adamw import step_count
 from tessel.parallel.runner import CheckpointableOptimizer
 from tessel.train.checkpoint.logical import (OPTIM_PREFIX, LogicalView, check_shapes, copy_local_, is_distributed,
                                              unique_params)
@@ -84,6 +85,9 @@ class PerParameterState:
         local = torch.zeros_like(p, dtype=loaded.dtype) if is_distributed(loaded) else None
         if local is not None:
             copy_local_(local, loaded)
+        if key == "step":  # where this optimizer's kernel reads it (fused: on the device)
+            self.optimizer.state[p][key] = step_count(self.optimizer, p, loaded)
+            return
         self.optimizer.state[p][key] = local if local is not None else loaded.clone()
 
     def load_own(self, reader, metadata, view) -> None:

@@ -107,13 +107,29 @@ class Guard:
         self.heartbeat.set(step, "data", flush=True)
         self.injector.before_step(step)
 
-    def end_step(self, step: int, row: dict) -> int:
-        self.heartbeat.set(step, "step-end")
+    def acts_after(self, step: int) -> bool:
+        """Whether end_step(step) may do more than book-keep, so that its row must be read before the next step
+        is queued (tessel.train.trainer): compare the ranks' timings (a collective; under a slow-rank policy
+        every step, which may end the step in a re-layout), or roll back (this step's skip would be the
+        nan_tolerance-th in a row)."""
+        every = self._watch_every()
+        return bool(every and step % every == 0) or self.bad_in_row + 1 >= self.cfg.fault.nan_tolerance
+
+    def _watch_every(self) -> int:
+        """Steps between two comparisons of the ranks' timings (0: never); every step under a slow-rank policy,
+        whose action needs each step's evidence."""
+        f = self.cfg.fault
+        return 1 if f.slow_policy != "warn" else f.straggler_every
+
+    def end_step(self, step: int, row: dict, in_flight: int | None = None) -> int:
+        """After a step's row is read; the next step to run. in_flight: the step already queued after it (its
+        row read late, tessel.train.trainer), which the heartbeat keeps naming."""
+        self.heartbeat.set(step if in_flight is None else in_flight, "step-end")
         self.ckpt.poll()
         if self.replanned is not None and self.rank == 0:
             self.replanned.observe(step, row)
         f = self.cfg.fault
-        every = 1 if f.slow_policy != "warn" else f.straggler_every  # acting needs every step's evidence
+        every = self._watch_every()
         if every and step % every == 0:
             self._watch_ranks(step, row, every)
         if row.get("skipped"):

@@ -30,6 +30,7 @@ SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
 LAYOUTS_2 = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp_tied": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.tie_embeddings=true"],
+    "tp2_window": ["parallel.tp=2", "model.sliding_window=4"],  # each rank's heads attend within the window
 }
 LAYOUTS_4 = {
     "tp4_vocab250": ["parallel.tp=4", "model.vocab_size=250"],  # 250 = 4 * 62 + 2: padded to 252

@@ -138,6 +138,13 @@ def test_another_models_checkpoint_is_skipped_by_auto_and_refused_by_path(ckpts)
     assert latest_valid(ckpts)[0].name == "step_00000002"  # no model given: any model will do
 
 
+def test_a_checkpoint_from_before_a_new_model_field_still_loads(ckpts):
+    # saved before model.sliding_window existed: its manifest does not name it; unset is its default, null
+    _edit_manifest(ckpts / "step_00000002", lambda doc: doc["model"].pop("sliding_window"))
+    assert choose(ckpts, str(ckpts / "step_00000002"), model=MODEL) == ckpts / "step_00000002"
+    assert latest_valid(ckpts, model=MODEL)[0].name == "step_00000002"  # --resume auto takes it too
+
+
 # ---- files: symlinks, names, what the metadata reads --------------------------------------------
 def _shard(ckpt: Path) -> Path:
     return next(f for f in ckpt.iterdir() if f.suffix == ".distcp")
