@@ -6,7 +6,8 @@ tokens, the chunk's logits (the matmul in the autocast dtype, as the head comput
 statistics (max, log-sum-exp, the target's logit), the loss, and at once the gradients, since the chunk's
 softmax minus one-hot is all they need: the hidden states' gradient (d @ W) and the weight's (d^T @ x),
 accumulated in fp32. The forward keeps these two gradients for backward, which only scales them by the
-incoming gradient: no second logits matmul, no logits saved. Under no_grad only the loss is computed.
+incoming gradient (the weight's in place): no second logits matmul, no logits saved. Under no_grad only the
+loss is computed.
 
 Vocabulary-parallel (Megatron's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3, as
 tessel.parallel.tensor.tensor_parallel.VocabParallelCrossEntropy): each rank holds a block of the head's
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,26 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here, explicitly
             loss, grads = _chunks(hidden, weight, bias, targets, vocab, dtype, want)
         ctx.save_for_backward(*grads)
+        ctx.applied = None  # the incoming gradient the saved weight gradients were scaled by
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # scaled out of place: a zero-bubble pipeline runs this node twice (its B and its W,
-        # tessel.parallel.pipeline.split_backward), so the saved gradients must stay as they are
-        return (*(None if g is None else g * grad for g in ctx.saved_tensors), None, None, None)
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        # the hidden states' gradient out of place: a tp entry's backward all-reduces it in place
+        d_hidden = None if d_hidden is None else d_hidden * grad
+        if ctx.applied is None:
+            # the weight's (and bias's) scaled in place, so backward adds no second weight-sized buffer; through
+            # .data, whose version the saved tensors do not see, so that a second call can still unpack them
+            for g in (d_weight, d_bias):
+                if g is not None:
+                    g.data.mul_(grad)
+            ctx.applied = grad
+        else:
+            # a second call (a zero-bubble pipeline's W after its B, tessel.parallel.pipeline.split_backward, or
+            # a retained graph): the saved ones hold the first call's scale; this one's, without a host read
+            d_weight, d_bias = (None if g is None else g * (grad / ctx.applied) for g in (d_weight, d_bias))
+        return d_hidden, d_weight, d_bias, None, None, None
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
@@ -97,39 +110,77 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     local = local.masked_fill(~own, 0)
     share = valid / count  # each token's weight in the mean
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    d_hidden = torch.empty_like(hidden) if want[0] else None
-    d_weight = torch.zeros(rows, weight.size(1), dtype=torch.float32, device=weight.device) if want[1] else None
-    d_bias = torch.zeros(rows, dtype=torch.float32, device=weight.device) if want[2] and b is not None else None
+    grads = _Grads(torch.empty_like(hidden) if want[0] else None,
+                   torch.zeros(rows, weight.size(1), dtype=torch.float32, device=weight.device) if want[1] else None,
+                   torch.zeros(rows, dtype=torch.float32, device=weight.device) if want[2] and b is not None else None)
     n = vocab.chunk or chunk_tokens(tokens, hidden.size(1), rows)
+    buf = _Buffers.make(min(n, tokens), weight, dtype, want[1])
     for s in range(0, tokens, n):
         e = min(s + n, tokens)
         x = hidden[s:e].to(dtype)
-        z = F.linear(x, w, b).float()  # (n, rows): the chunk's fp32 logits, the only ones that exist
+        z = buf.logits_of(x, w, b)  # (n, rows): the chunk's fp32 logits, the only ones that exist
         slope = _softcap_(z, vocab.softcap, any(want))
         if real < rows:
             z[:, real:] = float("-inf")  # padding: never the max, exp() = 0, no gradient
         loss_rows, sum_exp = _statistics_(z, local[s:e], own[s:e], vocab.group)
         total += loss_rows.masked_fill(~valid[s:e], 0.0).sum()
-        if not any(want):
-            continue
-        # the softmax, minus one-hot at this rank's targets, times each token's share of the mean
-        z.div_(sum_exp.unsqueeze(-1))
-        z.scatter_add_(1, local[s:e, None], -own[s:e, None].to(z.dtype))
-        z.mul_(share[s:e, None])
-        if slope is not None:
-            z.mul_(slope)
-        d = z.to(dtype)
-        if d_hidden is not None:
-            d_hidden[s:e] = d @ w  # under tp a partial sum over the vocabulary: the head's entry adds them up
-        if d_weight is not None:  # accumulated in fp32 over the chunks
-            if d.dtype == d_weight.dtype:
-                d_weight.addmm_(d.t(), x)  # in place: no (rows, C) temporary
+        if any(want):
+            # the softmax, minus one-hot at this rank's targets, times each token's share of the mean
+            z.div_(sum_exp.unsqueeze(-1))
+            z.scatter_add_(1, local[s:e, None], -own[s:e, None].to(z.dtype))
+            z.mul_(share[s:e, None])
+            if slope is not None:
+                z.mul_(slope)
+            grads.add(z, x, w, slice(s, e), buf)
+    return total / count, (grads.hidden, _as(grads.weight, weight), _as(grads.bias, bias))
+
+
+@dataclass
+class _Buffers:
+    """What every chunk reuses, allocated once: otherwise a chunk's (n, rows) temporaries are allocated and
+    freed as many times as there are chunks (on the CPU, glibc's heap then keeps them: measured +40% resident
+    memory at GPT-2's vocabulary), and the caching allocator of a GPU hands out the same blocks anyway."""
+    logits: torch.Tensor  # (n, rows) fp32
+    low: torch.Tensor | None  # (n, rows) in the matmul dtype where it is not fp32: the product, then the gradient
+    product: torch.Tensor | None  # (rows, C) in that dtype: a chunk's weight gradient before the fp32 sum
+
+    @classmethod
+    def make(cls, n: int, weight: torch.Tensor, dtype: torch.dtype, weight_grad: bool) -> "_Buffers":
+        rows, low = weight.size(0), dtype != torch.float32
+        return cls(torch.empty(n, rows, dtype=torch.float32, device=weight.device),
+                   torch.empty(n, rows, dtype=dtype, device=weight.device) if low else None,
+                   torch.empty_like(weight, dtype=dtype) if low and weight_grad else None)
+
+    def logits_of(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The chunk's logits in fp32: the matmul (and bias) in w's dtype, as the head computes them."""
+        z = self.logits[:x.size(0)]
+        out = z if self.low is None else self.low[:x.size(0)]
+        if b is None:
+            torch.mm(x, w.t(), out=out)
+        else:
+            torch.addmm(b, x, w.t(), out=out)
+        return z if self.low is None else z.copy_(out)
+
+
+@dataclass
+class _Grads:
+    hidden: torch.Tensor | None  # (tokens, C) in the hidden states' dtype
+    weight: torch.Tensor | None  # (rows, C) fp32, summed over the chunks
+    bias: torch.Tensor | None  # (rows,) fp32
+
+    def add(self, d32: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: slice, buf: _Buffers) -> None:
+        """A chunk's share, from d32 = d loss / d logits (fp32): its matmuls in the head's dtype, as the head's
+        own backward runs them on the logits' gradient."""
+        d = d32 if buf.low is None else buf.low[:d32.size(0)].copy_(d32)
+        if self.hidden is not None:
+            self.hidden[rows] = d @ w  # under tp a partial sum over the vocabulary: the head's entry adds them up
+        if self.weight is not None:
+            if buf.product is None:
+                self.weight.addmm_(d.t(), x)  # fp32: in place
             else:
-                d_weight.add_(d.t() @ x)  # the product in the matmul dtype (bf16), as the head's own backward
-        if d_bias is not None:
-            d_bias.add_(z.sum(0))
-    grads = (d_hidden, _as(d_weight, weight), _as(d_bias, bias))
-    return total / count, grads
+                self.weight.add_(torch.mm(d.t(), x, out=buf.product))
+        if self.bias is not None:
+            self.bias.add_(d32.sum(0))
 
 
 def _softcap_(z: torch.Tensor, cap: float | None, slope: bool) -> torch.Tensor | None:
