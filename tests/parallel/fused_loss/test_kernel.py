@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.observe.memory import allocated_peak
 from tessel.parallel.fused_loss.apply import HeadInput, LogitsOf, fuse_model_head
-from tessel.parallel.fused_loss.kernel import Vocab, chunk_tokens, linear_cross_entropy
+from tessel.parallel.fused_loss.kernel import MAX_CHUNKS, Vocab, chunk_tokens, linear_cross_entropy
 from tests.helpers import tiny_config
 
 TOKENS, HIDDEN, ROWS = 37, 16, 50  # 37 tokens: every chunk size below but 37 leaves a ragged last chunk
@@ -121,10 +121,15 @@ def test_without_gradients_only_the_loss():
     assert_close(loss, _unfused(hidden, weight, bias, targets).detach(), **FP32)
 
 
-def test_chunks_hold_about_the_hidden_states():
-    """Liger's choice: a chunk's logits about as many elements as the hidden states, in whole 64-token tiles."""
-    n = chunk_tokens(16 * 1024, 768, 50304)  # the 124M GPT's step on one GPU
-    assert n % 64 == 0 and n * 50304 <= 2 * 16 * 1024 * 768 and (n - 64) * 50304 < 16 * 1024 * 768
+def test_chunks_hold_about_the_hidden_states_in_at_most_16_chunks():
+    """Liger's choice (a chunk's logits about as many elements as the hidden states), in at most MAX_CHUNKS
+    chunks (each one passes over the weight's whole gradient sum), in whole 64-token tiles."""
+    for tokens, hidden, vocab in ((16 * 1024, 768, 50304), (4096, 4096, 32000), (2048, 64, 50304)):
+        n = chunk_tokens(tokens, hidden, vocab)
+        assert n % 64 == 0 and math.ceil(tokens / n) <= MAX_CHUNKS
+        assert (n - 64) * vocab < max(tokens * hidden, tokens * vocab / MAX_CHUNKS)  # no larger than that
+    assert chunk_tokens(16 * 1024, 768, 50304) == 1024  # GPT-2's head: 16 chunks, not Liger's 64
+    assert chunk_tokens(4096, 4096, 32000) == 576  # a 7B Llama's: Liger's ~hidden states
     assert chunk_tokens(10, 768, 50304) == 10  # never more than the tokens there are
 
 
