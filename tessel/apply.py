@@ -23,7 +23,7 @@ from tessel.models.gpt import Block, cross_entropy
 from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family, read_config
-from tessel.models.hf.moe import mixtral_modules, mixtral_router_loss, with_router_loss
+from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
@@ -36,11 +36,11 @@ from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.balance import (balance_over_batch, balance_over_sequences, global_balance,
                                             sequence_balance)
 from tessel.parallel.expert.cross_stage import stage_router_losses
-from tessel.parallel.expert.hf_experts import ShardedMixtralExperts, shard_mixtral_experts
+from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.pipeline.schedules import Placement
-from tessel.parallel.compile import compile_forwards, run_eagerly, without_kv_cache
+from tessel.parallel.compile import compile_for_training
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.tensor.regions import refuse_own_loss, sequence_parallel_stage
@@ -193,42 +193,21 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.parallel.recompute == "selective":  # the reference GPT only (tessel.config refuses it for HF models)
         recompute_attention_cores(plan.model.modules())
     elif cfg.parallel.recompute == "full":
-        recompute_blocks(_blocks(plan, mesh, cfg))
+        if cfg.model.hf_config is None:
+            recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
+        else:
+            stages = plan.model if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
+            known = FAMILIES.get(family(cfg.model.hf_config) or "")
+            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, known)])
     return plan
 
 
 def apply_compile(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """train.compile (tessel.parallel.compile): each transformer block, or the model (each pipeline chunk);
-    the modules whose shapes follow the routing (MoE dispatch) stay eager inside them."""
-    if cfg.train.compile == "off":
-        return plan
-    stages = list(plan.model) if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
-    run_eagerly([m for stage in stages for m in routed_modules(stage, cfg)])
-    if cfg.model.hf_config is not None:
-        for stage in stages:
-            without_kv_cache(stage)
-    compile_forwards(stages if cfg.train.compile == "model" else _blocks(plan, mesh, cfg), cfg.train.compile_backend)
+    """train.compile (tessel.parallel.compile): each block, or the model (each pipeline chunk), compiled where
+    ZeRO's and DP's hooks will wrap it."""
+    if cfg.train.compile != "off":
+        compile_for_training(list(plan.model) if mesh.size("pp") > 1 else [plan.model], cfg)
     return plan
-
-
-def _blocks(plan: Plan, mesh: Mesh, cfg: Config) -> list[nn.Module]:
-    """The transformer blocks this rank runs: the reference GPT's, or a Hugging Face model's decoder layers
-    (under a pipeline, those of each of the rank's chunks)."""
-    if cfg.model.hf_config is None:
-        return [m for m in plan.model.modules() if isinstance(m, Block)]
-    stages = plan.model if mesh.size("pp") > 1 else [plan.model]
-    known = FAMILIES.get(family(cfg.model.hf_config) or "")
-    return [layer for stage in stages for layer in decoder_layers(stage, known)]
-
-
-def routed_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
-    """The modules whose shapes depend on the routing: the reference GPT's MoE layers, Mixtral's experts
-    (transformers' or, under ep, tessel's shard of them)."""
-    routed = list(moe_layers(model))
-    if cfg.model.hf_config is not None and family(cfg.model.hf_config) == "mixtral":
-        routed += [m for _, m in mixtral_modules(model, "experts")]
-        routed += [m for m in model.modules() if isinstance(m, ShardedMixtralExperts)]
-    return routed
 
 
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:

@@ -10,26 +10,57 @@ The choices, and why:
   as they do without compilation.
 - How: the forward is compiled on the instance (`module.forward = ...`, as recompute replaces it). Neither
   `torch.compile(module)`, an OptimizedModule that puts `_orig_mod.` into every parameter and checkpoint
-  name, nor `nn.Module.compile()`, which compiles `_call_impl` and so traces the module's hooks (ZeRO-3's
-  storage resizes and parameter class switches) into the graph. Names do not change; hooks run eagerly.
-- One graph per kind of block: dynamo keys its cache on the forward's code, and with
-  `inline_inbuilt_nn_modules` (torch's default) a block's parameters are inputs of the graph, not
-  constants, so every block of one class passes the first one's guards and reuses its graph.
-- No recompilation: `dynamic=False`, since a training step's shapes are fixed; a layout whose shapes
-  change would recompile, and the tests count that none does after the first step. Without gradients
-  (evaluation, sampling) the eager forward runs: sampling's window grows a token at a time, which would
-  compile one graph per length (or a dynamic-shape graph), and evaluation's graph differs from
-  training's (no autograd), while both are a small part of a run.
+  name, nor `nn.Module.compile()`, which compiles `_call_impl` and so traces the module's own hooks
+  (ZeRO-3's storage resizes and parameter class switches) into the graph. Names do not change.
+- One graph per kind of block: dynamo keys its cache on the forward's code and lifts a module's
+  parameters into graph inputs (it inlines nn.Modules), so every block of one class passes the first
+  one's guards and reuses its graph: a stage of L blocks compiles once.
+- No recompilation: `dynamic=False`, a training step's shapes being fixed; the tests count that nothing
+  compiles after the first step. Without gradients (evaluation, sampling) the eager forward runs:
+  sampling's window grows a token at a time, which would compile a graph per length (or a dynamic-shape
+  one), and evaluation's graph differs from training's (no autograd), while both are a small part of a run.
 - Data-dependent modules run eagerly inside a compiled block (`torch.compiler.disable`): an MoE layer's
-  routing (which rows go to which expert, the all-to-all's split sizes) and Mixtral's experts have
-  shapes that change with every batch, so a compiled version would recompile on each new routing. The
-  block compiles as two graphs around it.
+  routing (which rows go to which expert, the all-to-all's split sizes) and Mixtral's experts have shapes
+  that change with every batch, so compiled they would recompile on each new routing. The block compiles
+  as two graphs around the break.
+- Hand-written communication: Megatron's f/g (tessel.parallel.tensor.comm), sequence parallelism's
+  gathers, the 3D cube's and Ulysses' all-to-all are traced, dynamo turning each c10d call into its
+  functional collective inside the graph (tensor/comm.py keeps the two spots dynamo cannot trace eager).
+  Graph breaks stay where tracing would cost more than it gives: ring attention's P2P exchanges,
+  SUMMA's rooted broadcasts and reduces (tensor_nd/summa.py), transformers' output-capturing hooks
+  (a ContextVar; Mixtral's router logits). Each break ends one graph and starts the next; none recompiles.
+- A zero-bubble pipeline's split backward (tessel.parallel.pipeline.split_plan) sees a compiled block as
+  one autograd node that computes its input and weight gradients together: B computes both, W only
+  accumulates the block's weight gradients, so under compile those schedules' W holds no block work (the
+  weight branches outside blocks, the embedding and head, still wait for W).
+- Caches: inductor's FX graph cache and AOTAutograd's cache live in TORCHINDUCTOR_CACHE_DIR (default
+  /tmp/torchinductor_<user>), which every rank of a machine shares; a relaunched or resumed job, or
+  another rank that meets the same graph later, reads its kernels from there instead of compiling them.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from tessel.config import Config
+from tessel.hf_shape import family
+from tessel.models.gpt import Block
+from tessel.models.hf.families import FAMILIES, decoder_layers
+from tessel.models.hf.moe import mixtral_modules
+from tessel.models.moe import moe_layers
+from tessel.parallel.expert.hf_experts import ShardedMixtralExperts
+
+
+def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
+    """Compile the model (a pipeline rank: each of its chunks) as train.compile says: each block's forward,
+    or each stage's; routed modules eager inside, a Hugging Face model without its key/value cache."""
+    for stage in stages:
+        run_eagerly(routed_modules(stage, cfg))
+        if cfg.model.hf_config is not None:
+            without_kv_cache(stage)
+    targets = stages if cfg.train.compile == "model" else [b for stage in stages for b in transformer_blocks(stage, cfg)]
+    compile_forwards(targets, cfg.train.compile_backend)
 
 
 class TrainingForward:
@@ -50,6 +81,23 @@ def compile_forwards(modules: list[nn.Module], backend: str) -> None:
     for module in modules:
         if not isinstance(module.forward, TrainingForward):
             module.forward = TrainingForward(module.forward, backend)
+
+
+def transformer_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The reference GPT's blocks, or a Hugging Face model's decoder layers (as apply_recompute finds them)."""
+    if cfg.model.hf_config is None:
+        return [m for m in model.modules() if isinstance(m, Block)]
+    return decoder_layers(model, FAMILIES.get(family(cfg.model.hf_config) or ""))
+
+
+def routed_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The modules whose shapes follow the routing: the reference GPT's MoE layers, Mixtral's experts
+    (transformers' own, or under ep tessel's shard of them)."""
+    routed: list[nn.Module] = list(moe_layers(model))
+    if cfg.model.hf_config is not None and family(cfg.model.hf_config) == "mixtral":
+        routed += [m for _, m in mixtral_modules(model, "experts")]
+        routed += [m for m in model.modules() if isinstance(m, ShardedMixtralExperts)]
+    return routed
 
 
 def run_eagerly(modules: list[nn.Module]) -> None:
