@@ -32,7 +32,8 @@ The choices, and why:
 - A zero-bubble pipeline's split backward (tessel.parallel.pipeline.split_plan) sees a compiled block as
   one autograd node that computes its input and weight gradients together: B computes both, W only
   accumulates the block's weight gradients, so under compile those schedules' W holds no block work (the
-  weight branches outside blocks, the embedding and head, still wait for W).
+  weight branches outside blocks, the embedding and head, still wait for W). B retains the graph for W,
+  so those schedules compile without donated buffers (the backward's reuse of saved activations' memory).
 - Caches: inductor's FX graph cache and AOTAutograd's cache live in TORCHINDUCTOR_CACHE_DIR (default
   /tmp/torchinductor_<user>), which every rank of a machine shares; a relaunched or resumed job, or
   another rank that meets the same graph later, reads its kernels from there instead of compiling them.
@@ -50,6 +51,7 @@ from tessel.models.hf.families import FAMILIES, decoder_layers
 from tessel.models.hf.moe import mixtral_modules
 from tessel.models.moe import moe_layers
 from tessel.parallel.expert.hf_experts import ShardedMixtralExperts
+from tessel.parallel.pipeline.schedules import splits_backward
 
 
 def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
@@ -59,6 +61,10 @@ def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
         run_eagerly(routed_modules(stage, cfg))
         if cfg.model.hf_config is not None:
             without_kv_cache(stage)
+    if cfg.parallel.pp > 1 and splits_backward(cfg.parallel.schedule):
+        # B runs its backward with retain_graph (W reuses the graph), which AOTAutograd refuses for a backward
+        # compiled to reuse saved activations' buffers (donated buffers): compile without that reuse
+        torch._functorch.config.donated_buffer = False
     targets = stages if cfg.train.compile == "model" else [b for stage in stages for b in transformer_blocks(stage, cfg)]
     compile_forwards(targets, cfg.train.compile_backend)
 
