@@ -11,7 +11,7 @@ would pass the parity trivially) and nothing after it. One spawn per world size 
 Most layouts compile with the aot_eager backend: graph capture and the autograd partition are what a layout
 can break, and both happen there without inductor's code generation (a cold inductor compile of the tiny
 block costs ~25 s on this machine, a warm one from the shared FX graph cache ~2 s). The single-process run
-and dp2 compile with inductor.
+and tp2 with sequence parallelism (its collectives inside the graph) compile with inductor.
 """
 
 import json
@@ -30,6 +30,7 @@ from tessel.parallel.compile import TrainingForward, compile_for_training
 from tessel.parallel.pipeline.split_backward import backward_input
 from tessel.parallel.pipeline.split_plan import is_compiled
 from tessel.parallel.ps.worker import WorkerRunner
+from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.spawn import spawn
 from tessel.train.ps_trainer import train_rank_ps
 from tests.helpers import build_runner, build_trainer, cli_env, metrics_rows, tiny_config, train_command, write_recipe
@@ -53,9 +54,10 @@ WORLD1 = {
     "recompute_selective_moe": ['parallel.recompute="selective"', *MOE],  # the core's checkpoint, MoE eager
 }
 WORLD2 = {
-    "dp2_inductor": ["parallel.dp=2", *INDUCTOR],
+    "dp2": ["parallel.dp=2"],
     "dp2_zero3": ["parallel.dp=2", "parallel.zero_stage=3"],  # gathers and frees eager around each compiled block
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    # Megatron's f/g and SP's gathers traced as functional collectives, lowered by inductor
+    "tp2_sp_inductor": ["parallel.tp=2", "parallel.sequence_parallel=true", *INDUCTOR],
     "pp2_1f1b": [*PP2, "model.tie_embeddings=true"],
     # the split backward: B computes a compiled block's weight gradients too (split_plan._vectors)
     "pp2_zbv": [*PP2, 'parallel.schedule="zbv"', "parallel.virtual_stages=2", "model.n_layer=4"],
@@ -73,17 +75,18 @@ PS = ["parallel.dp=2", 'parallel.dp_arch="ps"', "parallel.ps_servers=2"]  # worl
 WORLD8 = {"dp2_tp2_pp2": ["parallel.dp=2", "parallel.tp=2", *PP2]}
 # dense reference-GPT layouts without a graph break: every block (every chunk under "model") of a rank is one
 # graph, compiled once (dynamo lifts a block's parameters into inputs, so the blocks of one class share it)
-ONE_GRAPH = {"plain_inductor", "recompute_full", "dp2_inductor", "dp2_zero3", "tp2_sp", "pp2_1f1b", "pp2_zbv",
+ONE_GRAPH = {"plain_inductor", "recompute_full", "dp2", "dp2_zero3", "tp2_sp_inductor", "pp2_1f1b", "pp2_zbv",
              "dp2_model", "pp2_model", "dp2_tp2_pp2"}
 
 # fp32. aot_eager runs the eager kernels on the captured graph, so most layouts agree bit for bit; where
-# functionalization reorders an op (TP's copies, the grid's partial sums) or inductor fuses and reorders a
-# reduction, results differ by fp32 rounding: measured after 5 AdamW steps at lr 1e-2 (1e-3 for Hugging Face
-# models) losses within 1e-7 (inductor: 0), gradient norms within 1e-7 relative, weights within 1e-6. The
-# tolerances are those of tests/parallel/test_hybrid.py (AdamW's division by sqrt(v) turns a near-zero
-# gradient's rounding into up to ~1e-5 in a weight). A wrong compiled layout is far outside: a lost
-# all-reduce of the 2.5D grid's weights under compile (found by this comparison) moved the loss by 1e-2 and
-# weights by 5e-2.
+# functionalization reorders an op (TP's copies, the grid's partial sums, Mixtral's routing) or inductor fuses
+# and reorders reductions, results differ by fp32 rounding. Measured after 5 AdamW steps (lr 1e-2; 1e-3 for
+# the Hugging Face models): aot_eager losses equal, gradient norms within 1e-7 relative, weights within 4e-7;
+# inductor (tp2+SP, ZeRO-3, ZBV, MoE, Ulysses) losses within 5e-7, gradient norms within 7e-7 relative,
+# weights within 1.6e-5 (AdamW's division by sqrt(v) magnifies a near-zero gradient's rounding). The
+# tolerances are tests/parallel/test_hybrid.py's. A wrong compiled layout is far outside them: a lost
+# all-reduce of the 2.5D grid's weights under compile (found by this comparison, fixed in
+# tessel.parallel.tensor.comm.CopyToTP) moved the loss by 1e-2 and weights by 5e-2.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -130,12 +133,29 @@ def _observe(runner, model: nn.Module | None, seen: dict) -> None:
     runner.forward_backward = observed
 
 
+def _record_zero3(runner, seen: dict) -> None:
+    """ZeRO-3's communication in the first step, in order: each unit's gather issued, waited on and freed,
+    each reduce-scatter launched (unit -1: the root). Equal sequences eager and compiled: the same overlap."""
+    engine = getattr(runner, "model", None)
+    if not isinstance(engine, ZeroDataParallel) or engine.stage != 3:
+        return
+    seen["zero3"] = []
+    for owner, method, what in [(engine.placement, "_gather_async", "gather"), (engine.placement, "_wait_gathered", "wait"),
+                                (engine.placement, "_reshard", "free"), (engine.reduction, "_launch", "reduce")]:
+        def recorded(groups, call=getattr(owner, method), what=what):
+            if not seen["graphs"]:  # the first step only
+                seen["zero3"].append((what, [g.index for g in groups] if isinstance(groups, list) else groups.index))
+            return call(groups)
+        setattr(owner, method, recorded)
+
+
 def _train(cfg) -> dict:
     torch._dynamo.reset()  # another case's graphs are neither reused nor counted against the recompile limit
     counters.clear()
     trainer, model, runner, _ = build_trainer(cfg)
     seen = {"graphs": [], "grads": {}, "weights": {}}
     _observe(runner, model, seen)
+    _record_zero3(runner, seen)
     summary = trainer.fit()
     return {"losses": summary.losses, "grad_norms": [row["grad_norm"] for row in trainer.history],
             "val_loss": summary.val_loss, "sample": summary.sample, **seen, "end": _compiled()}
@@ -194,6 +214,8 @@ def _check(name: str, rank: int, eager: dict | None, compiled: dict | None) -> N
     for n, w in eager["weights"].items():
         assert_close(compiled["weights"][n], w, msg=lambda m: f"{where} weight {n}: {m}", **WEIGHT_TOL)
     # evaluation runs eagerly in both (a parameter server's other workers report NaN: worker 0 measures)
+    if "zero3" in name:  # gathers prefetched, frees and reduce-scatters as eagerly, around compiled blocks
+        assert compiled["zero3"] == eager["zero3"] and len(eager["zero3"]) > 10, where
     assert_close(compiled["val_loss"], eager["val_loss"], equal_nan=True, **LOSS_TOL)
     assert compiled["sample"] == eager["sample"], f"{where}: sample differs"
     # compiled by the end of the first step, and nothing after it: not in steps 2-5, evaluation or sampling
