@@ -26,9 +26,9 @@ The choices, and why:
 - Hand-written communication: Megatron's f/g (tessel.parallel.tensor.comm), sequence parallelism's
   gathers, the 3D cube's and Ulysses' all-to-all are traced, dynamo turning each c10d call into its
   functional collective inside the graph (tensor/comm.py keeps the two spots dynamo cannot trace eager).
-  Graph breaks stay where tracing would cost more than it gives: ring attention's P2P exchanges,
-  SUMMA's rooted broadcasts and reduces (tensor_nd/summa.py), transformers' output-capturing hooks
-  (a ContextVar; Mixtral's router logits). Each break ends one graph and starts the next; none recompiles.
+  Graph breaks stay where tracing would cost more than it gives: ring attention's P2P exchanges, the
+  2D/2.5D grid's SUMMA layers (eager_modules), transformers' output-capturing hooks (a ContextVar;
+  Mixtral's router logits). Each break ends one graph and starts the next; none recompiles.
 - A zero-bubble pipeline's split backward (tessel.parallel.pipeline.split_plan) sees a compiled block as
   one autograd node that computes its input and weight gradients together: B computes both, W only
   accumulates the block's weight gradients, so under compile those schedules' W holds no block work (the
@@ -52,13 +52,15 @@ from tessel.models.hf.moe import mixtral_modules
 from tessel.models.moe import moe_layers
 from tessel.parallel.expert.hf_experts import ShardedMixtralExperts
 from tessel.parallel.pipeline.schedules import splits_backward
+from tessel.parallel.tensor_nd.summa import Linear2D, TiedHead2D
 
 
 def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
     """Compile the model (a pipeline rank: each of its chunks) as train.compile says: each block's forward,
-    or each stage's; routed modules eager inside, a Hugging Face model without its key/value cache."""
+    or each stage's; some modules eager inside (eager_modules), a Hugging Face model without its key/value
+    cache."""
     for stage in stages:
-        run_eagerly(routed_modules(stage, cfg))
+        run_eagerly(eager_modules(stage, cfg))
         if cfg.model.hf_config is not None:
             without_kv_cache(stage)
     if cfg.parallel.pp > 1 and splits_backward(cfg.parallel.schedule):
@@ -96,14 +98,16 @@ def transformer_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
     return decoder_layers(model, FAMILIES.get(family(cfg.model.hf_config) or ""))
 
 
-def routed_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
-    """The modules whose shapes follow the routing: the reference GPT's MoE layers, Mixtral's experts
-    (transformers' own, or under ep tessel's shard of them)."""
-    routed: list[nn.Module] = list(moe_layers(model))
+def eager_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
+    """The modules that stay eager inside a compiled region: those whose shapes follow the routing (the
+    reference GPT's MoE layers; Mixtral's experts, transformers' own or under ep tessel's shard of them),
+    and the 2D/2.5D grid's SUMMA layers, whose rooted broadcasts and reduces dynamo cannot trace (each
+    step compiled on its own would recompile for every panel shape)."""
+    eager: list[nn.Module] = list(moe_layers(model))
+    eager += [m for m in model.modules() if isinstance(m, (Linear2D, TiedHead2D, ShardedMixtralExperts))]
     if cfg.model.hf_config is not None and family(cfg.model.hf_config) == "mixtral":
-        routed += [m for _, m in mixtral_modules(model, "experts")]
-        routed += [m for m in model.modules() if isinstance(m, ShardedMixtralExperts)]
-    return routed
+        eager += [m for _, m in mixtral_modules(model, "experts")]
+    return eager
 
 
 def run_eagerly(modules: list[nn.Module]) -> None:

@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 from torch.testing import assert_close
 
 import tessel.parallel.tensor.comm as comm
-from tessel.config import ModelConfig
+from tessel.config import ConfigError, ModelConfig
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.parallel.compile import TrainingForward, compile_for_training
 from tessel.parallel.pipeline.split_backward import backward_input
@@ -68,7 +68,8 @@ WORLD2 = {
     "mixtral_ep2": ['model.hf_config="{hf}/mixtral.json"', "parallel.ep=2", "train.lr=1e-3"],
     "dp2_model": ["parallel.dp=2", 'train.compile="model"'],
     "pp2_model": [*PP2, 'train.compile="model"'],
-    "dp2_zero3_model": ["parallel.dp=2", "parallel.zero_stage=3", 'train.compile="model"'],  # units break the graph
+    "pp2_zbv_model": [*PP2, 'parallel.schedule="zbv"', "parallel.virtual_stages=2", "model.n_layer=4",
+                      'train.compile="model"'],  # a chunk is one node: W runs its whole backward
 }
 WORLD4 = {"grid2d_tp4": ["parallel.tp=4", 'parallel.tp_mode="2d"']}
 PS = ["parallel.dp=2", 'parallel.dp_arch="ps"', "parallel.ps_servers=2"]  # world 4: two workers, two servers
@@ -346,3 +347,11 @@ def test_tessel_train_cli_with_compiled_blocks(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     losses = [row["loss"] for row in metrics_rows(out)]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_model_compile_under_zero3_is_refused_by_name():
+    with pytest.raises(ConfigError) as err:
+        tiny_config("parallel.dp=2", "parallel.zero_stage=3", 'train.compile="model"')
+    assert err.value.field == "train.compile" and "blocks" in str(err.value)
+    tiny_config("parallel.dp=2", "parallel.zero_stage=3", 'train.compile="blocks"')  # each block inside the hooks
+    tiny_config("parallel.dp=2", *PP2, "parallel.zero_stage=3", 'train.compile="model"')  # gathered a whole step

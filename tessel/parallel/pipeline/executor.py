@@ -189,13 +189,14 @@ class ScheduleExecutor:
         for c, chunk in enumerate(self.chunks):
             if self.placement.is_first(c):
                 first_block = next(iter(chunk.get_submodule(self.spec.blocks).children()))
-                # eager in a compiled chunk (train.compile = "model"): a graph break there, so the hidden states
-                # leave one compiled graph and enter the next, and B can cut between them
-                first_block.register_forward_pre_hook(torch.compiler.disable(self._first_block_called),
-                                                      with_kwargs=True)
+                first_block.register_forward_pre_hook(self._first_block_called, with_kwargs=True)
 
     def _first_block_called(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.compiler.is_compiling():
+            # traced into a compiled chunk (train.compile = "model"): the hidden states are inside its one
+            # autograd node, no edge B could cut at; W runs the chunk's whole backward
+            return
         if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             self.first_hidden = hidden
 

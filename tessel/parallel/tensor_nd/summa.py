@@ -66,12 +66,6 @@ class Summa:
         return self.grid.src(len(self.grid.shape) - 2, k)  # rank (k, j)
 
 
-# SUMMA's steps run eagerly under train.compile (tessel.parallel.compile): dynamo traces no rooted
-# broadcast or reduce, and compiled alone each step would recompile for every panel shape. A layer's
-# SummaMatmul is then a graph break; the block compiles around it.
-eager_step = torch.compiler.disable
-
-
 def _bcast(x: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
     # a contiguous buffer: empty_like would copy a transposed weight's strides, and the collective
     # writes the bytes in row-major order
@@ -80,7 +74,6 @@ def _bcast(x: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
     return buf
 
 
-@eager_step
 def summa_ab(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_k A_ik B_kj: broadcast A_ik along row i, B_kj along column j, multiply-accumulate."""
     c = a.new_zeros(a.size(0), b.size(1))
@@ -91,7 +84,6 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     return c
 
 
-@eager_step
 def summa_abt(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_m A_im B_jm^T: for each target column k, broadcast B_kj down column j, multiply,
     reduce the partial products along row i onto rank (i, k)."""
@@ -105,7 +97,6 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     return out
 
 
-@eager_step
 def summa_atb(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_n A_ni^T B_nj: for each target row k, broadcast A_nk along row n, multiply,
     reduce the partial products down column j onto rank (k, j)."""

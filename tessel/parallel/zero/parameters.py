@@ -155,10 +155,8 @@ class GatheredParameters(ParameterPlacement):
     def install_hooks(self, on_backward: Callable[[], None]) -> None:
         self._on_backward = on_backward
         for i, u in enumerate(self.unit_modules):
-            # eager inside a compiled model (train.compile = "model"): dynamo cannot trace the storage resizes
-            # and class switches; each unit's call is then a graph break, its forward compiled on its own
-            u.register_forward_pre_hook(torch.compiler.disable(partial(self._pre_forward, i)))
-            u.register_forward_hook(torch.compiler.disable(partial(self._post_forward, i)))
+            u.register_forward_pre_hook(partial(self._pre_forward, i))
+            u.register_forward_hook(partial(self._post_forward, i))
         # the root hooks sit on the wrapped module, so calling it directly also works
         self.module.register_forward_pre_hook(self._pre_forward_root)
         self.module.register_forward_hook(self._post_forward_root)
