@@ -11,7 +11,9 @@ The choices, and why:
 - How: the forward is compiled on the instance (`module.forward = ...`, as recompute replaces it). Neither
   `torch.compile(module)`, an OptimizedModule that puts `_orig_mod.` into every parameter and checkpoint
   name, nor `nn.Module.compile()`, which compiles `_call_impl` and so traces the module's own hooks
-  (ZeRO-3's storage resizes and parameter class switches) into the graph. Names do not change.
+  (ZeRO-3's storage resizes and parameter class switches) into the graph. Names do not change. For the
+  same reason "model" (which traces the hooks of the blocks inside the model) is refused under ZeRO-3
+  without a pipeline (tessel.config); a pipeline's ZeRO-3 gathers a whole step at once, outside the graph.
 - One graph per kind of block: dynamo keys its cache on the forward's code and lifts a module's
   parameters into graph inputs (it inlines nn.Modules), so every block of one class passes the first
   one's guards and reuses its graph: a stage of L blocks compiles once.
@@ -25,15 +27,20 @@ The choices, and why:
   as two graphs around the break.
 - Hand-written communication: Megatron's f/g (tessel.parallel.tensor.comm), sequence parallelism's
   gathers, the 3D cube's and Ulysses' all-to-all are traced, dynamo turning each c10d call into its
-  functional collective inside the graph (tensor/comm.py keeps the two spots dynamo cannot trace eager).
+  functional collective inside the graph (tensor/comm.py's f copies and its in-place g sums out of place
+  when compiled: dynamo cannot trace mark_dirty, and AOTAutograd drops an identity's backward where a view
+  of its output leaves the graph).
   Graph breaks stay where tracing would cost more than it gives: ring attention's P2P exchanges, the
   2D/2.5D grid's SUMMA layers (eager_modules), transformers' output-capturing hooks (a ContextVar;
   Mixtral's router logits). Each break ends one graph and starts the next; none recompiles.
 - A zero-bubble pipeline's split backward (tessel.parallel.pipeline.split_plan) sees a compiled block as
   one autograd node that computes its input and weight gradients together: B computes both, W only
   accumulates the block's weight gradients, so under compile those schedules' W holds no block work (the
-  weight branches outside blocks, the embedding and head, still wait for W). B retains the graph for W,
-  so those schedules compile without donated buffers (the backward's reuse of saved activations' memory).
+  weight branches outside blocks, the embedding and head, still wait for W): the bubble those schedules
+  remove comes back, to about 1F1B's. Under "model" a chunk is one node: B runs all of it (the first
+  stage, which sends no input gradient, in W). B
+  retains the graph for W, so those schedules compile without donated buffers (the backward's reuse of
+  saved activations' memory, which AOTAutograd allows only for a backward run once).
 - Caches: inductor's FX graph cache and AOTAutograd's cache live in TORCHINDUCTOR_CACHE_DIR (default
   /tmp/torchinductor_<user>), which every rank of a machine shares; a relaunched or resumed job, or
   another rank that meets the same graph later, reads its kernels from there instead of compiling them.
@@ -67,8 +74,8 @@ def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
         # B runs its backward with retain_graph (W reuses the graph), which AOTAutograd refuses for a backward
         # compiled to reuse saved activations' buffers (donated buffers): compile without that reuse
         torch._functorch.config.donated_buffer = False
-    targets = stages if cfg.train.compile == "model" else [b for stage in stages for b in transformer_blocks(stage, cfg)]
-    compile_forwards(targets, cfg.train.compile_backend)
+    blocks = [block for stage in stages for block in transformer_blocks(stage, cfg)]
+    compile_forwards(stages if cfg.train.compile == "model" else blocks, cfg.train.compile_backend)
 
 
 class TrainingForward:

@@ -141,8 +141,9 @@ def _record_zero3(runner, seen: dict) -> None:
     if not isinstance(engine, ZeroDataParallel) or engine.stage != 3:
         return
     seen["zero3"] = []
-    for owner, method, what in [(engine.placement, "_gather_async", "gather"), (engine.placement, "_wait_gathered", "wait"),
-                                (engine.placement, "_reshard", "free"), (engine.reduction, "_launch", "reduce")]:
+    placement, reduction = engine.placement, engine.reduction
+    for owner, method, what in [(placement, "_gather_async", "gather"), (placement, "_wait_gathered", "wait"),
+                                (placement, "_reshard", "free"), (reduction, "_launch", "reduce")]:
         def recorded(groups, call=getattr(owner, method), what=what):
             if not seen["graphs"]:  # the first step only
                 seen["zero3"].append((what, [g.index for g in groups] if isinstance(groups, list) else groups.index))
