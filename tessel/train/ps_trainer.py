@@ -50,6 +50,7 @@ from tessel.mesh import Mesh
 from tessel.models.build import build_model
 from tessel.models.gpt import cross_entropy
 from tessel.models.moe import with_aux_losses
+from tessel.parallel.compile import compile_for_training
 from tessel.parallel.ps.parameter_server import ParameterServer
 from tessel.parallel.ps.worker import WorkerRunner
 from tessel.parallel.runner import LocalRunner, Runner
@@ -156,6 +157,8 @@ def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None,
     if ps.is_server:
         serve(cfg, ps, model, run_id, stop or StopRequest())
         return None
+    if t.compile != "off":  # the worker's model is whole: its blocks (or itself) compiled as in tessel.apply
+        compile_for_training([model], cfg)
     loss_fn = with_aux_losses(cross_entropy, model) if cfg.model.n_experts else cross_entropy
     local = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision,
                         vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
