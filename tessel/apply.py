@@ -4,7 +4,7 @@ The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls 
 public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
 config and calls it.
 
-TP/SP -> CP -> EP -> PP split -> fused loss -> recompute -> DP/ZeRO. Each step reads the mesh and
+TP/SP -> CP -> EP -> PP split -> fused loss -> recompute -> compile -> DP/ZeRO. Each step reads the mesh and
 the parallel config and leaves the model a plain module to the next one; the
 model file itself never imports tessel.parallel.
 """
@@ -44,6 +44,7 @@ from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.fused_loss.apply import FusedHead, GatherAfterHead, LogitsOf, fuse_model_head
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
 from tessel.parallel.pipeline.schedules import Placement, is_vshape
+from tessel.parallel.compile import compile_for_training
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
 from tessel.parallel.tensor.regions import refuse_own_loss, sequence_parallel_stage
@@ -238,6 +239,14 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     return plan
 
 
+def apply_compile(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """train.compile (tessel.parallel.compile): each block, or the model (each pipeline chunk), compiled where
+    ZeRO's and DP's hooks will wrap it."""
+    if cfg.train.compile != "off":
+        compile_for_training(list(plan.model) if mesh.size("pp") > 1 else [plan.model], cfg)
+    return plan
+
+
 def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.parallel.zero_stage > 0:
         t = cfg.train
@@ -266,6 +275,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_pipeline(plan, mesh, cfg)
     plan = apply_fused_loss(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
+    plan = apply_compile(plan, mesh, cfg)
     if uses_every_parameter(cfg.model):  # no step asks which went unused: no host read (parallel/data/unused.py)
         mark_always_used(plan.model.parameters())
     if mesh.size("pp") > 1:

@@ -385,6 +385,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _check_zbv(cfg)
     _check_split_backward(cfg)
     _check_async(cfg)
+    _check_compile(cfg)
     if p.schedule == "interleaved" and p.pp > 1:
         _require(p.micro_batches % p.pp == 0, "parallel.micro_batches",
                  f"the interleaved schedule needs micro_batches divisible by pp ({p.pp})")
@@ -480,6 +481,16 @@ def _check_split_backward(cfg: Config) -> None:
              f"the '{p.schedule}' schedule's W would recompute each block once per weight; use 'selective' or 'none'")
     _require(p.cp == 1, "parallel.cp", f"the '{p.schedule}' schedule's split backward is not built for context "
              "parallelism's attention yet")
+
+
+def _check_compile(cfg: Config) -> None:
+    """train.compile = "model" traces what runs inside the model into its graph (tessel.parallel.compile). ZeRO-3
+    without a pipeline gathers and frees each block's parameters in hooks on the block (storage resizes,
+    parameter class switches), which dynamo cannot trace; 'blocks' compiles each block inside those hooks."""
+    p = cfg.parallel
+    _require(cfg.train.compile != "model" or p.zero_stage != 3 or p.pp > 1, "train.compile",
+             "'model' would trace ZeRO-3's per-block gathers and frees into the graph; use 'blocks' (each block "
+             "compiled, the gathers around it)")
 
 
 def _check_zbv(cfg: Config) -> None:

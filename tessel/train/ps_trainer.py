@@ -50,6 +50,7 @@ from tessel.mesh import Mesh
 from tessel.models.build import build_model
 from tessel.models.gpt import cross_entropy
 from tessel.models.moe import with_aux_losses
+from tessel.parallel.compile import compile_for_training
 from tessel.parallel.fused_loss.apply import LogitsOf, fuse_model_head
 from tessel.parallel.ps.parameter_server import ParameterServer
 from tessel.parallel.ps.worker import WorkerRunner
@@ -163,6 +164,8 @@ def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None,
         loss_fn, full_logits = fused.loss, LogitsOf(model, fused)
     if cfg.model.n_experts:
         loss_fn = with_aux_losses(loss_fn, model)
+    if t.compile != "off":  # the worker's model is whole: its blocks (or itself) compiled as in tessel.apply
+        compile_for_training([model], cfg)
     local = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision, full_logits=full_logits,
                         vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
     runner = WorkerRunner(local, ps, lead=dist.get_rank() == 0)

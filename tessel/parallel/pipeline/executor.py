@@ -193,6 +193,10 @@ class ScheduleExecutor:
 
     def _first_block_called(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.compiler.is_compiling():
+            # traced into a compiled chunk (train.compile = "model"): the hidden states are inside its one
+            # autograd node, no edge B could cut at; W runs the chunk's whole backward
+            return
         if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             self.first_hidden = hidden
 

@@ -111,12 +111,27 @@ def plan_of(shape: Shape, in_pos: int | None, root_input: int) -> SplitPlan | No
 
 
 def _vectors(shape: Shape, on_input_path: set[int], parents: list[list[int]]) -> set[int]:
-    """The accumulators of parameters of one dimension whose every gradient comes straight from an input-path
-    node. B captures the gradient flowing into such an accumulator: only nodes B runs anyway feed it. One
-    also reached through a weight branch stays W's: capturing it would pull that branch into B, and W would
-    run the branch again (its gradient counted twice)."""
+    """The nodes B computes the gradient flowing into (W only runs them): accumulators of parameters of one
+    dimension whose every gradient comes straight from an input-path node, and every weight-branch node fed
+    by compiled nodes alone. Only nodes B runs anyway feed either. One also reached through a weight branch
+    stays W's: capturing it would pull that branch into B, and W would run the branch again (its gradient
+    counted twice).
+
+    A compiled region (train.compile, tessel.parallel.compile) is one node whose backward computes its input
+    and weight gradients together: run again in W for its weight edges alone it would compute the whole
+    region's backward a second time. So B keeps what its one run computes, and the region's weights get
+    no deferred W of their own (what that costs a zero-bubble schedule: tessel.parallel.compile)."""
+    def fed_by_b(c: int) -> bool:
+        return c not in on_input_path and bool(parents[c]) and set(parents[c]) <= on_input_path
+
     return {c for c, (kind, _) in enumerate(shape)
-            if kind == (ACCUMULATOR, 1) and c not in on_input_path and set(parents[c]) <= on_input_path}
+            if fed_by_b(c) and (kind == (ACCUMULATOR, 1) or all(is_compiled(shape[p][0]) for p in parents[c]))}
+
+
+def is_compiled(kind: type | tuple) -> bool:
+    """A node of a compiled region's backward (AOTAutograd's CompiledFunction): it computes every gradient
+    of the region in one call."""
+    return isinstance(kind, type) and kind.__name__ == "CompiledFunctionBackward"
 
 
 def _parents(children: list[Edges]) -> list[list[int]]:

@@ -95,6 +95,11 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        if torch.compiler.is_compiling():
+            # a copy in a compiled graph (train.compile): where a view of an output that aliases the input
+            # leaves the graph (a graph break follows), AOTAutograd rebuilds the view from the input and
+            # this backward's all-reduce is lost (torch 2.13; tests/parallel/test_compile.py shows it)
+            return x.clone()
         return x
 
     @staticmethod
@@ -111,8 +116,9 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        if x.is_contiguous() and x._base is None:
-            # the input is a fresh matmul output that nothing saved: sum it in place
+        if x.is_contiguous() and x._base is None and not torch.compiler.is_compiling():
+            # the input is a fresh matmul output that nothing saved: sum it in place (eagerly: dynamo traces
+            # the all-reduce as a functional collective, and a compiled graph plans its own buffers)
             ctx.mark_dirty(x)
             return all_reduce(x, group)
         return all_reduce(x.clone(), group)
