@@ -63,7 +63,9 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     layout: 'zero=1,sp=true' (the keys of `tessel plan --layout`), a dict of them, or a Layout; an axis it
     leaves out takes the mesh's size, one it names must equal it. `model` is used as it is (no copy, no
     rebuild): its layers are replaced by their shards, and its forward answers with the logits tensor
-    (B, T, V) instead of a ModelOutput, as everywhere in tessel. Bad input raises ConfigError naming it,
+    (B, T, V) instead of a ModelOutput, as everywhere in tessel (under fused_loss, with what enters its head:
+    the hidden states (B, T, C), which `step` scores; a Gemma soft-capping moves into that loss, the model's
+    config says None). Bad input raises ConfigError naming it,
     before any collective. precision, compile and fused_loss are the recipe's train.precision, train.compile
     ('off', 'blocks': each decoder layer compiled, 'model') and train.fused_loss.
     """

@@ -4,14 +4,15 @@ The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls 
 public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
 config and calls it.
 
-TP/SP -> CP -> EP -> PP split -> recompute -> compile -> DP/ZeRO. Each step reads the mesh and
+TP/SP -> CP -> EP -> PP split -> fused loss -> recompute -> compile -> DP/ZeRO. Each step reads the mesh and
 the parallel config and leaves the model a plain module to the next one; the
 model file itself never imports tessel.parallel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch.nn as nn
@@ -40,8 +41,9 @@ from tessel.parallel.expert.balance import (balance_over_batch, balance_over_seq
 from tessel.parallel.expert.cross_stage import stage_router_losses
 from tessel.parallel.expert.hf_experts import shard_mixtral_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
+from tessel.parallel.fused_loss.apply import FusedHead, GatherAfterHead, LogitsOf, fuse_model_head
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
-from tessel.parallel.pipeline.schedules import Placement
+from tessel.parallel.pipeline.schedules import Placement, is_vshape
 from tessel.parallel.compile import compile_for_training
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
 from tessel.parallel.runner import LocalRunner
@@ -64,6 +66,17 @@ class Plan:
     parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
     cp: CPContext | None = None  # context parallelism's attention: generation switches it to whole sequences
     stage_losses: list | None = None  # a pipeline chunk's part of a loss that spans stages (Mixtral's router loss)
+    # what joins the head's loss (MoE aux losses, Mixtral's router loss): each wraps the loss it is given, once
+    # the head's loss is final (apply_fused_loss replaces it after the steps that add these)
+    loss_terms: list[Callable[[Callable], Callable]] = field(default_factory=list)
+    fused: FusedHead | None = None  # train.fused_loss: the head whose matmul moved into the loss
+
+    def loss(self) -> Callable:
+        """The head's loss with what joins it."""
+        loss = self.loss_fn
+        for term in self.loss_terms:
+            loss = term(loss)
+        return loss
 
 
 def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -130,7 +143,7 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
         layers = []  # the stats of this rank's blocks are chosen once the model is split
     else:
-        plan.loss_fn = with_aux_losses(plan.loss_fn, plan.model)
+        plan.loss_terms.append(partial(with_aux_losses, model=plan.model))
     plan.extra_metrics = lambda: moe_metrics(layers, mesh)
     return plan
 
@@ -145,7 +158,7 @@ def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     router_loss = mixtral_router_loss(plan.model, read_config(cfg.model.hf_config))
     if router_loss is not None:  # under cp its statistics span the cp ranks too (tessel.parallel.context.moe)
         router_loss.balance = global_balance(mesh) if cfg.model.aux_loss_scope == "global" else sequence_balance(mesh)
-        plan.loss_fn = with_router_loss(plan.loss_fn, router_loss)
+        plan.loss_terms.append(partial(with_router_loss, router_loss=router_loss))
     return plan
 
 
@@ -191,6 +204,28 @@ def _mixtral_stage_losses(chunks: nn.ModuleList, mesh: Mesh, cfg: Config) -> lis
                                [place.is_last(c) for c in range(len(chunks))])
 
 
+def apply_fused_loss(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
+    """train.fused_loss (tessel.parallel.fused_loss): the head hands out its input and the loss does its matmul,
+    chunked over tokens (vocabulary-parallel under tp), so the fp32 logits never exist. After the pipeline's
+    cut: only the rank holding the head (the last stage) changes anything. Sampling takes the head's logits from
+    its input: the model's whole-vocabulary logits, or a pipeline's last stage through gather_vocab."""
+    if not cfg.train.fused_loss:
+        return plan
+    if mesh.size("pp") > 1:
+        place = Placement(mesh.size("pp"), len(plan.model), mesh.coord("pp"), is_vshape(cfg.parallel.schedule))
+        last = [chunk for c, chunk in enumerate(plan.model) if place.is_last(c)]
+        plan.fused = fuse_model_head(last[0], cfg.model.vocab_size) if last else None
+        if plan.fused is not None:  # the last stage samples from its output, sliced to the last position
+            plan.loss_fn, plan.gather_vocab = plan.fused.loss, GatherAfterHead(plan.fused, plan.gather_vocab)
+        return plan
+    plan.fused = fuse_model_head(plan.model, cfg.model.vocab_size)
+    plan.loss_fn = plan.fused.loss
+    logits = LogitsOf(plan.model, plan.fused)
+    plan.full_logits = logits if mesh.size("tp") == 1 else \
+        FullLogits(logits, plan.fused.head.ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
+    return plan
+
+
 def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if cfg.parallel.recompute == "selective":  # the reference GPT only (tessel.config refuses it for HF models)
         recompute_attention_cores(plan.model.modules())
@@ -219,6 +254,8 @@ def apply_data_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             plan.model, mesh, cfg.parallel.zero_stage, param_groups(plan.model.parameters(), t.weight_decay),
             lr=t.lr, betas=(t.beta1, t.beta2), axes=TOKEN_AXES, bucket_mb=cfg.parallel.bucket_mb,
             **zero_dtypes(cfg.parallel))
+        if plan.fused is not None:  # ZeRO-3 frees the head after a forward without gradients: gather it to read
+            plan.fused.whole = plan.model.root_gathered
         return plan
     if mesh.size(*TOKEN_AXES) > 1:
         reducer = dp_reducer(cfg.parallel.dp_algorithm, mesh.world_size, cfg.runtime)
@@ -236,13 +273,14 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_context_parallel(plan, mesh, cfg)
     plan = apply_expert_parallel(plan, mesh, cfg)
     plan = apply_pipeline(plan, mesh, cfg)
+    plan = apply_fused_loss(plan, mesh, cfg)
     plan = apply_recompute(plan, mesh, cfg)
     plan = apply_compile(plan, mesh, cfg)
     if uses_every_parameter(cfg.model):  # no step asks which went unused: no host read (parallel/data/unused.py)
         mark_always_used(plan.model.parameters())
     if mesh.size("pp") > 1:
         # the pipeline runner reduces over dp per chunk itself, after each chunk's last backward
-        runner = pipeline_runner(plan.model, plan.loss_fn, mesh, cfg, gather_vocab=plan.gather_vocab,
+        runner = pipeline_runner(plan.model, plan.loss(), mesh, cfg, gather_vocab=plan.gather_vocab,
                                  extra_metrics=plan.extra_metrics,
                                  param_groups=param_groups(plan.model.parameters(), cfg.train.weight_decay),
                                  parts=plan.parts, stage_losses=plan.stage_losses)
@@ -252,7 +290,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
         if cfg.parallel.dp_shares is not None:  # heterogeneous devices: this dp rank's share (parallel/data/uneven.py)
             shares, me = cfg.parallel.dp_shares, mesh.coord("dp")
             chunks, weight = shares[me], loss_weight(shares, me)
-        runner = LocalRunner(plan.model, plan.loss_fn, chunks, mesh.device, cfg.train.precision,
+        runner = LocalRunner(plan.model, plan.loss(), chunks, mesh.device, cfg.train.precision,
                              full_logits=plan.full_logits, vocab_size=cfg.model.vocab_size,
                              max_seq_len=cfg.model.max_seq_len, extra_metrics=plan.extra_metrics,
                              optimizer=plan.optimizer, loss_weight=weight)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
-from tessel.hf_shape import FAMILIES as HF_FAMILIES, HFConfigError, family, model_shape, read_config
+from tessel.hf_shape import FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, HFConfigError, family, model_shape, read_config
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
 
@@ -372,6 +372,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
     _check_tp_grid(cfg)
     _check_context_parallel(cfg)
+    _check_fused_loss(cfg)
     stages = p.pp * p.virtual_stages
     _require(m.n_layer >= stages, "parallel.pp",
              f"model.n_layer ({m.n_layer}) is fewer than the pipeline stages (pp*virtual_stages = {stages})")
@@ -533,6 +534,24 @@ def _check_async(cfg: Config) -> None:
              "set checkpoint.every = 0")
     _require(p.schedule != "pipedream" or t.grad_clip == 0, "train.grad_clip", "pipedream updates each stage after "
              "every micro-batch, with no global gradient norm to clip by; set train.grad_clip = 0")
+
+
+def _check_fused_loss(cfg: Config) -> None:
+    """train.fused_loss moves the head's matmul into the loss (tessel.parallel.fused_loss): vocabulary-parallel
+    under 1D tp; a grid mode (2d / 2.5d / 3d) splits the head's hidden dimension over its grid too, where the
+    chunked loss would need the grid's own matmuls. A Hugging Face model must be of a type whose forward does
+    nothing to the head's output that the loss would miss (tessel.hf_shape.LOGITS_AFTER_HEAD)."""
+    p, m = cfg.parallel, cfg.model
+    if not cfg.train.fused_loss:
+        return
+    _require(p.tp == 1 or p.tp_mode == "1d", "train.fused_loss",
+             f"fuses the vocabulary-parallel head of 1D tensor parallelism; tp_mode {p.tp_mode!r} also splits the "
+             "head's hidden dimension over its grid (set train.fused_loss = false, or parallel.tp_mode = '1d')")
+    if m.hf_config is not None:
+        kind = read_config(m.hf_config)["model_type"]
+        _require(kind in LOGITS_AFTER_HEAD, "train.fused_loss",
+                 f"model_type {kind!r}: tessel has not read what its forward does to the head's output (it knows "
+                 f"{', '.join(sorted(LOGITS_AFTER_HEAD))}); set train.fused_loss = false")
 
 
 def _check_hf_tensor_parallel(cfg: Config) -> None:

@@ -49,5 +49,6 @@ def planned_peak(cfg: Config) -> float:
     as tessel.calibrate.dryrun.planned uses: the term depends on the model and layout, not on the device."""
     p, t = cfg.parallel, cfg.train
     spec = from_config(cfg.model, t.seq_len, t.global_batch)
-    model = CostModel(spec, get_cluster("a100", p.world_size), t.precision, bucket_mb=p.bucket_mb)
+    model = CostModel(spec, get_cluster("a100", p.world_size), t.precision, bucket_mb=p.bucket_mb,
+                      fused_loss=t.fused_loss)  # no fp32 logits to hold (tessel.parallel.fused_loss)
     return model.estimate(config_layout(cfg)).memory["activations"]

@@ -51,6 +51,7 @@ from tessel.models.build import build_model
 from tessel.models.gpt import cross_entropy
 from tessel.models.moe import with_aux_losses
 from tessel.parallel.compile import compile_for_training
+from tessel.parallel.fused_loss.apply import LogitsOf, fuse_model_head
 from tessel.parallel.ps.parameter_server import ParameterServer
 from tessel.parallel.ps.worker import WorkerRunner
 from tessel.parallel.runner import LocalRunner, Runner
@@ -157,10 +158,15 @@ def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None,
     if ps.is_server:
         serve(cfg, ps, model, run_id, stop or StopRequest())
         return None
+    loss_fn, full_logits = cross_entropy, None
+    if t.fused_loss:  # the head's matmul moves into the loss (tessel.parallel.fused_loss); sampling takes it back
+        fused = fuse_model_head(model, cfg.model.vocab_size)
+        loss_fn, full_logits = fused.loss, LogitsOf(model, fused)
+    if cfg.model.n_experts:
+        loss_fn = with_aux_losses(loss_fn, model)
     if t.compile != "off":  # the worker's model is whole: its blocks (or itself) compiled as in tessel.apply
         compile_for_training([model], cfg)
-    loss_fn = with_aux_losses(cross_entropy, model) if cfg.model.n_experts else cross_entropy
-    local = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision,
+    local = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision, full_logits=full_logits,
                         vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
     runner = WorkerRunner(local, ps, lead=dist.get_rank() == 0)
     trainer = Trainer(cfg, mesh, runner, dist.get_rank(), run_id=run_id, stop=stop,

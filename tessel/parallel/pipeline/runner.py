@@ -95,12 +95,12 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.gathered():
-            out = self.executor.forward_only(x.to(self.links.device))
         loss = torch.zeros((), device=self.links.device)
-        if out is not None:
-            with autocast_for(self.links.device, self.spec.precision):
-                loss = self.spec.loss_fn(out, y.to(self.links.device)).detach().float()
+        with self.gathered():  # the loss too: a fused one reads the head's weight (tessel.parallel.fused_loss)
+            out = self.executor.forward_only(x.to(self.links.device))
+            if out is not None:
+                with autocast_for(self.links.device, self.spec.precision):
+                    loss = self.spec.loss_fn(out, y.to(self.links.device)).detach().float()
         return self.links.broadcast_from_last(loss)
 
     @torch.no_grad()

@@ -114,6 +114,11 @@ class ZeroDataParallel(GradientSyncWrapper):
         """Every parameter whole for a step's micro-batches (stage 3 under a pipeline; a no-op otherwise)."""
         return self.placement.step_gathered()
 
+    def root_gathered(self) -> ContextManager[None]:
+        """The root unit (what no unit holds: embedding, head) whole for the duration (stage 3; a no-op
+        otherwise): the fused loss reads the head after a forward that freed it (tessel.parallel.fused_loss)."""
+        return self.placement.root_gathered()
+
     def publish(self) -> None:
         """After the optimizer updated the owned shards: make the parameters whole (stages 1, 2)."""
         self.placement.publish()

@@ -49,6 +49,10 @@ class ParameterPlacement(ABC):
         """Every parameter whole for a whole step, forwards and backwards of all its
         micro-batches (a pipeline's schedule interleaves them); sharded again at the end."""
 
+    def root_gathered(self) -> ContextManager[None]:
+        """The root unit's parameters whole for the duration, then as they were (stage 3; whole already else)."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def release(self, g: FlatGroup) -> None:
         """g's gradients have all arrived: backward needs its parameters no more."""
@@ -179,6 +183,19 @@ class GatheredParameters(ParameterPlacement):
     def step_gathered(self) -> Iterator[None]:
         with self._held():
             yield
+
+    @contextlib.contextmanager
+    def root_gathered(self) -> Iterator[None]:
+        """The root unit whole for the duration; freed again after only if it was not whole before. A forward
+        without gradients frees it at its end, and the fused loss reads the head after that forward
+        (tessel.parallel.fused_loss); within a training step it is whole already and stays so."""
+        was_whole = all(g.gathered for g in self.root)
+        self._wait_gathered(self.root)
+        try:
+            yield
+        finally:
+            if not was_whole:
+                self._reshard(self.root)
 
     @contextlib.contextmanager
     def _held(self) -> Iterator[None]:
