@@ -46,7 +46,10 @@ activation's. The cost model sums these per chunk (tessel.planner.cost); on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from tessel.parallel.fused_loss.chunks import chunk_tokens
 from tessel.planner.cluster import Cluster
 from tessel.planner.gemm import Gemm, gemm_seconds
 
@@ -208,7 +211,11 @@ def head_ops(s: Shape, vocab: int) -> tuple[list, list]:
     logits = vocab * t
     cast = (r + a) * d * t if s.cast else 0.0
     if s.fused_loss:  # each chunk's logits read once; their gradient written in the forward (module docstring)
-        loss_fwd, loss_bwd = Stream(2 * a * logits), Stream(0.0)
+        # and each chunk adds its weight-gradient product into one fp32 sum: read and written once per chunk
+        # (a bf16 product is written and read besides), the traffic that bounds the kernel's chunk count
+        chunks = math.ceil(t / chunk_tokens(int(t), d, int(vocab)))
+        loss_fwd = Stream(2 * a * logits + chunks * (8 + (2 * a if a == 2 else 0)) * vocab * d)
+        loss_bwd = Stream(0.0)
     else:  # logits to fp32; max, exp, sum, log over them; backward: softmax - onehot, cast back
         loss_fwd, loss_bwd = Stream((a + 4 + 16) * logits), Stream((8 + 4 + a) * logits)
     fwd: list = [Stream(2 * r * d * tn), Stream(cast), Gemm(t, vocab, d), loss_fwd]

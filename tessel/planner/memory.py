@@ -6,6 +6,9 @@ the probe measures); these are the per-block and per-stage pieces.
 
 from __future__ import annotations
 
+import math
+
+from tessel.parallel.fused_loss.chunks import chunk_tokens
 from tessel.planner.model_spec import ModelSpec
 
 
@@ -67,13 +70,11 @@ def recompute_layer_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool) -> fl
     return tokens * spec.cfg.d_model * 4 / (tp if sp else 1)
 
 
-FUSED_LOSS_CHUNK = 1024  # tokens per chunk of the fused loss (the chunk a fused linear cross-entropy holds at once)
-
-
 def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, fused_loss: bool = False) -> float:
     """Logits, their fp32 copy and the saved log-softmax (vocab split by tp), plus the final norm.
 
-    A fused loss (train.fused_loss) holds one chunk of FUSED_LOSS_CHUNK tokens' logits at a time, with their
+    A fused loss (train.fused_loss) holds one chunk of tokens' logits at a time (the kernel's own rule,
+    tessel.parallel.fused_loss.chunks), with their
     fp32 log-sum-exp pass and their gradient, and keeps until the backward what its forward computed: the
     gradient of the hidden states (tokens x d) and the head's fp32 weight gradient (Liger Kernel's
     fused linear cross-entropy, Hsu et al. 2024; tessel.planner.compute says what it runs).
@@ -83,7 +84,8 @@ def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str,
     norm = tokens * 2 * c.d_model * 4
     if not fused_loss:
         return tokens * c.vocab_size * (a + 8) / tp + norm
-    chunk = min(tokens, FUSED_LOSS_CHUNK) * c.vocab_size * (a + 4 + a) / tp
+    rows = math.ceil(c.vocab_size / tp)
+    chunk = chunk_tokens(int(tokens), c.d_model, rows) * rows * (a + 4 + a)
     return chunk + tokens * c.d_model * a + 4 * c.vocab_size * c.d_model / tp + norm
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessel.parallel.fused_loss.chunks import MAX_CHUNKS, chunk_tokens  # noqa: F401 (MAX_CHUNKS: the rule's bound)
+
 
 @dataclass(frozen=True)
 class Vocab:
@@ -38,22 +40,6 @@ class Vocab:
     softcap: float | None = None  # cap * tanh(logits / cap) before the loss (Gemma 2)
     chunk: int | None = None  # tokens per chunk (None: chunk_tokens' choice)
     ignore_index: int = -100  # a target that takes no part, as F.cross_entropy's
-
-
-MAX_CHUNKS = 16  # passes over the weight's fp32 gradient sum (chunk_tokens says why)
-
-
-def chunk_tokens(tokens: int, hidden: int, rows: int) -> int:
-    """Tokens per chunk: a chunk's fp32 logits (n x rows) about as many elements as the hidden states
-    (tokens x hidden), as Liger-Kernel chooses, so that the loss adds about the hidden states' size of memory
-    whatever the vocabulary; but at most MAX_CHUNKS chunks. Each chunk reads and writes the weight's whole fp32
-    gradient sum (rows x hidden: 8 bytes an entry, 12 with a bf16 product) for a matmul of only n tokens, so
-    many small chunks are bound by that traffic: at GPT-2's head and 16k tokens Liger's 256-token chunks would
-    move ~30 GB a step (~9 ms on an H100), 16 chunks 7 GB, while their logits stay at 1/16 of the whole
-    (measured on this CPU, 2048 tokens x d 768: 64-token chunks 1.5x slower than 256-token ones). Rounded up to
-    a multiple of 64 tokens (whole GEMM tiles), never more than `tokens`."""
-    n = max(math.ceil(tokens * hidden / max(rows, 1)), math.ceil(tokens / MAX_CHUNKS))
-    return max(1, min(tokens, 64 * math.ceil(n / 64)))
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
