@@ -5,7 +5,8 @@
     cfg for this world      an elastic world other than the recipe's is re-planned (fault.replan:
                             dp-only, or full: tessel.replan), falling back to full where dp-only cannot
     shares for the devices  dp_split / pp_balance "speed" (tessel.calibrate.speeds)
-    mesh, model, runner     TP/SP -> EP -> PP -> recompute -> DP/ZeRO (tessel.apply), then Trainer.fit
+    mesh, model, runner     tessel.apply's steps (TP/SP -> CP -> EP -> PP -> fused loss -> recompute -> compile ->
+                            DP/ZeRO), then Trainer.fit
     Relayout                fault.slow_policy named a slow rank; the trainer checkpointed and stopped:
       rebalance             the same ranks go on from that checkpoint in the rebalanced layout
       evict                 the slow rank's node leaves (its rank alone where it is the job's only

@@ -15,7 +15,7 @@
 from the model's own config (tessel.hf_shape reads it, as for model.hf_config)
 and the layout (tessel.planner.layout's `dp=2,tp=2,zero=1`), checked by the
 recipe's rules (tessel.config.check_layout) before anything is cut. Then
-tessel.apply's steps (TP/SP -> EP -> PP -> recompute -> DP/ZeRO)
+tessel.apply's steps (TP/SP -> CP -> EP -> PP -> fused loss -> recompute -> compile -> DP/ZeRO)
 cut the model in place and return a Runner; a ParallelJob drives it as the
 trainer does, minus the loop: the data, the optimizer's steps, the learning-rate
 schedule and logging stay the user's.

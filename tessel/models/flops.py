@@ -50,6 +50,12 @@ def attention_width(cfg: ModelConfig) -> int:
     return cfg.d_model
 
 
+def attended_keys(cfg: ModelConfig, seq_len: int) -> int:
+    """The keys the attention FLOPs count per query: the sequence, or the sliding window where it is shorter
+    (model.sliding_window: the kernel skips the blocks outside the band)."""
+    return seq_len if cfg.sliding_window is None else min(seq_len, cfg.sliding_window)
+
+
 def training_flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (3x forward) of `model` (any device, the meta device too)."""
-    return 6 * matmul_params(model, cfg) + 12 * cfg.n_layer * attention_width(cfg) * seq_len
+    return 6 * matmul_params(model, cfg) + 12 * cfg.n_layer * attention_width(cfg) * attended_keys(cfg, seq_len)

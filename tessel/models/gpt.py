@@ -178,4 +178,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_moe = sum(1 for i in range(L) if cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0)
     moe_mlp = cfg.moe_top_k * dense_mlp + d * cfg.n_experts  # experts visited + router
     matmul_params = L * attn + (L - n_moe) * dense_mlp + n_moe * moe_mlp + d * cfg.vocab_size
-    return 6 * matmul_params + 12 * L * d * seq_len
+    keys = seq_len if cfg.sliding_window is None else min(seq_len, cfg.sliding_window)  # the band's keys
+    return 6 * matmul_params + 12 * L * d * keys

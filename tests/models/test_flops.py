@@ -30,6 +30,16 @@ def test_reference_gpt_matches_its_formula(shape):
     assert training_flops_per_token(meta(m), m, T) == flops_per_token(m, T)
 
 
+def test_a_sliding_window_counts_the_keys_in_its_band():
+    """Attention FLOPs over the keys a query sees: the window where it is shorter than the sequence (the
+    kernel skips the blocks outside the band), the whole sequence where it is not."""
+    plain, narrow, wide = ModelConfig(), ModelConfig(sliding_window=4), ModelConfig(sliding_window=4 * T)
+    attention = 12 * plain.n_layer * plain.d_model
+    assert training_flops_per_token(meta(plain), plain, T) - flops_per_token(narrow, T) == attention * (T - 4)
+    assert training_flops_per_token(meta(narrow), narrow, T) == flops_per_token(narrow, T)
+    assert flops_per_token(wide, T) == flops_per_token(plain, T)
+
+
 def hf(tmp_path, doc: dict) -> ModelConfig:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(doc))
