@@ -9,13 +9,13 @@ documents the same way, Dubey et al. 2024, section 3.2). With model.sliding_wind
 applies inside the document.
 
 The document of each token is the number of separators before it in its row, a cumulative sum over the
-token ids, computed once per forward; so is the mask, which every block's attention takes: on a GPU a
-FlexAttention block mask (tessel.models.window explains the kernel), whose blocks that hold no allowed
-score are never computed; elsewhere, and without gradients, a (B, 1, T, T) boolean mask for
-scaled_dot_product_attention, every score computed and the others masked. Both come from one mask function,
-so they cannot disagree. Sampling's window grows a token at a time, so the compiled FlexAttention would
-compile once per length there (tessel.parallel.compile runs blocks eagerly without gradients for the same
-reason); evaluation and sampling take the boolean mask.
+token ids, computed once per forward; so is the mask, which every block's attention takes. Training on a
+GPU it is a FlexAttention block mask (tessel.models.window explains the kernel): the blocks of the score
+matrix that hold no allowed score are never computed. Elsewhere it is a (B, 1, T, T) boolean mask for
+scaled_dot_product_attention, every score computed and the others masked: on the CPU, where torch has no
+FlexAttention backward, and without gradients, because sampling's window grows a token at a time and the
+compiled FlexAttention would compile once per length (tessel.parallel.compile runs blocks eagerly without
+gradients for the same reason). Both come from one mask function, so they cannot disagree.
 
 Rotary positions keep running across documents, as torchtitan's block-causal mask does, rather than
 restarting at each. Rotary embeddings (Su et al. 2021, "RoFormer") make a score depend on the positions of
