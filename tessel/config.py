@@ -67,6 +67,10 @@ class ModelConfig(Strict):
     init_std: float = Field(0.02, gt=0)
     sliding_window: int | None = Field(None, ge=1, description="attention within a window: each token sees itself and "
                                        "the sliding_window - 1 before it (FlexAttention on a GPU); None: all before it")
+    document_separator: int | None = Field(
+        None, ge=0, description="packed documents: the token id that ends a document (the tokenizer's "
+                                "<|endoftext|>); attention never crosses it (FlexAttention on a GPU). None: one "
+                                "causal attention over the whole sequence")
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
     n_experts: int = Field(0, ge=0)
     moe_every: int = Field(1, ge=1)
@@ -107,6 +111,10 @@ class ModelConfig(Strict):
             if self.sliding_window is not None:
                 raise ValueError("model.sliding_window is the reference GPT's; a Hugging Face model's window is its "
                                  "config's sliding_window")
+            if self.document_separator is not None:
+                raise ValueError("model.document_separator: masks the reference GPT's attention; packing documents "
+                                 "for a Hugging Face model is transformers' business (its attention_mask and "
+                                 "position_ids), which tessel does not pass")
             if self.n_head % self.kv_heads:
                 raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
             return self
@@ -116,6 +124,9 @@ class ModelConfig(Strict):
             raise ValueError("model.d_model / model.n_head must be even (rotary embeddings pair dimensions)")
         if self.n_head % self.kv_heads:
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})")
+        if self.document_separator is not None and self.document_separator >= self.vocab_size:
+            raise ValueError(f"model.document_separator: ({self.document_separator}) is no token id: model.vocab_size "
+                             f"is {self.vocab_size}")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
         if self.moe_random_routing and self.moe_top_k != 2:
@@ -372,6 +383,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"model.d_ff ({m.ffn_dim}) is not divisible by tp ({p.tp})")
     _check_tp_grid(cfg)
     _check_context_parallel(cfg)
+    _check_documents(cfg)
     _check_fused_loss(cfg)
     stages = p.pp * p.virtual_stages
     _require(m.n_layer >= stages, "parallel.pp",
@@ -747,6 +759,24 @@ def _check_context_parallel(cfg: Config) -> None:
     # 'time' runs whole sequences through the blocks before the split, where attention expects chunks
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' is not supported with cp > 1 yet; balance "
              "stages by 'layers' or 'params'")
+
+
+def _check_documents(cfg: Config) -> None:
+    """model.document_separator (tessel.models.documents): the reference GPT's forward finds the documents in its
+    token ids and hands every block the mask. The layouts whose attention does not see those ids whole are
+    refused by name; the separator against data.tokenizer's is checked with the data
+    (tessel.train.data.validate_data)."""
+    m, p = cfg.model, cfg.parallel
+    if m.document_separator is None:
+        return
+    _require(p.pp == 1, "model.document_separator", "packed documents under a pipeline (pp > 1) are not built: "
+             "the stages after the first receive hidden states, not the token ids the documents are read from; "
+             "set pp = 1")
+    _require(p.cp == 1, "model.document_separator", "packed documents under context parallelism (cp > 1) are not "
+             "built: ring and Ulysses attention would need each chunk's document ids; set cp = 1")
+    _require(p.tp == 1 or p.tp_mode == "1d", "model.document_separator", f"packed documents under tp_mode "
+             f"{p.tp_mode!r} are not built: the grid splits each batch into chunks, the mask is made for the whole "
+             "batch; use tp_mode '1d'")
 
 
 def _check_ps(cfg: Config) -> None:

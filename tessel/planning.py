@@ -145,11 +145,18 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
 
 def recipe_allows(base: Config):
     """What a recipe rules out beyond the model: an asynchronous pipeline (stale weights) needs
-    parallel.allow_async and no checkpoints, PipeDream also train.grad_clip = 0."""
+    parallel.allow_async and no checkpoints, PipeDream also train.grad_clip = 0; packed documents
+    (model.document_separator) no pipeline, context parallelism or tp grid (tessel.config refuses them)."""
     saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
     stale_ok = base.parallel.allow_async and not saves
-    return lambda lay: (
-        lay.schedule not in ASYNC_SCHEDULES or (stale_ok and (lay.schedule != "pipedream" or base.train.grad_clip == 0)))
+    documents = base.model.document_separator is not None
+
+    def allowed(lay) -> bool:
+        if lay.schedule in ASYNC_SCHEDULES and not (stale_ok and (lay.schedule != "pipedream" or
+                                                                  base.train.grad_clip == 0)):
+            return False
+        return not documents or (lay.pp == 1 and lay.cp == 1 and (lay.tp == 1 or lay.tp_mode == "1d"))
+    return allowed
 
 
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:

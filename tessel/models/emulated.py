@@ -67,9 +67,9 @@ class EmulatedBlock(nn.Module):
         super().__init__()
         self.block, self.fwd_s = block, fwd_s
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         # backward of a block is about twice its forward (two matmuls per forward one)
-        out = DeviceTime.apply(self.block(x, cos, sin), self.fwd_s, self.fwd_s)
+        out = DeviceTime.apply(self.block(x, cos, sin, mask), self.fwd_s, self.fwd_s)
         weight = next(self.block.parameters())
         return out + WeightTime.apply(weight, self.fwd_s, out.dtype)  # x + 0 == x exactly
 

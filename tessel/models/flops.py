@@ -52,7 +52,9 @@ def attention_width(cfg: ModelConfig) -> int:
 
 def attended_keys(cfg: ModelConfig, seq_len: int) -> int:
     """The keys the attention FLOPs count per query: the sequence, or the sliding window where it is shorter
-    (model.sliding_window: the kernel skips the blocks outside the band)."""
+    (model.sliding_window: the kernel skips the blocks outside the band). Packed documents
+    (model.document_separator) are not counted: the keys they leave out depend on where each batch's
+    separators fall, which a count per token of the model cannot know, so MFU counts their attention whole."""
     return seq_len if cfg.sliding_window is None else min(seq_len, cfg.sliding_window)
 
 

@@ -1,7 +1,8 @@
 """A GPT decoder in the style of modern open models, for one device.
 
 RMSNorm, rotary position embeddings, grouped-query causal attention through
-scaled_dot_product_attention (or within a sliding window: tessel.models.window),
+scaled_dot_product_attention (or within a sliding window: tessel.models.window;
+within each of the packed documents of a sequence: tessel.models.documents),
 a SwiGLU MLP, optional tied embeddings and optional mixture-of-experts blocks. Nothing here knows about parallelism:
 `tessel.parallelize` swaps layers and wraps modules from the outside, and the
 forward code below is written so that the swaps need no change here (head
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tessel.config import ModelConfig
+from tessel.models.documents import document_mask, masked_attention
 from tessel.models.moe import MoE
 from tessel.models.window import window_attention
 
@@ -45,23 +47,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of them
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = self.core(q, k, v, cos, sin)  # (B, nh, T, hs)
+        y = self.core(q, k, v, cos, sin, mask)  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> torch.Tensor:
-        """Rotary, the kv heads shared, causal attention (within the sliding window, if any): what selective
-        recompute runs again."""
+             sin: torch.Tensor, mask=None) -> torch.Tensor:
+        """Rotary, the kv heads shared, causal attention (within the sliding window, if any; where `mask`
+        allows, if given: packed documents): what selective recompute runs again."""
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if k.size(1) != q.size(1):  # grouped-query attention: share each kv head
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        if mask is not None:  # packed documents (tessel.models.documents); the window, if any, is in it
+            return masked_attention(q, k, v, mask)
         if self.window is not None and self.window < q.size(-2):
             return window_attention(q, k, v, self.window)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -89,8 +93,8 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -128,11 +132,20 @@ class GPT(nn.Module):
         # the modules it does not hold set to None (and blocks removed from `layers`): without
         # the embedding it takes hidden states (B, T, C), without norm and head it returns them.
         x = self.tok_emb(idx) if self.tok_emb is not None else idx  # (B, T, C)
+        mask = self.attention_mask(idx)  # one for every block
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, self.rope_cos, self.rope_sin, mask)
         if self.norm is not None:
             x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else x
+
+    def attention_mask(self, idx: torch.Tensor):
+        """None (causal attention, or the sliding window's band, made by each block), or with
+        model.document_separator the mask of the packed documents in idx (B, T). Config refuses a pipeline,
+        whose later stages get hidden states instead of token ids."""
+        if self.cfg.document_separator is None:
+            return None
+        return document_mask(idx, self.cfg.document_separator, self.cfg.sliding_window)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
@@ -178,5 +191,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_moe = sum(1 for i in range(L) if cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0)
     moe_mlp = cfg.moe_top_k * dense_mlp + d * cfg.n_experts  # experts visited + router
     matmul_params = L * attn + (L - n_moe) * dense_mlp + n_moe * moe_mlp + d * cfg.vocab_size
-    keys = seq_len if cfg.sliding_window is None else min(seq_len, cfg.sliding_window)  # the band's keys
+    # the band's keys; packed documents (model.document_separator) shorten attention by an amount each batch's
+    # separators decide, so their keys count as the whole sequence's (as tessel.models.flops counts them)
+    keys = seq_len if cfg.sliding_window is None else min(seq_len, cfg.sliding_window)
     return 6 * matmul_params + 12 * L * d * keys

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # a torch before 2.5: the explicit mask below
-    flex_attention = None
+    create_block_mask = flex_attention = None
 
 
 def in_window(window: int):
@@ -51,6 +51,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """FlexAttention's fused kernel: flex_attention compiled by itself, or inside a compiled region (a compiled
+    block) traced into that region's graph."""
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask)
+    return _compiled_flex()(q, k, v, block_mask=block_mask)
+
+
 def uses_flex(q: torch.Tensor) -> bool:
     """FlexAttention where torch has it with a backward: on a GPU."""
     return flex_attention is not None and q.device.type == "cuda"
@@ -60,5 +68,5 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     """Softmax attention of q (B, H, T, D) over k, v (B, H, T, D) within the causal window; (B, H, T, D)."""
     T = q.size(-2)
     if uses_flex(q):
-        return _compiled_flex()(q, k, v, block_mask=_block_mask(T, window, q.device))
+        return flex(q, k, v, _block_mask(T, window, q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band(T, window, q.device))

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessel.config import Config, ConfigError, DataConfig, builtin_bpe_vocab
+from tessel.config import Config, ConfigError, DataConfig, ModelConfig, builtin_bpe_vocab
 from tessel.parallel.data.uneven import rows
-from tessel.train.tokenizer import ByteCodec, Codec, TokenizerError, encode_file, read_tokenizer, token_dtype, train_bpe
+from tessel.train.tokenizer import (EOT, ByteCodec, Codec, TokenizerError, encode_file, read_tokenizer, token_dtype,
+                                    train_bpe)
 
 
 def cache_dir() -> Path:
@@ -182,7 +183,7 @@ def validate_data(cfg: Config) -> None:
     """
     d = cfg.data
     if d.tokenizer is not None:
-        _check_tokenizer_fits(d, cfg.model.vocab_size)
+        _check_tokenizer_fits(d, cfg.model)
     if d.source == "bin":
         splits = _bin_splits(d)
     elif d.source == "stdlib" and d.tokenizer is not None:
@@ -204,16 +205,28 @@ def validate_data(cfg: Config) -> None:
             _require_ids_below(path, cfg.model.vocab_size)
 
 
-def _check_tokenizer_fits(d: DataConfig, vocab_size: int) -> None:
-    """data.tokenizer reads, fits uint16 ids, and has no id the model's vocabulary lacks."""
+def _check_tokenizer_fits(d: DataConfig, m: ModelConfig) -> None:
+    """data.tokenizer reads, fits uint16 ids, has no id the model's vocabulary lacks, and, with packed documents,
+    ends its documents with model.document_separator.
+
+    A separator other than the tokenizer's <|endoftext|> (the id `tessel data prepare` ends every document
+    with) is refused, not warned about: the run would mask attention at some other token, cutting documents
+    where none ends and leaving the real boundaries open, and its loss would look like any other run's; a
+    warning scrolls past in a multi-rank log, and the fix is one field. A tokenizer without <|endoftext|> says
+    nothing about where documents end (the data may mark them with a token of its own): any separator goes."""
     try:
-        n = text_codec(d).vocab_size
+        codec = text_codec(d)
+        n = codec.vocab_size
         token_dtype(n)
     except TokenizerError as err:
         raise ConfigError("data.tokenizer", str(err)) from None
-    if n > vocab_size:
-        raise ConfigError("data.tokenizer", f"{d.tokenizer} has {n} ids, but model.vocab_size is {vocab_size}: "
+    if n > m.vocab_size:
+        raise ConfigError("data.tokenizer", f"{d.tokenizer} has {n} ids, but model.vocab_size is {m.vocab_size}: "
                                             "the model has no embedding for the ids past it")
+    eot = codec.eot_id()
+    if m.document_separator is not None and eot is not None and eot != m.document_separator:
+        raise ConfigError("model.document_separator", f"({m.document_separator}) is not the end of a document in "
+                          f"{d.tokenizer}: its {EOT} is id {eot}, which `tessel data prepare` ends each document with")
 
 
 def _bin_splits(d: DataConfig) -> list[tuple[str, int]]:

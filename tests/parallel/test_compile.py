@@ -52,6 +52,10 @@ WORLD1 = {
     "plain_inductor": INDUCTOR,
     "recompute_full": ['parallel.recompute="full"'],  # torch.utils.checkpoint inside the compiled block
     "recompute_selective_moe": ['parallel.recompute="selective"', *MOE],  # the core's checkpoint, MoE eager
+    # packed documents (tessel.models.documents): the (B, 1, T, T) mask an input of each compiled block and of
+    # the core's checkpoint; id 21 is ~6% of the synthetic tokens, and the prompt's bytes fit 32 ids
+    "documents_selective": ["model.vocab_size=32", "model.document_separator=21", "model.sliding_window=6",
+                            'parallel.recompute="selective"', r'train.sample_prompt="\u0001\u0015\u0002"'],
 }
 WORLD2 = {
     "dp2": ["parallel.dp=2"],

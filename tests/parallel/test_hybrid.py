@@ -28,7 +28,12 @@ PP_EXTRAS = ["model.tie_embeddings=true", "train.eval_every=5", "train.sample_to
 DP2_PP2 = ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2"]
 
 # name -> (overrides of the parallel run, overrides of its single-process reference)
-WORLD2 = {"dp2_zero3": (["parallel.dp=2", "parallel.zero_stage=3"], [])}
+# packed documents (tessel.models.documents): id 21 is ~6% of the synthetic tokens of a 32-id vocabulary
+DOCUMENTS = ["model.vocab_size=32", "model.document_separator=21"]
+WORLD2 = {"dp2_zero3": (["parallel.dp=2", "parallel.zero_stage=3"], []),
+          # each rank's mask from its own rows, inside ZeRO-3's gathers; with a window inside the documents
+          "dp2_zero3_documents": ([*DOCUMENTS, "model.sliding_window=6", "parallel.dp=2", "parallel.zero_stage=3"],
+                                  [*DOCUMENTS, "model.sliding_window=6"])}
 WORLD4 = {
     "dp2_tp2_zero2": (["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2"], []),
     "tp2_ep2_moe": (MOE + ["parallel.tp=2", "parallel.ep=2"], MOE + ["train.grad_accum=2"]),

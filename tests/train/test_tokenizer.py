@@ -82,6 +82,17 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
         validate_data(cfg)
 
 
+def test_a_document_separator_other_than_the_tokenizers_end_of_text_is_refused(tmp_path):
+    data = {"source": "synthetic", "tokenizer": str(bpe(tmp_path, 300))}  # its <|endoftext|> is id 0
+    cfg = build_config({**tiny(), "data": data}, ["model.vocab_size=300", "model.document_separator=5"])
+    with pytest.raises(ConfigError, match="its <\\|endoftext\\|> is id 0") as err:
+        validate_data(cfg)
+    assert err.value.field == "model.document_separator"
+    validate_data(build_config({**tiny(), "data": data}, ["model.vocab_size=300", "model.document_separator=0"]))
+    # bytes have no end of text: the separator is the data's own choice
+    validate_data(build_config(tiny(), ["model.document_separator=5"]))
+
+
 # ---- tessel data prepare ----------------------------------------------------------------------
 DOCS = {"a.py": "def f(x):\n    return x + 1\n", "sub/b.txt": "Hello wörld 🎉\n\ttabs  spaces\n",
         "sub/notes.md": "# notes\n" * 50}

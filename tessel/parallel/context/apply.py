@@ -44,8 +44,9 @@ class ContextParallelCore:
         self.ctx = ctx
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-        # q (B, nh, T, hs), k and v (B, nkv, T, hs): this rank's T tokens; cos, sin: the model's whole tables
+                 sin: torch.Tensor, mask: None = None) -> torch.Tensor:
+        # q (B, nh, T, hs), k and v (B, nkv, T, hs): this rank's T tokens; cos, sin: the model's whole tables;
+        # mask: always None (packed documents, which give one, are refused under cp by tessel.config)
         at = self.ctx.positions(q.size(-2), cos.device)
         cos, sin = cos[at], sin[at]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

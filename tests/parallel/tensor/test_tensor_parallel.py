@@ -31,6 +31,10 @@ LAYOUTS_2 = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp_tied": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.tie_embeddings=true"],
     "tp2_window": ["parallel.tp=2", "model.sliding_window=4"],  # each rank's heads attend within the window
+    # packed documents (tessel.models.documents): the mask made from the whole sequence's ids, every rank's
+    # heads taking it after SP's gather; id 21 is ~6% of the synthetic tokens and stands in full_logits' prompt
+    "tp2_sp_documents": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.vocab_size=32",
+                         "model.document_separator=21"],
 }
 LAYOUTS_4 = {
     "tp4_vocab250": ["parallel.tp=4", "model.vocab_size=250"],  # 250 = 4 * 62 + 2: padded to 252
@@ -76,7 +80,10 @@ def _run(overrides: list[str]) -> dict:
            "weights0": {n: full_tensor(q, q, ctx) for n, q in model.named_parameters()},
            "local_bytes": {n: local_param_bytes(model.get_submodule(n)) for n in sharded}}
     for step in range(STEPS):
-        loss = runner.forward_backward(*sampler.next())
+        x, y = sampler.next()
+        if cfg.model.document_separator is not None:  # packed documents: how many boundaries the batches held
+            out["separators"] = out.get("separators", 0) + int((x == cfg.model.document_separator).sum())
+        loss = runner.forward_backward(x, y)
         group = mesh.group("dp", "ep")
         if group is not None:  # each dp rank saw its slice of the batch
             dist.all_reduce(loss, group=group)
@@ -169,6 +176,8 @@ def _check_parity(results: list[dict], ref: dict) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
 def test_parity_world2(world2, references, name):
     _check_parity([r[name] for r in world2], references[name])
+    if "documents" in name:  # the batches held documents to keep apart, or the mask changed nothing
+        assert references[name]["separators"] >= STEPS * 4
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
