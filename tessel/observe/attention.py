@@ -12,7 +12,9 @@ attention has, and names in one line why each fused kernel said no (torch's
 own reasons, the warnings it gives when a kernel is forced with
 torch.nn.attention.sdpa_kernel). Context parallelism's ring runs its blocks
 through tessel.parallel.context.kernel, whose CUDA path is written-out math: that
-is said too. On the CPU nothing is checked or printed.
+is said too. A reference GPT with a sliding window or packed documents trains its attention through
+FlexAttention (tessel.models.window, tessel.models.documents), a fused kernel compiled from its mask: "flex",
+nothing to warn about. On the CPU nothing is checked or printed.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def check_attention(cfg: Config, device: torch.device, say: Callable[[str], None
     when that is the math kernel, naming torch's reasons."""
     if device.type != "cuda":
         return None
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
+    if m.document_separator is not None or (m.sliding_window or cfg.train.seq_len) < cfg.train.seq_len:
+        return "flex"  # a masked attention trains through FlexAttention's compiled kernel (tessel.models.documents)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     heads, seq_len, head_dim = attention_shape(cfg)
     key = (heads, seq_len, head_dim, dtype, str(device), p.cp > 1 and p.cp_mode == "ring")

@@ -64,3 +64,14 @@ def test_the_shape_is_one_ranks_and_ring_attention_is_named(gpu):
     ring = tiny_config("model.d_model=64", "model.n_head=4", "parallel.cp=2")
     assert attention.check_attention(ring, CUDA, lines.append) == "math"
     assert len(lines) == 1 and "ring attention runs its blocks as written-out math" in lines[0]
+
+
+def test_a_window_or_packed_documents_train_through_flex_attention(gpu):
+    """A masked attention takes FlexAttention's kernel (tessel.models.window, tessel.models.documents), not SDPA:
+    nothing to warn about, even where SDPA would fall back to math."""
+    lines = []
+    for masked in ("model.sliding_window=4", "model.document_separator=0"):
+        assert attention.check_attention(tiny_config(masked), CUDA, lines.append) == "flex"
+    # a window as long as the sequence masks nothing: SDPA's causal kernel runs, and is checked
+    assert attention.check_attention(tiny_config("model.sliding_window=16"), CUDA, lines.append) == "math"
+    assert len(lines) == 1
