@@ -21,8 +21,10 @@ Each is trained, in one process on one GPU, by
 - a compiled plain loop: torch.compile(model), the cross-entropy on its logits, AdamW(fused=True);
 - torchtitan: its Llama 3 at the same shapes, its regional compile, compiled loss and fused AdamW
   (benchmarks/titan_peer.py says how it runs without its Trainer).
-Rows run one after another (four 1.3B models do not fit at once); each is the median of its timed steps
-after warm-up (the compile). MFU is against tessel.observe.metrics.device_peak_flops (the spec sheet's
+Rows run one after another (four 1.3B models do not fit at once); each is the median, over blocks of 4
+steps run back to back and drained only at the block's ends (as a run queues its next step while the device
+works), of the seconds a step, after warm-up (the compile). No side reads its loss inside a block but
+tessel, which reads each step's row one step late, as its trainer does. MFU is against tessel.observe.metrics.device_peak_flops (the spec sheet's
 dense bf16: 989 TFLOP/s for H100 and H200). Beside each, the planner's step time for the same model,
 batch and settings on the GPU's preset (tessel.planner: the roofline per op, its GEMMs from the measured
 table where one is committed).
@@ -127,7 +129,13 @@ def tessel_step(cfg, device):
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, mesh, parallelize(build_model(cfg.model).to(device), mesh, cfg), 0)
     count = iter(range(1 << 30))
-    return lambda: trainer.train_step(next(count))
+    queued = []
+
+    def step() -> None:  # as Trainer.fit runs a steady step: queue step n, then read step n-1's row
+        queued.append(trainer.launch_step(next(count)))
+        if len(queued) > 1:
+            trainer.read_row(queued.pop(0))
+    return step
 
 
 def plain_step(cfg, device, backend: str):
@@ -150,7 +158,7 @@ def plain_step(cfg, device, backend: str):
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()  # read when the user logs it; a steady step does not wait for it
     return step
 
 
@@ -166,15 +174,24 @@ def _titan(cfg, device, backend: str):
                       cfg.train.seq_len, device, backend)[0]
 
 
+BLOCK = 4  # steps timed together: the device drained before and after each block, never inside it
+
+
 def timed(step, device, warmup: int, steps: int, deadline: float) -> list[float]:
-    """Seconds of each timed step after `warmup` untimed ones; fewer steps where the deadline comes first."""
+    """Seconds a step, per block of BLOCK steps run back to back (as a training run runs them: the host queues
+    the next step while the device works, which a drain after every step would hide), after `warmup` untimed
+    steps; fewer blocks where the deadline comes first."""
     from tessel.observe.metrics import synced_seconds
+
+    def block() -> None:
+        for _ in range(BLOCK):
+            step()
     for _ in range(warmup):
         step()
     out = []
-    for _ in range(steps):
-        out.append(synced_seconds(step, device))
-        if time.monotonic() + statistics.median(out) > deadline and len(out) >= 3:
+    for _ in range(max(1, steps // BLOCK)):
+        out.append(synced_seconds(block, device) / BLOCK)
+        if time.monotonic() + BLOCK * statistics.median(out) > deadline and len(out) >= 2:
             break
     return out
 
@@ -388,7 +405,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU, seconds")
     ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; smoke 120)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 15; smoke 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run, in blocks of 4 (default 16; smoke 4)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps, the compile among them (3; smoke 1)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
     ap.add_argument("--predict", default=None, metavar="PRESET",
@@ -399,7 +416,7 @@ def main() -> None:
         return
     smoke = args.smoke
     args.budget = args.budget or (120.0 if smoke else 400.0)
-    args.steps = args.steps or (2 if smoke else 15)
+    args.steps = args.steps or (4 if smoke else 16)
     args.warmup = args.warmup or (1 if smoke else 3)
     args.backend = args.backend or ("aot_eager" if smoke else "inductor")
     args.row_budget = args.budget / 8  # one run's timed steps (its compile happens in the warm-up)

@@ -62,7 +62,7 @@ def titan_step(shape: dict, batch: int, seq: int, device: torch.device, backend:
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()  # read when logged (torchtitan logs every log_freq steps): no wait in a steady step
     return step, sum(p.numel() for p in model.parameters())
 
 
