@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--loss-tokens", type=int, default=None, help="tokens of the loss measurement (2048; smoke 256)")
     ap.add_argument("--seq", type=int, default=64, help="GPT-2 124M's sequence here (short: a CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps a side, the demo twice as many (6; smoke 2)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="threads of the rank (1: as tessel runs each CPU rank)")
     ap.add_argument("--backend", default=None, help="torch.compile backend (inductor; smoke aot_eager)")
     args = ap.parse_args()
     smoke = args.smoke
