@@ -31,21 +31,15 @@ import statistics
 import tempfile
 
 import torch
+from one_rank import one_rank_config  # beside this file (sys.path[0] when run as a script)
 
 GPT2 = dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768, tie_embeddings=True)
 DEMO = dict(vocab_size=256, n_layer=4, n_head=4, d_model=128, tie_embeddings=True)
 
 
 def _config(fields: dict, seq: int, batch: int, compiled: bool, backend: str):
-    from tessel.config import build_config
-    return build_config({
-        "model": {**fields, "max_seq_len": seq},
-        "train": {"steps": 10_000, "global_batch": batch, "seq_len": seq, "precision": "fp32", "warmup_steps": 10,
-                  "eval_every": 0, "sample_tokens": 0, "grad_clip": 1.0, "compile": "blocks" if compiled else "off",
-                  "compile_backend": backend, "fused_loss": compiled},
-        "data": {"source": "synthetic"},
-        "logging": {"out_dir": tempfile.mkdtemp(prefix="tessel-compile-cpu-"), "progress": False,
-                    "tensorboard": False}})
+    return one_rank_config(fields, seq, batch, tempfile.mkdtemp(prefix="tessel-compile-cpu-"), "fp32", compiled,
+                           backend)
 
 
 def _runner(cfg):
@@ -134,7 +128,8 @@ def main() -> None:
         pairs = sorted(c / e for e, c in zip(eager, compiled))
         ratios.append((name, statistics.median(pairs), pairs[0], pairs[-1]))
         print(f"{name}, batch {batch}x{seq}, {backend}, {len(eager)} interleaved steps a side: "
-              f"median eager {statistics.median(eager) * 1e3:.1f} ms, compiled {statistics.median(compiled) * 1e3:.1f} ms")
+              f"median eager {statistics.median(eager) * 1e3:.1f} ms, "
+              f"compiled {statistics.median(compiled) * 1e3:.1f} ms")
     print(f"ratio fused/unfused loss peak memory (tensors allocated): {fused / plain:.3f} (target 0.25 or less)")
     for name, r, lo, hi in ratios:
         print(f"ratio compiled/eager step time, {name}: {r:.3f} (median of step pairs; {lo:.2f}-{hi:.2f})"

@@ -24,10 +24,10 @@ Each is trained, in one process on one GPU, by
 Rows run one after another (four 1.3B models do not fit at once); each is the median, over blocks of 4
 steps run back to back and drained only at the block's ends (as a run queues its next step while the device
 works), of the seconds a step, after warm-up (the compile). No side reads its loss inside a block but
-tessel, which reads each step's row one step late, as its trainer does. MFU is against tessel.observe.metrics.device_peak_flops (the spec sheet's
-dense bf16: 989 TFLOP/s for H100 and H200). Beside each, the planner's step time for the same model,
-batch and settings on the GPU's preset (tessel.planner: the roofline per op, its GEMMs from the measured
-table where one is committed).
+tessel, which reads each step's row one step late, as its trainer does. MFU is against
+tessel.observe.metrics.device_peak_flops (the spec sheet's dense bf16: 989 TFLOP/s for H100 and H200).
+Beside each, the planner's step time for the same model, batch and settings on the GPU's preset
+(tessel.planner: the roofline per op, its GEMMs from the measured table where one is committed).
 
 The matmul section times every GEMM shape the planner prices for these models (and the tp = 8 shards of
 GPT-3 13B and 175B, where its predictions were furthest off), against the planner's roofline prior for
@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import torch
+from one_rank import one_rank_config  # beside this file (sys.path[0] when run as a script)
 
 SUITE = {  # name: (model fields, sequence, batch)
     "gpt2-124m": (dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768, tie_embeddings=True), 1024, 16),
@@ -109,14 +110,7 @@ def planned_gemms(models: dict, preset: str) -> list:
 # ---- the rank's side -------------------------------------------------------------------------------
 
 def _config(fields: dict, seq: int, batch: int, compiled: bool, backend: str, out: str):
-    from tessel.config import build_config
-    return build_config({
-        "model": {**fields, "max_seq_len": seq},
-        "train": {"steps": 10_000, "global_batch": batch, "seq_len": seq, "precision": "bf16", "warmup_steps": 10,
-                  "eval_every": 0, "sample_tokens": 0, "grad_clip": 1.0, "compile": "blocks" if compiled else "off",
-                  "compile_backend": backend, "fused_loss": compiled},
-        "data": {"source": "synthetic"},
-        "logging": {"out_dir": out, "progress": False, "tensorboard": False}})
+    return one_rank_config(fields, seq, batch, out, "bf16", compiled, backend)
 
 
 def tessel_step(cfg, device):
@@ -216,7 +210,8 @@ def run_model(name: str, fields: dict, seq: int, batch: int, args, device, peak:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            step = {"tessel eager": lambda: tessel_step(cfg, device), "tessel compiled": lambda: tessel_step(cfg, device),
+            step = {"tessel eager": lambda: tessel_step(cfg, device),
+                    "tessel compiled": lambda: tessel_step(cfg, device),
                     "compiled plain loop": lambda: plain_step(cfg, device, args.backend),
                     "torchtitan": lambda: _titan(cfg, device, args.backend)}[run]()
             t0 = time.monotonic()
@@ -344,9 +339,11 @@ def print_report(result: dict, preset: str, smoke: bool) -> None:
             continue
         mem = f"{r['peak_gib']:9.1f}" if "peak_gib" in r else f"{'-':>9}"
         print(f"{r['model']:<11} {r['run']:<20} {r['step_s'] * 1e3:9.1f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} "
-              f"{mem} {pred * 1e3 if pred else float('nan'):11.4g} {pred / r['step_s'] if pred else float('nan'):17.3g}")
+              f"{mem} {pred * 1e3 if pred else float('nan'):11.4g} "
+              f"{pred / r['step_s'] if pred else float('nan'):17.3g}")
     print(f"matmuls at the planner's GEMM shapes, measured against its roofline prior on {preset}:")
-    print(f"{'M':>6} {'N':>6} {'K':>6} {'batch':>5} {'measured TFLOP/s':>17} {'prior TFLOP/s':>14} {'measured/prior':>15}")
+    print(f"{'M':>6} {'N':>6} {'K':>6} {'batch':>5} {'measured TFLOP/s':>17} {'prior TFLOP/s':>14} "
+          f"{'measured/prior':>15}")
     for g in result["gemms"]:
         if "error" in g:
             print(f"{g['m']:>6} {g['n']:>6} {g['k']:>6} {g['batch']:>5} not run: {g['error']}")

@@ -1,7 +1,7 @@
 """tessel's trainer against a plain PyTorch training loop on one device: the price of tessel's step.
 
     PYTHONPATH=. python benchmarks/single_gpu.py                      # a GPT-2-small-sized model, bf16, on a GPU
-    PYTHONPATH=. python benchmarks/single_gpu.py --d-model 64 --layers 2 --seq 64 --batch 4   # a CPU smoke run
+    PYTHONPATH=. python benchmarks/single_gpu.py --d-model 64 --heads 4 --layers 2 --seq 64 --batch 4   # a CPU smoke run
 
 Both sides train the same GPT (tessel.models.gpt, built from one seed) on
 batches of the same shape, with the same AdamW parameter groups and schedule
@@ -24,17 +24,12 @@ import argparse
 import statistics
 
 import torch
+from one_rank import one_rank_config  # beside this file (sys.path[0] when run as a script)
 
 
 def _config(args):
-    from tessel.config import build_config
-    return build_config({
-        "model": {"vocab_size": args.vocab, "n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model,
-                  "max_seq_len": args.seq},
-        "train": {"steps": 10_000, "global_batch": args.batch, "seq_len": args.seq, "precision": args.precision,
-                  "warmup_steps": 10, "eval_every": 0, "sample_tokens": 0, "grad_clip": 1.0},
-        "data": {"source": "synthetic"},
-        "logging": {"out_dir": args.out, "progress": False, "tensorboard": False}})
+    model = {"vocab_size": args.vocab, "n_layer": args.layers, "n_head": args.heads, "d_model": args.d_model}
+    return one_rank_config(model, args.seq, args.batch, args.out, args.precision)
 
 
 def _plain_loop(cfg, device: torch.device):

@@ -67,10 +67,12 @@ def test_compiled_blocks_and_the_fused_loss_train_on_a_gpu_as_eager_does():
     bf16 = ('train.precision="bf16"',)
     eager = spawn(_train_on, 1, "cuda", bf16, backend="nccl")[0]
     fast = spawn(_train_on, 1, "cuda", (*bf16, 'train.compile="blocks"', "train.fused_loss=true"), backend="nccl")[0]
-    print(f"largest |compiled+fused - eager| loss {max(abs(a - b) for a, b in zip(fast['losses'], eager['losses'])):.2e}")
+    gap = max(abs(a - b) for a, b in zip(fast["losses"], eager["losses"]))
+    print(f"largest |compiled+fused - eager| loss {gap:.2e}")
     # bf16 matmuls round to ~4e-3 relative, and inductor's fused kernels (and the fused loss's chunked fp32 sums)
     # round at other places than eager's: the same comparison on the CPU (inductor's CPU kernels) differs by
-    # 1.2e-3 at most over these 6 steps of lr 1e-2; a lost gradient or a wrong head moves it by 1e-1 (the loss starts at ln 256 = 5.5)
+    # 1.2e-3 at most over these 6 steps of lr 1e-2; a lost gradient or a wrong head moves it by 1e-1 (the loss
+    # starts at ln 256 = 5.5)
     torch.testing.assert_close(fast["losses"], eager["losses"], rtol=0, atol=2e-2)
     assert fast["losses"][-1] < fast["losses"][0]
 
