@@ -81,7 +81,7 @@ def model_shape(path: str | Path) -> dict:
                  "n_head": heads, "n_kv_head": doc.get("num_key_value_heads") or heads,
                  "d_model": _need(doc, "hidden_size"), "d_ff": _need(doc, "intermediate_size"),
                  "max_seq_len": _need(doc, "max_position_embeddings"), "rope_theta": _rope_theta(doc),
-                 "norm_eps": float(doc.get("rms_norm_eps", 1e-6))}
+                 "norm_eps": float(doc.get("rms_norm_eps") or 1e-6)}  # Cohere2-MoE writes null
         if doc.get("num_local_experts"):
             shape.update(n_experts=int(doc["num_local_experts"]), moe_every=1,
                          moe_top_k=int(doc.get("num_experts_per_tok", 2)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,6 @@ from rich.table import Table
 
 from tessel.config import Config, ConfigError, at_least, build_config, load_config, output_file, to_toml
 from tessel.observe.progress import work_progress
-from tessel.parallel.pipeline.async_schedules import ASYNC_SCHEDULES
 from tessel.planner.cluster import Cluster, get_cluster, override
 from tessel.planner.cost import CostModel, Estimate
 from tessel.planner.fabric import gain_lines, network_gains
@@ -143,20 +143,40 @@ def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int |
     return Problem(base, spec, cl, world, gb, cm, lay, fixed or {})
 
 
-def recipe_allows(base: Config):
-    """What a recipe rules out beyond the model: an asynchronous pipeline (stale weights) needs
-    parallel.allow_async and no checkpoints, PipeDream also train.grad_clip = 0; packed documents
-    (model.document_separator) no pipeline, context parallelism or tp grid (tessel.config refuses them)."""
-    saves = base.checkpoint.every > 0 or base.checkpoint.resume is not None
-    stale_ok = base.parallel.allow_async and not saves
-    documents = base.model.document_separator is not None
+class RecipeRules:
+    """The layouts `tessel train` accepts for a recipe, and why it refuses the others.
 
-    def allowed(lay) -> bool:
-        if lay.schedule in ASYNC_SCHEDULES and not (stale_ok and (lay.schedule != "pipedream" or
-                                                                  base.train.grad_clip == 0)):
+    Each layout is written into the recipe (layout_config) and put through tessel.config's rules, the ones
+    `tessel train` runs before it spawns anything: check_layout, with the Hugging Face family's checks in it
+    (which axes a model type trains on, selective recompute, a grid's model types), the recipe's own choices
+    (an asynchronous pipeline needs parallel.allow_async and no checkpoints; packed documents no pipeline, cp
+    or grid). One source of truth: whatever `tessel plan` prints or writes with --out, `tessel train` takes.
+    What the rules refuse is counted by its one line (`refusals`), for the plan's explanation."""
+
+    def __init__(self, base: Config):
+        self.base = base
+        self.refused: Counter[str] = Counter()
+
+    def __call__(self, lay: Layout) -> bool:
+        try:
+            layout_config(self.base, lay)
+        except ConfigError as err:
+            self.refused[str(err)] += 1
             return False
-        return not documents or (lay.pp == 1 and lay.cp == 1 and (lay.tp == 1 or lay.tp_mode == "1d"))
-    return allowed
+        return True
+
+    def refusals(self, top: int = 3) -> list[str]:
+        """How many layouts the rules took out, and their most frequent reasons, each with its count."""
+        total = sum(self.refused.values())
+        if not total:
+            return []
+        head = f"tessel train refuses {total} of the layouts for this recipe (not priced):"
+        return [head] + [f"  {n} x {why}" for why, n in self.refused.most_common(top)]
+
+
+def recipe_allows(base: Config) -> RecipeRules:
+    """The filter the search takes (tessel.planner.search's `allow`): the recipe's rules (RecipeRules)."""
+    return RecipeRules(base)
 
 
 def cluster_named(name: str, world: int | None = None, refresh: bool = False) -> Cluster:
@@ -210,12 +230,16 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
         est = simulated([prob.cost.estimate(prob.layout)])[0]  # its flush priced as the search's leaders are
         ranked, lines = [est], _breakdown(est, prob.cluster)
     else:
-        with work_progress("pricing layouts") as work:
-            result = search(prob.cost, prob.world, prob.global_batch, prob.fixed, progress=work.update,
-                            allow=recipe_allows(prob.base))
-        ranked, lines = result.ranked[:top], explain(result, top)
+        rules = recipe_allows(prob.base)
+        try:
+            with work_progress("pricing layouts") as work:
+                result = search(prob.cost, prob.world, prob.global_batch, prob.fixed, progress=work.update,
+                                allow=rules)
+        except ConfigError as err:  # nothing left to price: say what the rules took out
+            raise ConfigError(err.field, "; ".join([err.message] + rules.refusals())) from None
+        ranked, lines = result.ranked[:top], explain(result, top) + rules.refusals()
         if not ranked:
-            raise ConfigError("--fix" if prob.fixed else "--world", " ".join(lines))
+            raise ConfigError("--fix" if prob.fixed else "--world", "; ".join(lines))
     winner = ranked[0]
     outputs = _throughput(winner, opts.tokens)
     hetero = _hetero(prob, winner)
@@ -263,6 +287,8 @@ def plan(prob: Problem, opts: PlanOptions, console: Console | None = None) -> di
                 console.print(line)
         else:
             print_plan(result, top, console)
+            for line in rules.refusals():
+                console.print(line)
             for line in outputs:
                 console.print(line)
         if fabric:

@@ -12,7 +12,9 @@ Read from the module instead of a formula, it holds for any architecture:
   Linear's weight (a tied output head), which then counts once;
 - experts stored as one stacked tensor (n_experts, ...) count top_k of
   n_experts: a token visits only the experts its router picks (the reference
-  GPT's MoE and transformers' Mixtral alike); the router itself counts whole.
+  GPT's MoE and transformers' Mixtral, Qwen-MoE and DeepSeek alike, their
+  counts read from the config by tessel.hf_blocks); the router and shared
+  experts count whole.
 
 For the reference GPT this equals tessel.models.gpt.flops_per_token exactly
 (tests/models/test_flops.py).
@@ -23,30 +25,41 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tessel.config import ModelConfig
+from tessel.hf_blocks import read_model
 from tessel.hf_shape import read_config
+
+
+def experts_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """(experts of an MoE block, those a token visits); (0, 0) for a dense model."""
+    if cfg.hf_config is None:
+        return (cfg.n_experts, cfg.moe_top_k) if cfg.n_experts else (0, 0)
+    experts = next((b.experts for b in read_model(read_config(cfg.hf_config)).blocks if b.experts), None)
+    return (experts.count, experts.top_k) if experts else (0, 0)
 
 
 def matmul_params(model: nn.Module, cfg: ModelConfig) -> float:
     """Weights a token is multiplied by in one forward (expert stacks scaled to the experts it visits)."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear
+    n_experts, top_k = experts_per_token(cfg)
     total = 0.0
     for p in model.parameters():  # each tensor once: a tied head counts once
         if p.dim() < 2 or id(p) in lookup:
             continue
-        if cfg.n_experts and p.dim() >= 3 and p.shape[0] == cfg.n_experts:
-            total += p.numel() * cfg.moe_top_k / cfg.n_experts
+        if n_experts and p.dim() >= 3 and p.shape[0] == n_experts:
+            total += p.numel() * top_k / n_experts
         else:
             total += p.numel()
     return total
 
 
-def attention_width(cfg: ModelConfig) -> int:
-    """heads * head_dim: d_model, unless a Hugging Face config sets its own head_dim."""
+def attention_width(cfg: ModelConfig) -> float:
+    """heads * head_dim: d_model, unless a Hugging Face config sets its own head_dim; under multi-head latent
+    attention (DeepSeek) heads x the mean of a query/key head's and a value head's width (the scores contract
+    the one, the weighted sum the other)."""
     if cfg.hf_config is not None:
-        head_dim = read_config(cfg.hf_config).get("head_dim")
-        if isinstance(head_dim, int):
-            return cfg.n_head * head_dim
+        a = read_model(read_config(cfg.hf_config)).blocks[0].attention
+        return a.heads * (a.qk_dim + a.v_dim) / 2
     return cfg.d_model
 
 

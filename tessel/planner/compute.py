@@ -92,6 +92,10 @@ class Shape:
     cp: int = 1  # context parallelism: tokens hold seq/cp positions of each sequence, attending to all seq
     compiled: bool = False  # torch.compile'd blocks: memory-bound chains fused (the module docstring)
     fused_loss: bool = False  # the head and cross-entropy fused and chunked: no fp32 logits
+    shared_ffn: int = 0  # MoE: the shared experts' width per tp rank (DeepSeek's, Qwen2-MoE's), a SwiGLU
+    # the attention's projections as (out, in) per tp rank where they are not q, k, v and o (multi-head latent
+    # attention: tessel.hf_blocks.Attention.gemms); the last one is the output projection
+    attn_gemms: tuple[tuple[int, int], ...] = ()
 
 
 def op_seconds(op, cl: Cluster, dtype: str) -> float:
@@ -109,15 +113,16 @@ def block_forward(s: Shape) -> tuple[list, list]:
     """(the block's forward ops outside the attention core, the attention core's) for one micro-batch."""
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    ops: list = norm_and_cast(s, 3) + [Gemm(t, q, d), Gemm(t, kv, d), Gemm(t, kv, d)]
+    into, out = attention_gemms(s)
+    ops: list = norm_and_cast(s, 3) + [Gemm(t, n, k) for n, k in into]
     core = attention_core(s)
-    ops += [Stream(2 * a * q * t), Gemm(t, d, q)]  # y transposed; wo
+    ops += [Stream(2 * a * q * t), Gemm(t, *out)]  # y transposed; wo
     if s.compiled and tn == t:  # the residual add, the MLP norm and its cast in one kernel
         ops.append(Stream((2 * r + 2 * a) * d * tn))
     else:
         ops += [Stream((2 * r + a) * d * tn)] + norm_and_cast(s, 0 if s.experts else s.mlp_matrices - 1)
     if s.experts:
-        ops += moe_ops(s)
+        ops += moe_ops(s) + shared_expert_ops(s)
     else:
         f = s.ffn
         ops += [Gemm(t, f, d)] * (s.mlp_matrices - 1)
@@ -126,6 +131,23 @@ def block_forward(s: Shape) -> tuple[list, list]:
     if s.cast:
         ops.append(Stream(CAST_BYTES * block_weights(s)))
     return ops, core
+
+
+def attention_gemms(s: Shape) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """((out, in) of the projections into the attention, (out, in) of the one out of it): q, k, v and o, or a
+    latent attention's own (Shape.attn_gemms)."""
+    if s.attn_gemms:
+        return list(s.attn_gemms[:-1]), s.attn_gemms[-1]
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return [(q, s.d_model), (kv, s.d_model), (kv, s.d_model)], (s.d_model, q)
+
+
+def shared_expert_ops(s: Shape) -> list:
+    """The shared experts beside an MoE block's routed ones: a SwiGLU of width shared_ffn on every token."""
+    if not s.shared_ffn:
+        return []
+    t, f = s.tokens, s.shared_ffn
+    return [Gemm(t, f, s.d_model)] * 2 + [Stream(activation_bytes(s) * s.act * f * t), Gemm(t, s.d_model, f)]
 
 
 def norm_and_cast(s: Shape, users: int) -> list:
@@ -181,9 +203,10 @@ def moe_ops(s: Shape) -> list:
 
 def block_weights(s: Shape) -> float:
     """Matrix parameters of the block on this rank (what autocast casts and what gets a weight gradient)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    mlp = s.mlp_matrices * s.d_model * s.ffn * (s.experts or 1)
-    return s.d_model * (2 * q + 2 * kv) + mlp + (s.d_model * s.router if s.experts else 0)
+    into, out = attention_gemms(s)
+    attention = sum(n * k for n, k in into) + out[0] * out[1]
+    mlp = s.mlp_matrices * s.d_model * s.ffn * (s.experts or 1) + 3 * s.d_model * s.shared_ffn
+    return attention + mlp + (s.d_model * s.router if s.experts else 0)
 
 
 def backward(ops: list) -> list:

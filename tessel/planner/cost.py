@@ -303,7 +303,7 @@ class CostModel:
     def attention_core_flops(self, tokens: int) -> float:
         """Forward FLOPs of one block's attention core for `tokens` (scores and weighted sum, the whole
         square as tessel counts them): what selective recompute runs again."""
-        return 4 * self.spec.seq_len * self.spec.cfg.n_head * self.spec.head_dim * tokens
+        return 4 * self.spec.seq_len * self.spec.attention.heads * self.spec.head_dim * tokens
 
     def _chunk_compute(self, layers: list[int], last: bool, lay: Layout, tokens: int,
                        first: bool = False) -> tuple[float, float, float]:
@@ -366,16 +366,18 @@ class CostModel:
         spec, c = self.spec, self.spec.cfg
         bf16_storage = self._param_bytes(lay) == 2
         act = self.act_bytes
-        local_experts = c.n_experts // lay.ep if moe else 0
+        local_experts = spec.n_experts // lay.ep if moe else 0
+        latent = spec.attention.gemms(lay.tp) if spec.attention.latent else ()  # its own projections
         return Shape(tokens=tokens, seq=spec.seq_len, d_model=c.d_model, heads=c.n_head // lay.tp,
                      kv_heads=max(1, c.kv_heads // lay.tp), head_dim=spec.head_dim,
-                     ffn=c.ffn_dim if moe else c.ffn_dim // lay.tp, mlp_matrices=spec.arch.mlp_matrices,
+                     ffn=spec.expert_ffn if moe else c.ffn_dim // lay.tp, mlp_matrices=spec.mlp_matrices,
                      sp_tokens=tokens // lay.tp if lay.sp else tokens, act=act,
                      resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
                      experts=local_experts, cp=lay.cp,
-                     expert_rows=max(1, round(tokens * lay.ep * c.moe_top_k / c.n_experts)) if moe else 0,
-                     router=c.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss)
+                     expert_rows=max(1, round(tokens * lay.ep * spec.moe_top_k / spec.n_experts)) if moe else 0,
+                     router=spec.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss,
+                     shared_ffn=spec.shared_ffn // lay.tp if moe else 0, attn_gemms=latent)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
@@ -521,7 +523,8 @@ class CostModel:
 
     def _ep_calls(self, n_moe: int, tokens: int, recompute: bool) -> tuple[list[Call], list[Call]]:
         c = self.spec.cfg
-        return ep_chunk_calls(c.d_model, tokens, self.act_bytes, c.moe_top_k, c.capacity_factor, c.n_experts,
+        return ep_chunk_calls(c.d_model, tokens, self.act_bytes, self.spec.moe_top_k, c.capacity_factor,
+                              self.spec.n_experts,
                               n_moe, recompute)
 
     def _p2p_bytes(self, lay: Layout) -> float:

@@ -135,8 +135,11 @@ def state_floor(cfg: Config, budget: Budget) -> dict[str, float]:
 
 
 def param_count(spec: ModelSpec) -> int:
-    """spec.total_params in closed form: dense blocks and MoE blocks each repeat one shape."""
+    """spec.total_params in closed form: dense blocks and MoE blocks each repeat one shape (the reference GPT's;
+    a Hugging Face model's blocks, read from its config, are summed)."""
     c = spec.cfg
+    if c.hf_config is not None:
+        return spec.total_params
     n_moe = c.n_layer // c.moe_every if c.n_experts else 0  # ModelSpec.is_moe: every moe_every-th block
     moe = sum(spec.layer_params(c.moe_every - 1)) if n_moe else 0
     dense = sum(spec.layer_params(0)) if c.n_layer > n_moe else 0  # block 0 is dense unless every block is MoE

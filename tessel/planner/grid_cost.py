@@ -187,7 +187,7 @@ def block_calls(g: Grid, spec: ModelSpec, tokens: int, act: int, param: int, res
     c = spec.cfg
     d, qw, kvw, f = c.d_model, c.n_head * spec.head_dim, c.kv_heads * spec.head_dim, c.ffn_dim
     linears = [(d, qw, STREAM), (d, kvw, STREAM), (d, kvw, STREAM), (qw, d, MIXED)]
-    linears += [(d, f, STREAM)] * (spec.arch.mlp_matrices - 1) + [(f, d, MIXED)]
+    linears += [(d, f, STREAM)] * (spec.mlp_matrices - 1) + [(f, d, MIXED)]
     fwd, bwd = [], []
     for _ in range(2):
         nf, nb = norm_calls(g, tokens, d, param, resid)

@@ -29,17 +29,18 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, prec
     - the SwiGLU's gate, silu(gate), up and their product (4 ffn), split by tp.
     An MoE block (tessel.models.moe) keeps, instead of the SwiGLU's terms, the router's input and
     for each of a token's top_k expert rows the same 4 ffn, the dispatched row and the expert output
-    (2 d), and the router's fp32 probabilities (n_experts); tp leaves the MoE feed-forward replicated.
+    (2 d), and the router's fp32 probabilities (n_experts); tp leaves the MoE feed-forward replicated. Shared
+    experts (DeepSeek's, Qwen2-MoE's) keep a SwiGLU's 4 terms of their width, split by tp.
     """
     c = spec.cfg
     a = 2 if precision == "bf16" else 4
     q = c.n_head * spec.head_dim
     stream = 4 * c.d_model * 4 + 2 * 4
     casts = (3 + (1 if moe else 2)) * c.d_model * 2 if precision == "bf16" else 2 * c.d_model * 4
-    split = (5 * q + (0 if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
+    split = (5 * q + (4 * spec.shared_ffn if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
     per_token = stream / (tp if sp else 1) + casts + split / tp
     if moe:
-        per_token += c.moe_top_k * (4 * c.ffn_dim + 2 * c.d_model) * a + c.n_experts * 4
+        per_token += spec.moe_top_k * (4 * spec.expert_ffn + 2 * c.d_model) * a + spec.n_experts * 4
     return tokens * per_token
 
 

@@ -1,17 +1,16 @@
-"""The model as the planner sees it: its sizes, from a recipe (the reference GPT or a Hugging Face
+"""The model as the planner sees it: its blocks and sizes, from a recipe (the reference GPT or a Hugging Face
 config) or a preset.
 
-The planner prices tessel's own model (RMSNorm, rotary attention with grouped
-KV heads, SwiGLU MLP, optional MoE blocks), so a plan's `--out` recipe trains
-exactly the model that was priced. A Hugging Face model's shape fills the same
-fields (tessel.hf_shape); what its family does differently is an `Arch`: GPT-2's
-two-matrix GELU MLP, LayerNorms with biases, biased projections and learned
-positions, Qwen2's q/k/v biases, Llama's optional attention and MLP biases and
-head_dim. Parameter counts then equal the built model's
-(tests/planner/test_model_spec_hf.py). GPT-3 sizes follow Brown et al. 2020,
-Table 2.1 (layers, d_model, heads, batch in tokens, 2048-token context); the
-SwiGLU width ~8/3 d_model keeps the 8 d^2 MLP parameters of GPT-3's 4x GELU
-MLP. The vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128).
+The planner prices a model block by block: each block's attention projections, its feed-forward or its
+experts (routed, shared, the router), its norms (tessel.hf_blocks). tessel's own GPT (RMSNorm, rotary
+attention with grouped KV heads, SwiGLU MLP, optional MoE blocks) is written here in those terms, so a
+plan's `--out` recipe trains exactly the model that was priced; a Hugging Face model's blocks are read from
+its config as transformers builds them (tessel.hf_blocks: GPT-2's two-matrix GELU MLP and learned positions,
+biases, q/k norms, fused projections, multi-head latent attention, shared experts and first dense layers),
+so parameter counts equal the built model's (tests/planner/test_model_spec_hf.py,
+tests/test_hf_blocks.py). GPT-3 sizes follow Brown et al. 2020, Table 2.1 (layers, d_model, heads, batch
+in tokens, 2048-token context); the SwiGLU width ~8/3 d_model keeps the 8 d^2 MLP parameters of GPT-3's 4x
+GELU MLP. The vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128).
 """
 
 from __future__ import annotations
@@ -20,33 +19,27 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from tessel.config import ConfigError, ModelConfig
+from tessel.hf_blocks import Attention, Block, Experts, FeedForward, ModelBlocks, read_model
 from tessel.hf_shape import read_config
 
 
-@dataclass(frozen=True)
-class Arch:
-    """Where a family's blocks differ from the reference GPT's (whose values are the defaults)."""
-    mlp_matrices: int = 3  # SwiGLU: gate, up, down; GPT-2's GELU MLP: fc, proj
-    norm_params: int = 1  # per feature: RMSNorm's weight; LayerNorm's weight and bias
-    qkv_bias: bool = False
-    out_bias: bool = False  # the attention's output projection
-    mlp_bias: bool = False
-    positions: int = 0  # learned position embeddings (GPT-2's wpe)
-    head_dim: int | None = None  # None: d_model / n_head
+def reference_blocks(c: ModelConfig) -> ModelBlocks:
+    """tessel's GPT (tessel.models.gpt) as blocks: every moe_every-th block an MoE block when n_experts > 0."""
+    d, hd = c.d_model, c.d_model // c.n_head
+    q, kv = c.n_head * hd, c.kv_heads * hd
+    attention = Attention(((d, q, "out"), (d, kv, "out"), (d, kv, "out"), (q, d, "in")), 0, c.n_head, c.kv_heads,
+                          hd, hd)
+    mlp = FeedForward(d, c.ffn_dim, 3, 0)
+    moe = Block(attention, 2 * d, experts=Experts(c.n_experts, c.moe_top_k, mlp, d * c.n_experts))
+    dense = Block(attention, 2 * d, mlp=mlp)
+    blocks = tuple(moe if c.n_experts and (i + 1) % c.moe_every == 0 else dense for i in range(c.n_layer))
+    return ModelBlocks("gpt", d, c.vocab_size, blocks, c.vocab_size * d, d, 0 if c.tie_embeddings else c.vocab_size * d,
+                       exact=True)
 
 
-def architecture(cfg: ModelConfig) -> Arch:
-    """The Arch of the model cfg names (read from its Hugging Face config, torch-free)."""
-    if cfg.hf_config is None:
-        return Arch()
-    doc = read_config(cfg.hf_config)
-    if doc["model_type"] == "gpt2":
-        return Arch(mlp_matrices=2, norm_params=2, qkv_bias=True, out_bias=True, mlp_bias=True,
-                    positions=cfg.max_seq_len)
-    attention_bias = bool(doc.get("attention_bias", False))
-    head_dim = doc.get("head_dim")
-    return Arch(qkv_bias=attention_bias or doc["model_type"] == "qwen2", out_bias=attention_bias,
-                mlp_bias=bool(doc.get("mlp_bias", False)), head_dim=head_dim if isinstance(head_dim, int) else None)
+def model_blocks(c: ModelConfig) -> ModelBlocks:
+    """The blocks of the model `c` names: transformers' (read from its config, torch-free) or tessel's GPT."""
+    return read_model(read_config(c.hf_config)) if c.hf_config is not None else reference_blocks(c)
 
 
 @dataclass(frozen=True)
@@ -57,72 +50,92 @@ class ModelSpec:
     global_batch: int  # sequences per step, the preset's (or recipe's) default
 
     @cached_property
-    def arch(self) -> Arch:
-        return architecture(self.cfg)
+    def model(self) -> ModelBlocks:
+        return model_blocks(self.cfg)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        return self.model.blocks
+
+    # ---- shapes the cost model prices ------------------------------------------
+    @property
+    def attention(self) -> Attention:
+        return self.blocks[0].attention
+
+    @property
+    def head_dim(self) -> float:
+        """A head's width in the attention core: a query/key head's and a value head's mean (equal, but under
+        multi-head latent attention), so heads x head_dim x 4 T is the core's forward FLOPs per token."""
+        a = self.attention
+        return a.qk_dim if a.qk_dim == a.v_dim else (a.qk_dim + a.v_dim) / 2
+
+    @property
+    def feed_forward(self) -> FeedForward:
+        """A dense block's feed-forward (an expert's in a model of MoE blocks only)."""
+        return next((b.mlp for b in self.blocks if b.mlp is not None), None) or self.experts.expert
+
+    @property
+    def mlp_matrices(self) -> int:
+        return self.feed_forward.matrices  # SwiGLU: gate, up, down; GPT-2's GELU MLP: fc, proj
+
+    @property
+    def experts(self) -> Experts | None:
+        """The experts of the MoE blocks (every MoE block of a model has the same), None for a dense model."""
+        return next((b.experts for b in self.blocks if b.experts is not None), None)
+
+    @property
+    def n_experts(self) -> int:
+        return self.experts.count if self.experts else 0
+
+    @property
+    def moe_top_k(self) -> int:
+        return self.experts.top_k if self.experts else self.cfg.moe_top_k
+
+    @property
+    def expert_ffn(self) -> int:
+        """One routed expert's hidden width (DeepSeek's and Qwen-MoE's moe_intermediate_size)."""
+        return self.experts.expert.width if self.experts else self.cfg.ffn_dim
+
+    @property
+    def shared_ffn(self) -> int:
+        """The width of the shared experts every token of an MoE block passes through (0: none)."""
+        shared = self.experts.shared if self.experts else None
+        return shared.width if shared else 0
 
     # ---- parameter counts ----------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.arch.head_dim or self.cfg.d_model // self.cfg.n_head
-
-    @property
     def attn_matrix_params(self) -> int:
-        """q, k, v and output projections' weights (what a token is multiplied by)."""
-        c = self.cfg
-        return 2 * c.d_model * c.n_head * self.head_dim + 2 * c.d_model * c.kv_heads * self.head_dim
-
-    @property
-    def attn_params(self) -> int:
-        c, a = self.cfg, self.arch
-        qkv_bias = (c.n_head + 2 * c.kv_heads) * self.head_dim if a.qkv_bias else 0
-        return self.attn_matrix_params + qkv_bias + (c.d_model if a.out_bias else 0)
+        """The attention's weights a token is multiplied by (q, k, v and output; latent attention's pairs)."""
+        return self.attention.matrix_params
 
     @property
     def mlp_matrix_params(self) -> int:
-        return self.arch.mlp_matrices * self.cfg.d_model * self.cfg.ffn_dim
-
-    @property
-    def mlp_params(self) -> int:
-        c, a = self.cfg, self.arch
-        bias = (a.mlp_matrices - 1) * c.ffn_dim + c.d_model if a.mlp_bias else 0
-        return self.mlp_matrix_params + bias
-
-    @property
-    def norm_params(self) -> int:
-        """One norm's parameters."""
-        return self.arch.norm_params * self.cfg.d_model
+        return self.feed_forward.matrix_params
 
     def is_moe(self, layer: int) -> bool:
-        c = self.cfg
-        return c.n_experts > 0 and (layer + 1) % c.moe_every == 0
+        return self.blocks[layer].experts is not None
 
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.cfg.n_layer))
 
     def layer_params(self, layer: int) -> tuple[int, int]:
-        """(dense, expert) parameters of one block; norms count as dense."""
-        c = self.cfg
-        dense = self.attn_params + 2 * self.norm_params
-        if self.is_moe(layer):
-            return dense + c.d_model * c.n_experts, c.n_experts * self.mlp_params  # router is dense
-        return dense + self.mlp_params, 0
+        """(dense, expert) parameters of one block; norms, the router and shared experts count as dense."""
+        return self.blocks[layer].params
 
     @property
     def embedding_params(self) -> int:
         """Token embeddings, and learned position embeddings where the family has them."""
-        return (self.cfg.vocab_size + self.arch.positions) * self.cfg.d_model
+        return self.model.embedding
 
     @property
     def head_params(self) -> int:
         """Final norm + output head (shared with the embedding when tied)."""
-        c = self.cfg
-        return self.norm_params + (0 if c.tie_embeddings else c.vocab_size * c.d_model)
+        return self.model.final_norm + self.model.head
 
     @property
     def total_params(self) -> int:
-        layers = sum(sum(self.layer_params(i)) for i in range(self.cfg.n_layer))
-        return layers + self.embedding_params + self.head_params
+        return self.model.total_params
 
     # ---- FLOPs per token ----------------------------------------------------
     def layer_fwd_flops_per_token(self, layer: int, capacity_factor: float | None = None) -> float:
@@ -130,16 +143,14 @@ class ModelSpec:
 
         Attention scores and the weighted sum cost 2 * 2 * T * d (Kaplan et al.
         2020, counted without the causal halving, as tessel.models.gpt does).
-        An MoE block computes top_k experts per token, padded to the capacity
-        factor when given (fixed-capacity dispatch computes the padding too).
+        An MoE block computes top_k experts per token (and its shared experts), the top_k padded to the
+        capacity factor when given (fixed-capacity dispatch computes the padding too).
         """
-        c = self.cfg
-        f = 2 * self.attn_matrix_params + 4 * self.seq_len * c.n_head * self.head_dim
-        if self.is_moe(layer):
-            pad = capacity_factor if capacity_factor is not None else 1.0
-            f += 2 * c.d_model * c.n_experts + 2 * c.moe_top_k * pad * self.mlp_matrix_params
-        else:
-            f += 2 * self.mlp_matrix_params
+        block = self.blocks[layer]
+        f = 2 * block.matmul_params_per_token + 4 * self.seq_len * self.attention.heads * self.head_dim
+        if block.experts is not None and capacity_factor is not None:
+            e = block.experts
+            f += 2 * e.top_k * (capacity_factor - 1) * e.expert.matrix_params
         return f
 
     @property

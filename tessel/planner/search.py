@@ -76,7 +76,7 @@ def cp_degrees(cm: CostModel, world: int, tp: int, fixed: int | None = None) -> 
     c, seq = cm.spec.cfg, cm.spec.seq_len
     if fixed is not None:
         return [fixed] if world % (tp * fixed) == 0 and seq % (2 * fixed) == 0 else []
-    if seq < CP_MIN_SEQ or c.n_experts:
+    if seq < CP_MIN_SEQ or cm.spec.n_experts:
         return [1]
     return [k for k in divisors(world // tp) if k == 1 or (k * tp <= cm.cluster.devices_per_node and seq % (2 * k) == 0)]
 
@@ -89,7 +89,8 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | Non
     for tp, cp in ((t, k) for t in tps for k in cp_degrees(cm, world, t, fixed_cp)):
         for pp in (p for p in divisors(world // (tp * cp)) if p <= c.n_layer):
             rest = world // (tp * cp * pp)
-            eps = [e for e in divisors(rest) if c.n_experts % e == 0] if c.n_experts else [1]
+            experts = cm.spec.n_experts
+            eps = [e for e in divisors(rest) if experts % e == 0] if experts else [1]
             for ep in eps:
                 dp = rest // ep
                 if global_batch % (dp * ep):

@@ -139,11 +139,13 @@ def test_search_chooses_asynchronous_schedules_only_where_the_recipe_allows_them
     spec = preset("gpt3-1.3b")
     cm = CostModel(spec, get_cluster("a100", 16), "bf16")
     fixed = {"pp": 4, "tp": 2}
-    plain = recipe_allows(build_config({}))
+    # the recipe `tessel plan --model gpt3-1.3b` writes the layouts into (tessel.planning._recipe_and_model)
+    recipe = {"model": spec.cfg.model_dump(exclude_none=True), "train": {"seq_len": spec.seq_len}}
+    plain = recipe_allows(build_config(recipe))
     sync = search(cm, 16, spec.global_batch, fixed=fixed, simulate_top=4, allow=plain)
     assert not any(e.layout.schedule in ("2bw", "pipedream") for e in sync.ranked + sync.rejected)
     assert sync.best.layout.schedule in ("zb-h1", "zbv", "interleaved")  # no longer 1F1B's bubble
-    stale = recipe_allows(build_config({"parallel": {"allow_async": True}}))
+    stale = recipe_allows(build_config({**recipe, "parallel": {"allow_async": True}}))
     allowed = search(cm, 16, spec.global_batch, fixed={**fixed, "tp": 1, "dp": 4}, simulate_top=4, allow=stale)
     assert allowed.best.layout.schedule == "2bw"  # no flush: the fastest where staleness is accepted
     with pytest.raises(ConfigError, match="allow_async"):

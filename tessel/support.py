@@ -1,0 +1,239 @@
+"""`tessel support`: which Hugging Face family trains on which axis, from tessel's own rules.
+
+The families are those of the installed transformers whose config class declares a `base_model_tp_plan` or
+`base_model_pp_plan` and that AutoModelForCausalLM builds (what `tessel train` builds), and the ones tessel
+knows without a plan (GPT-2). For each, a tiny config is made from the family's own config class, its
+defaults with the sizes shrunk (SIZES), and each axis's layout (AXES) is put through the checks `tessel
+train` runs before it spawns anything (tessel.config.build_config: the model's shape, check_layout and the
+Hugging Face checks in it). A cell says:
+
+- "trains": the rules accept it and a parity test covers the family on that axis (TESTED);
+- "accepted, untested": the rules accept it and no test covers it, so no parity is claimed;
+- "refused": the rules' one line (the same `tessel train` prints), collected under the table;
+- "n/a": expert parallelism of a dense family.
+
+Generated, never written by hand: the rules change, the matrix follows (tests/test_support.py regenerates it
+and fails when docs/support.md is stale). Nothing is spawned and no model is built: the config classes only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.config import build_config
+from tessel.errors import ConfigError
+from tessel.hf_blocks import KNOWN, read_model
+from tessel.hf_shape import HFConfigError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # config classes only, never the network
+
+# an axis -> the recipe overrides that put a model on it (two ranks of it; the grid four)
+AXES: dict[str, list[str]] = {
+    "dp": ["parallel.dp=2"],
+    "ZeRO-3": ["parallel.dp=2", "parallel.zero_stage=3"],
+    "recompute": ['parallel.recompute="full"'],
+    "tp": ["parallel.tp=2"],
+    "tp+SP": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "2D grid": ["parallel.tp=4", 'parallel.tp_mode="2d"'],
+    "pp": ["parallel.pp=2", "parallel.micro_batches=2"],
+    "ep": ["parallel.ep=2"],
+    "cp ring": ["parallel.cp=2"],
+    "cp Ulysses": ["parallel.cp=2", 'parallel.cp_mode="ulysses"'],
+    "compile": ['train.compile="blocks"'],
+    "fused loss": ["train.fused_loss=true"],
+}
+# the recipe around the model: synthetic tokens (any vocabulary), short sequences, a batch every axis splits
+BASE = {"data": {"source": "synthetic"},
+        "train": {"seq_len": 32, "global_batch": 8, "steps": 2, "warmup_steps": 0, "eval_every": 0,
+                  "sample_tokens": 0}}
+# a family's defaults shrunk: each key its config has is set to this (heads and widths that 2 and a 2 x 2 grid
+# divide, 4 layers for two pipeline stages after a first dense one, experts that ep = 2 splits)
+SIZES = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_routed_experts": 4,
+         "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+         "first_k_dense_replace": 1, "sliding_window": 64,
+         # no dropout, as the parity tests train (context parallelism refuses attention dropout)
+         "attention_dropout": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+         # GPT-2's own names
+         "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 128}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.models.hf), no plan in their config
+
+# Where the suite trains a family on an axis against the unmodified transformers model (losses and weights;
+# one process, or FSDP2 and DDP for ZeRO-3): model type -> axis -> test file. A cell the rules accept that this
+# table does not name is "accepted, untested". tests/test_support.py checks that each file exists, names the
+# model type and sets the axis.
+TP, PP, CP = ("tests/parallel/tensor/test_hf_tensor_parallel.py", "tests/parallel/pipeline/test_hf_pipeline.py",
+              "tests/parallel/context/test_context_parallel.py")
+ZERO3, EP = "tests/parallel/zero/test_hf_models.py", "tests/parallel/expert/test_hf_mixtral_ep.py"
+COMPILE, FUSED = "tests/parallel/test_compile.py", "tests/parallel/fused_loss/test_fused_layouts.py"
+GRID, HEADS = "tests/parallel/tensor_nd/test_grid_modes.py", "tests/parallel/fused_loss/test_hf_heads.py"
+TESTED: dict[str, dict[str, str]] = {
+    "llama": {"dp": PP, "ZeRO-3": ZERO3, "recompute": TP, "tp": PP, "tp+SP": TP, "2D grid": GRID, "pp": PP,
+              "cp ring": CP, "cp Ulysses": CP, "compile": COMPILE, "fused loss": FUSED},
+    "gpt2": {"dp": PP, "ZeRO-3": ZERO3, "tp": TP, "tp+SP": TP, "pp": PP, "cp ring": CP, "fused loss": FUSED},
+    "mixtral": {"tp": TP, "tp+SP": TP, "pp": EP, "ep": EP, "cp ring": CP, "cp Ulysses": CP, "compile": COMPILE},
+    "granite": {"fused loss": HEADS},
+    "gemma3_text": {"fused loss": HEADS},
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str  # "trains" | "accepted, untested" | "refused" | "n/a"
+    reason: str = ""  # the rules' one line, for "refused"
+
+
+@dataclass(frozen=True)
+class Row:
+    model_type: str
+    cells: dict[str, Cell]  # axis -> cell
+    planner: str  # "exact": tessel.hf_blocks counts it as transformers builds it; "estimate": Llama-like
+
+
+def families() -> list[str]:
+    """The causal LM model types whose config declares a tp or pp plan, and tessel's own, sorted."""
+    # deferred: transformers loads torch; only the matrix needs its config classes
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    # only the causal LMs' config classes are imported: the other ~600 model types would take seconds more
+    planned = [kind for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if kind in CONFIG_MAPPING
+               and (getattr(CONFIG_MAPPING[kind], "base_model_tp_plan", None)
+                    or getattr(CONFIG_MAPPING[kind], "base_model_pp_plan", None))]
+    return sorted(set(planned) | set(WITHOUT_PLAN))
+
+
+def tiny_config(model_type: str) -> dict:
+    """The family's config class with its defaults and the sizes shrunk (SIZES), as a config.json's contents;
+    token ids outside the shrunk vocabulary are dropped (None). ValueError: the class refuses the sizes."""
+    from transformers import CONFIG_MAPPING  # deferred: see families
+    from transformers.utils import logging
+    logging.set_verbosity_error()  # warnings on shrunk rope scalings and the like concern no rule here
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    sizes = {k: v for k, v in SIZES.items() if defaults.get(k) is not None}
+    if isinstance(defaults.get("layer_types"), list):  # one per layer: let the class lay out the shrunk count
+        sizes["layer_types"] = None
+    try:
+        config = cls(**sizes)
+    except Exception as err:  # transformers' own validation: its reason is the matrix's
+        raise ValueError(f"{cls.__name__} refuses the shrunk sizes: {' '.join(str(err).split())}") from None
+    doc = json.loads(config.to_json_string(use_diff=False))
+    for key in TOKEN_IDS:
+        if isinstance(doc.get(key), int) and not 0 <= doc[key] < doc.get("vocab_size", 0):
+            doc[key] = None
+    return doc
+
+
+def refusal(config_json: str, overrides: list[str]) -> str | None:
+    """The one line `tessel train` refuses the tiny recipe with on this layout, None where it accepts it."""
+    raw = {**BASE, "model": {"hf_config": config_json}}
+    try:
+        build_config(json.loads(json.dumps(raw)), overrides)
+    except ConfigError as err:
+        return " ".join(str(err).split())
+    except Exception as err:  # a rule that crashes on a config is a bug of tessel's, shown as what it is
+        return f"tessel's checks crash: {type(err).__name__}: {' '.join(str(err).split())}"
+    return None
+
+
+def family_row(model_type: str, folder: Path) -> Row:
+    """Every axis of one family, judged by the rules on its tiny config."""
+    try:
+        doc = tiny_config(model_type)
+    except ValueError as err:
+        return Row(model_type, {axis: Cell("refused", f"config: {err}") for axis in AXES}, "-")
+    path = folder / f"{model_type}.json"
+    path.write_text(json.dumps(doc))
+    try:
+        moe = any(b.experts for b in read_model(doc).blocks) or _declares_experts(model_type)
+    except HFConfigError:  # the rules say what they make of it
+        moe = _declares_experts(model_type)
+    cells = {}
+    for axis, overrides in AXES.items():
+        if axis == "ep" and not moe:
+            cells[axis] = Cell("n/a")
+            continue
+        why = refusal(str(path), overrides)
+        if why is not None:
+            cells[axis] = Cell("refused", why)
+        else:
+            cells[axis] = Cell("trains" if axis in TESTED.get(model_type, {}) else "accepted, untested")
+    return Row(model_type, cells, "exact" if model_type in KNOWN else "estimate")
+
+
+def _declares_experts(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING  # deferred: see families
+    return bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+
+
+def matrix() -> list[Row]:
+    """A row per family."""
+    with tempfile.TemporaryDirectory(prefix="tessel-support-") as folder:
+        return [family_row(kind, Path(folder)) for kind in families()]
+
+
+def markdown(rows: list[Row]) -> str:
+    """docs/support.md: the legend, the matrix, the refusals (each family's model type written <type>), the
+    tests behind every "trains" cell."""
+    import transformers  # deferred: see families
+    reasons: dict[str, list[str]] = {}
+    for row in rows:
+        for cell in row.cells.values():
+            if cell.status == "refused":
+                key = cell.reason.replace(f"'{row.model_type}'", "'<type>'")
+                if row.model_type not in reasons.setdefault(key, []):
+                    reasons[key].append(row.model_type)
+    number = {reason: i for i, reason in enumerate(reasons, 1)}
+    trains = sum(c.status == "trains" for r in rows for c in r.cells.values())
+    untested = sum(c.status == "accepted, untested" for r in rows for c in r.cells.values())
+    out = [
+        "# Hugging Face families x parallel axes",
+        "",
+        f"Generated by `tessel support` from transformers {transformers.__version__} and tessel's own rules; do not "
+        "edit (tests/test_support.py fails when this file is stale).",
+        "",
+        f"{len(rows)} families: every model type whose config class declares `base_model_tp_plan` or "
+        "`base_model_pp_plan` and that `AutoModelForCausalLM` builds (what `tessel train` builds; encoders, vision "
+        "towers and the text halves of multimodal models are left out), and GPT-2 (tessel's own rules). Each axis's layout (two ranks of it; the 2D grid "
+        "four) on a tiny config from the family's own config class, put through the checks `tessel train` runs "
+        "before it spawns anything:",
+        "",
+        f"- **trains**: accepted, and a parity test covers the family on that axis (the table at the end; {trains} "
+        "cells);",
+        f"- **accepted, untested**: accepted, and no parity test covers it yet ({untested} cells);",
+        "- **R*n***: refused, for reason *n* below (the line `tessel train` prints);",
+        "- **n/a**: expert parallelism of a dense family.",
+        "",
+        "The planner column: `exact` where `tessel plan` counts the family's parameters and FLOPs as transformers "
+        "builds it (tessel/hf_blocks.py, checked against the model on the meta device), `estimate` where it "
+        "reads it as a Llama-like decoder.",
+        "",
+        "| family | " + " | ".join(AXES) + " | planner |",
+        "|---" * (len(AXES) + 2) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for axis in AXES:
+            c = row.cells[axis]
+            key = c.reason.replace(f"'{row.model_type}'", "'<type>'")
+            cells.append({"trains": "**trains**", "refused": f"R{number.get(key, '?')}"}.get(c.status, c.status))
+        out.append(f"| {row.model_type} | " + " | ".join(cells) + f" | {row.planner} |")
+    out += ["", "## Refusals", ""]
+    for reason, kinds in reasons.items():
+        out.append(f"- **R{number[reason]}** ({', '.join(kinds)}): {reason}")
+    out += ["", "## The tests behind \"trains\"", "", "| family | axis | test |", "|---|---|---|"]
+    for kind in sorted(TESTED):
+        for axis, test in TESTED[kind].items():
+            out.append(f"| {kind} | {axis} | `{test}` |")
+    return "\n".join(out) + "\n"
+
+
+def support_markdown() -> str:
+    return markdown(matrix())
