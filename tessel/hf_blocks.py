@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessel.hf_shape import TIED_BY_DEFAULT, HFConfigError
+from tessel.hf_shape import HFConfigError
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ KNOWN: dict[str, Traits] = {
     # Llama-like: what the defaults say (Phi-3's and GLM's fused q|k|v or gate|up hold the same weights)
     **{kind: LLAMA for kind in ("llama", "mistral", "mixtral", "granite", "granitemoe", "granitemoeshared",
                                 "gemma", "helium", "internlm3", "ministral3", "smollm3", "vaultgemma", "phi3",
-                                "ernie4_5", "iquestcoder", "youtu", "solar_open", "glm4_moe",
+                                "ernie4_5", "iquestcoder", "youtu", "glm4_moe",
                                 "deepseek_v2", "deepseek_v3", "minicpm3")},  # the last three: latent attention
     **{kind: QK_HEAD for kind in ("qwen3", "qwen3_moe", "exaone4")},
     **{kind: QK_WIDTH for kind in ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2")},
@@ -66,6 +66,33 @@ KNOWN: dict[str, Traits] = {
     "phi": Traits(gated=False, norm=2, block_norms=1, qkv_bias=True, out_bias=True, mlp_bias=True,
                   head_bias=True),
     "gpt2": Traits(gated=False, norm=2, qkv_bias=True, out_bias=True, mlp_bias=True, positions="n_positions"),
+}
+# What a key means when a config.json leaves it out: the family's config class's default
+# (transformers/models/<type>/configuration_<type>.py) where it differs from GENERIC's; tests/test_hf_blocks.py
+# checks both against the classes. head_dim: where the class fixes it (else heads divide hidden_size).
+GENERIC = {"tie_word_embeddings": False, "attention_bias": False, "qkv_bias": False, "use_bias": False,
+           "attention_out_bias": False, "mlp_bias": False, "decoder_sparse_step": 1, "first_k_dense_replace": 0,
+           "num_experts_per_tok": 2, "n_shared_experts": 0, "shared_expert_intermediate_size": 0,
+           "mlp_only_layers": [], "q_lora_rank": None, "head_dim": None}
+TIED = {"tie_word_embeddings": True}
+DEFAULTS: dict[str, dict] = {
+    **{kind: TIED for kind in ("cohere", "cohere2", "gpt2", "smollm3")},
+    **{kind: {**TIED, "head_dim": 256} for kind in ("gemma", "gemma2", "gemma3_text", "vaultgemma")},
+    **{kind: {"head_dim": 128} for kind in ("helium", "internlm3", "iquestcoder", "ministral3", "qwen3")},
+    "ernie4_5": {**TIED, "head_dim": 128},
+    "glm": {"attention_bias": True, "head_dim": 128}, "glm4": {"attention_bias": True, "head_dim": 128},
+    "seed_oss": {"attention_bias": True, "head_dim": 128},
+    "gpt_neox": {"attention_bias": True},
+    "starcoder2": {**TIED, "use_bias": True},
+    "deepseek_v2": {"n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek_v3": {"first_k_dense_replace": 3, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                    "q_lora_rank": 1536},
+    "glm4_moe": {"first_k_dense_replace": 1, "num_experts_per_tok": 8, "n_shared_experts": 1},
+    "minicpm3": {**TIED, "q_lora_rank": 768}, "youtu": {**TIED, "q_lora_rank": 1536},
+    "minimax_m2": {"num_experts_per_tok": 8, "head_dim": 128},
+    "flex_olmo": {"num_experts_per_tok": 5}, "olmoe": {"num_experts_per_tok": 8},
+    "qwen3_moe": {"num_experts_per_tok": 8},
+    "qwen2_moe": {"qkv_bias": True, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 5632},
 }
 # the keys a family names its sizes by, first found wins (GPT-2's own names last)
 HIDDEN = ("hidden_size", "n_embd")
@@ -195,6 +222,7 @@ def read_model(doc: dict) -> ModelBlocks:
 
 def _read(doc: dict) -> ModelBlocks:
     kind = doc["model_type"]
+    doc = {**GENERIC, **DEFAULTS.get(kind, {}), **doc}  # what the config class means by a key left out
     traits = KNOWN.get(kind, LLAMA)
     d = int(_first(doc, HIDDEN))
     norm = d * traits.norm
@@ -203,7 +231,7 @@ def _read(doc: dict) -> ModelBlocks:
                    for i in range(int(_first(doc, LAYERS))))
     vocab = int(doc["vocab_size"])
     positions = int(doc.get(traits.positions) or 0) if traits.positions else 0
-    tied = bool(doc.get("tie_word_embeddings", kind in TIED_BY_DEFAULT))
+    tied = bool(doc["tie_word_embeddings"])
     head = 0 if tied else vocab * d + (vocab if traits.head_bias else 0)
     return ModelBlocks(kind, d, vocab, blocks, (vocab + positions) * d, norm, head, kind in KNOWN)
 
