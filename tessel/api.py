@@ -37,7 +37,7 @@ from tessel.axes import AXES
 from tessel.config import Config, ConfigError, build_config
 from tessel.hf_shape import model_shape
 from tessel.mesh import Mesh
-from tessel.models.hf.build import answer_with_logits
+from tessel.models.hf.build import as_training_model
 from tessel.observe.attention import check_attention
 from tessel.parallel.adamw import adamw
 from tessel.parallel.norms import clip_grad_norm_
@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     cfg = job_config(model, resolve_layout(layout, mesh), mesh,
                      {"precision": precision, "compile": compile, "fused_loss": fused_loss})
     check_world(mesh)
-    answer_with_logits(model)
+    as_training_model(model)  # answers with logits, builds no key/value cache
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
     if mesh.rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
         check_attention(cfg, mesh.device)
