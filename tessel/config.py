@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
+from tessel.hf_check import hf_config_problem
 from tessel.hf_shape import FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, HFConfigError, family, model_shape, read_config
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
@@ -74,7 +75,8 @@ class ModelConfig(Strict):
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
     n_experts: int = Field(0, ge=0)
     moe_every: int = Field(1, ge=1)
-    moe_top_k: int = Field(1, ge=1, le=2)
+    # the reference MoE routes to 1 or 2 experts (model._shapes); a Hugging Face MoE to what its config declares
+    moe_top_k: int = Field(1, ge=1)
     capacity_factor: float = Field(1.25, gt=0)
     aux_loss_coef: float = Field(0.01, ge=0)
     z_loss_coef: float = Field(0.0, ge=0)
@@ -127,6 +129,9 @@ class ModelConfig(Strict):
         if self.document_separator is not None and self.document_separator >= self.vocab_size:
             raise ValueError(f"model.document_separator: ({self.document_separator}) is no token id: model.vocab_size "
                              f"is {self.vocab_size}")
+        if self.moe_top_k > 2:
+            raise ValueError(f"model.moe_top_k: must be 1 or 2 for tessel's MoE (got {self.moe_top_k}); a Hugging Face "
+                             "MoE routes to the num_experts_per_tok its config declares")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
         if self.moe_random_routing and self.moe_top_k != 2:
@@ -422,6 +427,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
     _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
     if m.hf_config is not None:
+        problem = hf_config_problem(m.hf_config)  # transformers' own verdict (loads it): after the rules above
+        _require(problem is None, "model.hf_config", str(problem))
         _require(p.recompute != "selective", "parallel.recompute", "selective recomputes the reference GPT's "
                  "attention core; a Hugging Face model takes 'full' or 'none'")
         _check_hf_tensor_parallel(cfg)
