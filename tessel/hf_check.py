@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -36,9 +37,20 @@ def hf_config_problem(path: str | Path) -> str | None:
 @functools.lru_cache(maxsize=32)
 def _problem(file: str, mtime_ns: int, size: int) -> str | None:  # the stamp: a file edited in place is re-read
     # deferred: transformers loads torch; only a recipe naming a Hugging Face config pays for it, once per file
+    from transformers.utils import logging
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # what it would only warn about is refused here, or warned about by each rank
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _transformers_problem(read_config(file))
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _transformers_problem(doc: dict) -> str | None:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    doc = read_config(file)
     kind = doc.pop("model_type")
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"model_type {kind!r}: transformers has no causal LM for it (AutoModelForCausalLM takes "
@@ -74,9 +86,10 @@ def _router_loss_problem(config) -> str | None:
     loss = balance_loss_of(model_class)
     if loss is None or is_standard_balance_loss(loss):
         return None
-    return (f"output_router_logits: {model_class.__name__}'s load-balancing loss {loss.__name__}"
-            f"{inspect.signature(loss)} is not the one tessel computes (Switch's over the top-k choices: "
-            f"load_balancing_loss_func{STANDARD_BALANCE_LOSS}); set output_router_logits to false")
+    takes = ", ".join(inspect.signature(loss).parameters)
+    return (f"output_router_logits: {model_class.__name__}'s load_balancing_loss_func({takes}) is not the one "
+            f"tessel computes (Switch's over the top-k choices: ({', '.join(STANDARD_BALANCE_LOSS)})); set "
+            "output_router_logits to false")
 
 
 def balance_loss_of(model_class: type) -> Callable | None:
