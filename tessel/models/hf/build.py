@@ -29,9 +29,17 @@ def build_hf(hf_config: str) -> nn.Module:
     logging.set_verbosity_error()  # its warnings about unused generation ids are not the user's concern here
     doc = read_config(hf_config)
     config = AutoConfig.for_model(doc.pop("model_type"), **doc)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=_attention(config))
     answer_with_logits(model)
     return model
+
+
+def _attention(config) -> str:
+    """SDPA where the family's class takes it; its eager attention where it refuses SDPA (Gemma 2, whose
+    attention soft-caps its scores)."""
+    from transformers import AutoModelForCausalLM  # deferred: transformers takes seconds to import
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def answer_with_logits(model: nn.Module) -> None:
