@@ -44,7 +44,7 @@ from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
 from tessel.apply import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
-from tessel.sharding import packed_dims
+from tessel.sharding import block_sizes, packed_dims
 from tessel.train.checkpoint.logical import LogicalView, as_logical
 from tessel.train.checkpoint.manager import CheckpointManager, step_dir, verify
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
@@ -305,11 +305,12 @@ class ParallelJob:
                              "they must divide")
 
 
-def _unpack(piece: torch.Tensor, dim: int, parts: int, mesh: Mesh) -> torch.Tensor:
-    """A packed tp shard (tessel.sharding.mark_packed: rank r holds the r-th chunk of each of `parts` blocks
-    along dim) -> the whole tensor: each block's chunks in rank order, the blocks side by side."""
+def _unpack(piece: torch.Tensor, dim: int, blocks: tuple[int, ...], mesh: Mesh) -> torch.Tensor:
+    """A packed tp shard (tessel.sharding.mark_packed: rank r holds the r-th chunk of each block along dim)
+    -> the whole tensor: each block's chunks in rank order, the blocks side by side."""
     pieces = [torch.empty_like(piece) for _ in range(mesh.size("tp"))]
     dist.all_gather(pieces, piece.contiguous(), group=mesh.group("tp"))  # in tp rank order: global ranks rise with it
-    blocks = [torch.cat([p.chunk(parts, dim)[b] for p in pieces], dim) for b in range(parts)]
-    return torch.cat(blocks, dim).cpu()
+    sizes = block_sizes(blocks, piece.size(dim))
+    whole = [torch.cat([p.split(sizes, dim)[b] for p in pieces], dim) for b in range(len(blocks))]
+    return torch.cat(whole, dim).cpu()
 

@@ -22,7 +22,7 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.build import uses_every_parameter
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
+from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts, tp_rules
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.hf_shape import family
 from tessel.models.hf.moe import RouterLossSpec, router_loss, router_loss_spec, with_router_loss
@@ -94,9 +94,8 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
         apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
     else:
-        known = FAMILIES.get(family(cfg.model.hf_config) or "")
-        hf_plan = hf_tp_plan(plan.model, known.tp if known is not None else None)
-        apply_plan(plan.model, hf_plan.styles, ctx, place_all=True, widths=hf_plan.widths)
+        hf_plan = hf_tp_plan(plan.model, tp_rules(plan.model, _family(cfg)))
+        apply_plan(plan.model, hf_plan.styles, ctx, place_all=True, widths=hf_plan.widths, blocks=hf_plan.blocks)
         refuse_own_loss(plan.model)  # its loss on vocab-sharded logits would be wrong
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
@@ -111,11 +110,16 @@ def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if m.hf_config is None:
         styles = gpt_tp_plan([], m.n_layer)
     else:
-        styles = hf_tp_plan(plan.model, FAMILIES[family(m.hf_config)].tp).styles
+        styles = hf_tp_plan(plan.model, tp_rules(plan.model, _family(cfg))).styles
         refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
     done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
     plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
     return plan
+
+
+def _family(cfg: Config) -> Family | None:
+    """The Hugging Face family of the model (tessel.models.hf.families), None for one tessel has no rules for."""
+    return FAMILIES.get(family(cfg.model.hf_config) or "")
 
 
 def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -168,11 +172,12 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     module names of its parts: the reference GPT's, or its Hugging Face family's."""
     if mesh.size("pp") > 1:
         if cfg.model.hf_config is not None:
-            plan.parts = pipeline_parts(plan.model, FAMILIES.get(family(cfg.model.hf_config) or ""))
+            plan.parts = pipeline_parts(plan.model, _family(cfg))
         plan.model = pipeline_chunks(plan.model, mesh, cfg, plan.parts)
         plan.full_logits = None
-        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel:
-            _hf_sequence_parallel_stages(plan.model, mesh, FAMILIES[family(cfg.model.hf_config)])
+        # stages that hand over at the blocks exchange sequence shards as they are (pipeline/handover.py)
+        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel and not plan.parts.hand_over_at_blocks:
+            _hf_sequence_parallel_stages(plan.model, mesh, _family(cfg))
         spec = router_loss_spec(plan.model[0]) if cfg.model.hf_config is not None else None
         if spec is not None:
             plan.stage_losses = _router_stage_losses(plan.model, mesh, cfg, spec)
@@ -183,9 +188,10 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Family) -> None:
-    """tp + SP under pp on a Hugging Face model, which measures its sequence from its input: a stage after the
-    first makes the sequence shard it receives whole and its first layer splits it again; one before the last
-    of a family that reshapes at its final norm (GPT-2) makes the sequence whole there and sends its shard."""
+    """tp + SP under pp on a Hugging Face model without a pipeline plan (GPT-2's own parts), which measures its
+    sequence from its input: a stage after the first makes the sequence shard it receives whole and its first
+    layer splits it again; one before the last of a family that reshapes at its final norm (GPT-2) makes the
+    sequence whole there and sends its shard."""
     ctx = TPContext.from_mesh(mesh, sequence_parallel=True)
     place = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     for c, chunk in enumerate(chunks):
@@ -235,8 +241,7 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
         else:
             stages = plan.model if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
-            known = FAMILIES.get(family(cfg.model.hf_config) or "")
-            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, known)])
+            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, _family(cfg))])
     return plan
 
 
