@@ -37,14 +37,14 @@ from tessel.axes import AXES
 from tessel.config import Config, ConfigError, build_config
 from tessel.hf_shape import model_shape
 from tessel.mesh import Mesh
-from tessel.models.hf.build import answer_with_logits
+from tessel.models.hf.build import as_training_model
 from tessel.observe.attention import check_attention
 from tessel.parallel.adamw import adamw
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
 from tessel.apply import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
-from tessel.sharding import packed_dims
+from tessel.sharding import block_sizes, packed_dims
 from tessel.train.checkpoint.logical import LogicalView, as_logical
 from tessel.train.checkpoint.manager import CheckpointManager, step_dir, verify
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
     cfg = job_config(model, resolve_layout(layout, mesh), mesh,
                      {"precision": precision, "compile": compile, "fused_loss": fused_loss})
     check_world(mesh)
-    answer_with_logits(model)
+    as_training_model(model)  # answers with logits, builds no key/value cache
     runner = apply_layout(model.to(mesh.device), mesh, cfg)
     if mesh.rank == 0:  # on a GPU: one line if attention falls back to the math kernel (nothing on the CPU)
         check_attention(cfg, mesh.device)
@@ -305,11 +305,12 @@ class ParallelJob:
                              "they must divide")
 
 
-def _unpack(piece: torch.Tensor, dim: int, parts: int, mesh: Mesh) -> torch.Tensor:
-    """A packed tp shard (tessel.sharding.mark_packed: rank r holds the r-th chunk of each of `parts` blocks
-    along dim) -> the whole tensor: each block's chunks in rank order, the blocks side by side."""
+def _unpack(piece: torch.Tensor, dim: int, blocks: tuple[int, ...], mesh: Mesh) -> torch.Tensor:
+    """A packed tp shard (tessel.sharding.mark_packed: rank r holds the r-th chunk of each block along dim)
+    -> the whole tensor: each block's chunks in rank order, the blocks side by side."""
     pieces = [torch.empty_like(piece) for _ in range(mesh.size("tp"))]
     dist.all_gather(pieces, piece.contiguous(), group=mesh.group("tp"))  # in tp rank order: global ranks rise with it
-    blocks = [torch.cat([p.chunk(parts, dim)[b] for p in pieces], dim) for b in range(parts)]
-    return torch.cat(blocks, dim).cpu()
+    sizes = block_sizes(blocks, piece.size(dim))
+    whole = [torch.cat([p.split(sizes, dim)[b] for p in pieces], dim) for b in range(len(blocks))]
+    return torch.cat(whole, dim).cpu()
 

@@ -22,10 +22,10 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.build import uses_every_parameter
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts
+from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts, tp_rules
 from tessel.models.hf.tp_plan import hf_tp_plan
-from tessel.hf_shape import family, read_config
-from tessel.models.hf.moe import mixtral_router_loss, with_router_loss
+from tessel.hf_shape import family
+from tessel.models.hf.moe import RouterLossSpec, router_loss, router_loss_spec, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
 from tessel.models.plan import gpt_tp_plan
@@ -65,8 +65,8 @@ class Plan:
     gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
     parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
     cp: CPContext | None = None  # context parallelism's attention: generation switches it to whole sequences
-    stage_losses: list | None = None  # a pipeline chunk's part of a loss that spans stages (Mixtral's router loss)
-    # what joins the head's loss (MoE aux losses, Mixtral's router loss): each wraps the loss it is given, once
+    stage_losses: list | None = None  # a pipeline chunk's part of a loss that spans stages (an HF MoE's router loss)
+    # what joins the head's loss (MoE aux losses, an HF MoE's router loss): each wraps the loss it is given, once
     # the head's loss is final (apply_fused_loss replaces it after the steps that add these)
     loss_terms: list[Callable[[Callable], Callable]] = field(default_factory=list)
     fused: FusedHead | None = None  # train.fused_loss: the head whose matmul moved into the loss
@@ -94,9 +94,8 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
         moe_blocks = [i for i, layer in enumerate(plan.model.layers) if isinstance(layer.mlp, MoE)]
         apply_plan(plan.model, gpt_tp_plan(moe_blocks, cfg.model.n_layer), ctx)
     else:
-        known = FAMILIES.get(family(cfg.model.hf_config) or "")
-        hf_plan = hf_tp_plan(plan.model, known.tp if known is not None else None)
-        apply_plan(plan.model, hf_plan.styles, ctx, place_all=True, widths=hf_plan.widths)
+        hf_plan = hf_tp_plan(plan.model, tp_rules(plan.model, _family(cfg)))
+        apply_plan(plan.model, hf_plan.styles, ctx, place_all=True, widths=hf_plan.widths, blocks=hf_plan.blocks)
         refuse_own_loss(plan.model)  # its loss on vocab-sharded logits would be wrong
     plan.loss_fn = VocabParallelLoss(ctx, cfg.model.vocab_size)
     plan.full_logits = FullLogits(plan.model, ctx, cfg.model.vocab_size, cfg.model.max_seq_len)
@@ -111,11 +110,16 @@ def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     if m.hf_config is None:
         styles = gpt_tp_plan([], m.n_layer)
     else:
-        styles = hf_tp_plan(plan.model, FAMILIES[family(m.hf_config)].tp).styles
+        styles = hf_tp_plan(plan.model, tp_rules(plan.model, _family(cfg))).styles
         refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
     done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
     plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
     return plan
+
+
+def _family(cfg: Config) -> Family | None:
+    """The Hugging Face family of the model (tessel.models.hf.families), None for one tessel has no rules for."""
+    return FAMILIES.get(family(cfg.model.hf_config) or "")
 
 
 def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
@@ -128,10 +132,10 @@ def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """MoE models (any ep): aux losses join the loss, routing stats the metrics; ep > 1 shards experts."""
+    if cfg.model.hf_config is not None:  # whatever tessel's shape fields say: the model's own routers decide
+        return _hf_expert_parallel(plan, mesh, cfg)
     if cfg.model.n_experts == 0:
         return plan
-    if cfg.model.hf_config is not None:
-        return _hf_expert_parallel(plan, mesh, cfg)
     layers = shard_experts(plan.model, mesh) if mesh.size("ep") > 1 else moe_layers(plan.model)
     if cfg.model.aux_loss_scope == "global":  # under a GPipe pipeline: the whole step's statistics
         gpipe = mesh.size("pp") > 1 and cfg.parallel.schedule == "gpipe"
@@ -149,16 +153,17 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """A Hugging Face Mixtral (tessel.config admits ep > 1 for no other family): ep > 1 shards its experts
-    under their own names; its router loss (when its config outputs router logits) joins the loss."""
+    """A Hugging Face model: ep > 1 shards a Mixtral's experts under their own names (tessel.config admits ep > 1
+    for no other family); the router loss of any MoE family (when its config outputs router logits, as
+    transformers adds it: tessel.models.hf.moe) joins the loss."""
     if mesh.size("ep") > 1:
         shard_mixtral_experts(plan.model, mesh)
     if mesh.size("pp") > 1:  # its loss spans every layer: each stage adds its share (apply_pipeline)
         return plan
-    router_loss = mixtral_router_loss(plan.model, read_config(cfg.model.hf_config))
-    if router_loss is not None:  # under cp its statistics span the cp ranks too (tessel.parallel.context.moe)
-        router_loss.balance = global_balance(mesh) if cfg.model.aux_loss_scope == "global" else sequence_balance(mesh)
-        plan.loss_terms.append(partial(with_router_loss, router_loss=router_loss))
+    loss = router_loss(plan.model)
+    if loss is not None:  # under cp its statistics span the cp ranks too (tessel.parallel.context.moe)
+        loss.balance = global_balance(mesh) if cfg.model.aux_loss_scope == "global" else sequence_balance(mesh)
+        plan.loss_terms.append(partial(with_router_loss, router_loss=loss))
     return plan
 
 
@@ -167,14 +172,15 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     module names of its parts: the reference GPT's, or its Hugging Face family's."""
     if mesh.size("pp") > 1:
         if cfg.model.hf_config is not None:
-            plan.parts = pipeline_parts(plan.model, FAMILIES.get(family(cfg.model.hf_config) or ""))
+            plan.parts = pipeline_parts(plan.model, _family(cfg))
         plan.model = pipeline_chunks(plan.model, mesh, cfg, plan.parts)
         plan.full_logits = None
-        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel:
-            _hf_sequence_parallel_stages(plan.model, mesh, FAMILIES[family(cfg.model.hf_config)])
-        hf = cfg.model.hf_config
-        if hf is not None and family(hf) == "mixtral" and read_config(hf).get("output_router_logits"):
-            plan.stage_losses = _mixtral_stage_losses(plan.model, mesh, cfg)
+        # stages that hand over at the blocks exchange sequence shards as they are (pipeline/handover.py)
+        if cfg.model.hf_config is not None and cfg.parallel.sequence_parallel and not plan.parts.hand_over_at_blocks:
+            _hf_sequence_parallel_stages(plan.model, mesh, _family(cfg))
+        spec = router_loss_spec(plan.model[0]) if cfg.model.hf_config is not None else None
+        if spec is not None:
+            plan.stage_losses = _router_stage_losses(plan.model, mesh, cfg, spec)
         if cfg.model.n_experts:  # routing stats of the MoE blocks this rank holds
             local = moe_layers(plan.model)
             plan.extra_metrics = lambda: moe_metrics(local, mesh)
@@ -182,9 +188,10 @@ def apply_pipeline(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Family) -> None:
-    """tp + SP under pp on a Hugging Face model, which measures its sequence from its input: a stage after the
-    first makes the sequence shard it receives whole and its first layer splits it again; one before the last
-    of a family that reshapes at its final norm (GPT-2) makes the sequence whole there and sends its shard."""
+    """tp + SP under pp on a Hugging Face model without a pipeline plan (GPT-2's own parts), which measures its
+    sequence from its input: a stage after the first makes the sequence shard it receives whole and its first
+    layer splits it again; one before the last of a family that reshapes at its final norm (GPT-2) makes the
+    sequence whole there and sends its shard."""
     ctx = TPContext.from_mesh(mesh, sequence_parallel=True)
     place = Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     for c, chunk in enumerate(chunks):
@@ -194,12 +201,12 @@ def _hf_sequence_parallel_stages(chunks: nn.ModuleList, mesh: Mesh, known: Famil
                                 decoder_layers(chunk, known)[0], whole_at)
 
 
-def _mixtral_stage_losses(chunks: nn.ModuleList, mesh: Mesh, cfg: Config) -> list:
-    """Mixtral's router loss over every layer, each stage back-propagating its share (parallel/expert/
+def _router_stage_losses(chunks: nn.ModuleList, mesh: Mesh, cfg: Config, spec: RouterLossSpec) -> list:
+    """A Hugging Face MoE's router loss over every layer, each stage back-propagating its share (parallel/expert/
     cross_stage.py): over the whole step under GPipe with the global scope, per micro-batch otherwise."""
     p, place = cfg.parallel, Placement(mesh.size("pp"), len(chunks), mesh.coord("pp"))
     scope = cfg.model.aux_loss_scope
-    return stage_router_losses(chunks, mesh, read_config(cfg.model.hf_config), scope,
+    return stage_router_losses(chunks, mesh, spec, scope,
                                cfg.train.grad_accum * p.micro_batches, scope == "global" and p.schedule == "gpipe",
                                [place.is_last(c) for c in range(len(chunks))])
 
@@ -234,8 +241,7 @@ def apply_recompute(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
             recompute_blocks([m for m in plan.model.modules() if isinstance(m, Block)])
         else:
             stages = plan.model if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
-            known = FAMILIES.get(family(cfg.model.hf_config) or "")
-            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, known)])
+            recompute_blocks([layer for stage in stages for layer in decoder_layers(stage, _family(cfg))])
     return plan
 
 

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
-from tessel.hf_shape import FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, HFConfigError, family, model_shape, read_config
+from tessel.hf_check import hf_config_problem
+from tessel.hf_shape import (FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, TP_LIMITS, HFConfigError, family, model_shape,
+                             read_config)
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
 
@@ -74,7 +76,8 @@ class ModelConfig(Strict):
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
     n_experts: int = Field(0, ge=0)
     moe_every: int = Field(1, ge=1)
-    moe_top_k: int = Field(1, ge=1, le=2)
+    # the reference MoE routes to 1 or 2 experts (model._shapes); a Hugging Face MoE to what its config declares
+    moe_top_k: int = Field(1, ge=1)
     capacity_factor: float = Field(1.25, gt=0)
     aux_loss_coef: float = Field(0.01, ge=0)
     z_loss_coef: float = Field(0.0, ge=0)
@@ -127,6 +130,9 @@ class ModelConfig(Strict):
         if self.document_separator is not None and self.document_separator >= self.vocab_size:
             raise ValueError(f"model.document_separator: ({self.document_separator}) is no token id: model.vocab_size "
                              f"is {self.vocab_size}")
+        if self.moe_top_k > 2:
+            raise ValueError(f"model.moe_top_k: must be 1 or 2 for tessel's MoE (got {self.moe_top_k}); a Hugging Face "
+                             "MoE routes to the num_experts_per_tok its config declares")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
         if self.moe_random_routing and self.moe_top_k != 2:
@@ -422,6 +428,8 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
     _require(t.min_lr <= t.lr, "train.min_lr", "must not exceed train.lr")
     _require(t.warmup_steps <= t.steps, "train.warmup_steps", f"must not exceed train.steps ({t.steps})")
     if m.hf_config is not None:
+        problem = hf_config_problem(m.hf_config)  # transformers' own verdict (loads it): after the rules above
+        _require(problem is None, "model.hf_config", str(problem))
         _require(p.recompute != "selective", "parallel.recompute", "selective recomputes the reference GPT's "
                  "attention core; a Hugging Face model takes 'full' or 'none'")
         _check_hf_tensor_parallel(cfg)
@@ -566,30 +574,47 @@ def _check_fused_loss(cfg: Config) -> None:
                  f"{', '.join(sorted(LOGITS_AFTER_HEAD))}); set train.fused_loss = false")
 
 
+def hf_tp_refusal(doc: dict) -> str | None:
+    """Why tensor parallelism (1D, with or without sequence parallelism) cannot split the Hugging Face model
+    whose config.json reads `doc`, or None: its family must be one whose plans tessel reads and tests
+    (tessel.hf_shape.FAMILIES), with none of the settings its plan cannot split (TP_LIMITS). The shapes
+    (heads, kv heads, feed-forward over tp) are check_layout's."""
+    kind = doc["model_type"]
+    if kind not in HF_FAMILIES:
+        return (f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
+                "this architecture trains under dp, ZeRO and recompute")
+    return next((why for key, why in TP_LIMITS.get(kind, {}).items() if doc.get(key)), None)
+
+
+def hf_pp_refusal(doc: dict) -> str | None:
+    """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: its family must
+    be one whose pipeline plan (embedding, decoder layers, final norm, head) tessel reads and tests."""
+    kind = doc["model_type"]
+    if kind in HF_FAMILIES:
+        return None
+    return (f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
+            f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
+            "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
+
+
 def _check_hf_tensor_parallel(cfg: Config) -> None:
-    """tp > 1 splits the Hugging Face families tessel has rules for (tessel.models.hf.tp_plan); their heads,
-    kv heads and feed-forward must split over tp like the reference GPT's (checked above, from the shape the
-    config filled in); the vocabulary is padded to a multiple of tp."""
+    """tp > 1 splits the Hugging Face families tessel has rules for (hf_tp_refusal); their heads, kv heads and
+    feed-forward must split over tp like the reference GPT's (checked above, from the shape the config filled
+    in); the vocabulary is padded to a multiple of tp."""
     if cfg.parallel.tp == 1:
         return
-    kind = read_config(cfg.model.hf_config)["model_type"]
-    _require(family(cfg.model.hf_config) is not None, "parallel.tp",
-             f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
-             "this architecture trains under dp, ZeRO and recompute")
+    why = hf_tp_refusal(read_config(cfg.model.hf_config))
+    _require(why is None, "parallel.tp", str(why))
 
 
 def _check_hf_pipeline(cfg: Config) -> None:
-    """pp > 1 cuts the Hugging Face families tessel knows by their module names (embedding, decoder layers,
-    final norm, head: tessel.models.hf.families); the rules every pipeline obeys (n_layer against the
-    stages, pp_layout, micro-batches) are checked in check_layout."""
+    """pp > 1 cuts the Hugging Face families tessel knows (hf_pp_refusal); the rules every pipeline obeys
+    (n_layer against the stages, pp_layout, micro-batches) are checked in check_layout."""
     p = cfg.parallel
     if p.pp == 1:
         return
-    kind = read_config(cfg.model.hf_config)["model_type"]
-    _require(family(cfg.model.hf_config) is not None, "parallel.pp",
-             f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
-             f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
-             "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
+    why = hf_pp_refusal(read_config(cfg.model.hf_config))
+    _require(why is None, "parallel.pp", str(why))
     _require(p.pp_balance != "time", "parallel.pp_balance", "'time' times the reference GPT's blocks; a Hugging "
              "Face model under pp > 1 is balanced by 'layers' or 'params'")
 

@@ -8,8 +8,10 @@ few fields tessel needs are read from the JSON itself, with the defaults the
 families' configuration classes use where a key is absent
 (transformers/models/<family>/configuration_<family>.py).
 
-FAMILIES names the architectures tessel places on every axis; any other causal
-LM still trains under data parallelism, ZeRO and recompute.
+FAMILIES names the architectures tessel places on tp and pp (their cut read
+from the plans transformers declares: tessel.models.hf.families); any other
+causal LM still trains under data parallelism, ZeRO and recompute. TP_LIMITS
+says which settings of a family tensor parallelism cannot split.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# model_type -> the family whose layout rules apply (tessel.models.hf.families)
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral", "gpt2": "gpt2"}
-TIED_BY_DEFAULT = {"gpt2"}  # tie_word_embeddings' default in the family's config class
+# model_type -> the family whose layout rules apply (tessel.models.hf.families): each with a parity test under
+# tp, tp + SP, pp and dp x tp x pp (tests/parallel/tensor/test_hf_tensor_parallel.py, tests/parallel/pipeline/)
+FAMILIES = {kind: kind for kind in (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3", "gpt_neox",
+    "starcoder2", "cohere", "mixtral", "gpt2")}
+# model_type -> {config key: why tensor parallelism cannot split the model when that key is set}
+TP_LIMITS = {"cohere": {"use_qk_norm": "Cohere's q/k norms (use_qk_norm) hold one weight per head, which its "
+                                       "tensor-parallel plan does not split"}}
+# tie_word_embeddings' default in the family's config class
+TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3_text", "starcoder2", "cohere"}
 # What a causal LM's forward does to its head's output before returning it (transformers 5.x, modeling_<type>.py,
 # the lines after `logits = self.lm_head(hidden_states)`): "none"; "scaled", a linear scaling (Granite divides by
 # logits_scaling, Cohere multiplies by logit_scale), which commutes with the head's matmul; "softcap", Gemma 2's

@@ -12,8 +12,10 @@ record:
 - `replica`: a copy of a parameter that another pipeline stage holds and
   counts (a tied embedding on the last stage): updated like the original but
   left out of the gradient norm.
-- `packed`: (axis, dim, parts) for a dim that packs equal blocks side by side
-  (a fused q|k|v projection) and splits each block over the axis: the shard is
+- `packed`: (axis, dim, blocks) for a dim that packs blocks side by side (a
+  fused q|k|v projection; `blocks` their relative sizes, (1, 1, 1) for equal
+  q, k, v, (H, KV, KV) for grouped-query heads) and splits each block over the
+  axis: the shard is
   then not one piece of the dim, so the axis has no entry in `dims` (a reader
   that cuts plain pieces, a checkpoint, refuses it rather than misplace it).
 
@@ -56,7 +58,7 @@ class Sharding:
     dims: tuple[tuple[str, int], ...] = ()  # (axis, dim) pairs: hashable, like the rest
     logical_shape: tuple[int, ...] | None = None
     replica: bool = False
-    packed: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, parts): see mark_packed
+    packed: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # (axis, dim, blocks): see mark_packed
     placement: Placement | None = None  # see set_placement
 
 
@@ -88,16 +90,27 @@ def mark_sharded(p: torch.Tensor, *axes: str, dim: int | None = None) -> None:
     _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, *axes))), dims=tuple(dims.items())))
 
 
-def mark_packed(p: torch.Tensor, axis: str, dim: int, parts: int) -> None:
-    """Declare p a shard over `axis` of a dim made of `parts` equal blocks, each split over the axis:
-    rank r holds the r-th chunk of every block, side by side (a fused q|k|v projection split by heads)."""
+def mark_packed(p: torch.Tensor, axis: str, dim: int, blocks: int | tuple[int, ...]) -> None:
+    """Declare p a shard over `axis` of a dim made of blocks side by side, each split over the axis: rank r
+    holds the r-th chunk of every block, side by side (a fused q|k|v projection split by heads). `blocks`:
+    their relative sizes (an int n: n equal blocks), the same in the shard as in the whole tensor."""
     s = sharding(p)
-    _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, axis))), packed=(*s.packed, (axis, dim, parts))))
+    blocks = (1,) * blocks if isinstance(blocks, int) else tuple(blocks)
+    _set(p, replace(s, axes=tuple(dict.fromkeys((*s.axes, axis))), packed=(*s.packed, (axis, dim, blocks))))
 
 
-def packed_dims(p: torch.Tensor) -> dict[str, tuple[int, int]]:
-    """{axis: (dim, parts)} for the axes that split p's dim block by block (mark_packed)."""
-    return {axis: (dim, parts) for axis, dim, parts in sharding(p).packed}
+def packed_dims(p: torch.Tensor) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{axis: (dim, blocks)} for the axes that split p's dim block by block (mark_packed)."""
+    return {axis: (dim, blocks) for axis, dim, blocks in sharding(p).packed}
+
+
+def block_sizes(blocks: tuple[int, ...], total: int) -> list[int]:
+    """The sizes of packed blocks of relative sizes `blocks` along a dim of `total` entries (a shard's or
+    the whole tensor's)."""
+    unit, rest = divmod(total, sum(blocks))
+    if rest:
+        raise ValueError(f"{total} entries do not pack blocks of relative sizes {blocks}")
+    return [unit * b for b in blocks]
 
 
 def mark_replica(p: torch.Tensor) -> None:

@@ -27,6 +27,35 @@ TINY = {
 }
 
 
+# Families placed from transformers' own plans (tessel.models.hf.tp_plan.rules_from_plan), each chosen for a
+# piece the plan leaves to tessel: grouped-query attention (4 heads, 2 kv heads: one a rank), explicit tying.
+DENSE = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+PLANNED = {
+    "qwen3": {**DENSE, "model_type": "qwen3"},  # per-head q/k norms: replicated, gradients summed over tp
+    "gemma": {**DENSE, "model_type": "gemma", "tie_word_embeddings": True},  # scaled embedding, GELU MLP
+    # 4 norms a layer, a sliding window (4 < seq_len 16) on every other layer, the attention's and the final
+    # logits' soft-caps set near the values they cap, so that both change the output (test_hf_tensor_parallel)
+    "gemma2": {**DENSE, "model_type": "gemma2", "tie_word_embeddings": True, "sliding_window": 4,
+               "query_pre_attn_scalar": 8, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.3},
+    "olmo2": {**DENSE, "model_type": "olmo2"},  # q/k norms over every head: the plan gathers q, k, v whole
+    "granite": {**DENSE, "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.125, "logits_scaling": 8.0},
+    "phi3": {**DENSE, "model_type": "phi3"},  # fused q|k|v (4, 2, 2 heads) and gate|up, split block by block
+    # q|k|v interleaved per head (a plain column split gives whole heads), attention and MLP in parallel
+    "gpt_neox": {"model_type": "gpt_neox", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+                 "bos_token_id": 1, "eos_token_id": 2},
+    "starcoder2": {**DENSE, "model_type": "starcoder2", "tie_word_embeddings": True},  # biases, LayerNorm
+    # one LayerNorm before attention and MLP side by side, the logits scaled
+    "cohere": {**DENSE, "model_type": "cohere", "tie_word_embeddings": True, "logit_scale": 0.5},
+    # per-head q/k norms, a scaled embedding, sliding windows
+    "gemma3_text": {**DENSE, "model_type": "gemma3_text", "tie_word_embeddings": True, "sliding_window": 4,
+                    "query_pre_attn_scalar": 8},
+}
+
+
 def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     # a private directory per run: concurrent test sessions must not share metrics files
     out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")

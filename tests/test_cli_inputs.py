@@ -23,12 +23,22 @@ from tessel.comm.topology import Topology
 from tests.helpers import write_recipe
 
 ROW = {"loss": 5.5, "tokens_per_s": 1000.0, "lr": 1e-3}
+HF_SHAPE = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32}
 FILES = {
     "good.jsonl": "".join(json.dumps({"step": s, **ROW}) + "\n" for s in range(3)),
     "not_json.jsonl": "step 0: loss 5.5\n",
     "no_loss.jsonl": json.dumps({"step": 0, "lr": 1e-3, "tokens_per_s": 1.0}) + "\n",
     "empty.jsonl": "",
     "a_file": "not a folder\n",
+    # a recipe whose model is a Hugging Face config named by --set, and configs transformers would not build
+    "hf.toml": "[train]\nsteps = 2\nglobal_batch = 8\nseq_len = 16\nwarmup_steps = 0\neval_every = 0\n"
+               "sample_tokens = 0\n\n[data]\nsource = \"synthetic\"\n\n[parallel]\ndp = 2\n",
+    **{f"{name}.json": json.dumps({**HF_SHAPE, **doc}) for name, doc in {
+        "pad_outside": {"model_type": "qwen3", "pad_token_id": 151643},  # Qwen's pad id, the vocabulary cut down
+        "layer_types": {"model_type": "qwen3", "layer_types": ["full_attention"]},  # 2 layers
+        "typo": {"model_type": "llama9"},
+        "doge_router": {"model_type": "doge", "num_experts": 16, "output_router_logits": True}}.items()},
 }
 UNWRITABLE = "/proc/tessel/out"  # /proc takes no new files, not even from root
 
@@ -152,6 +162,8 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "model.n_layer=100000"], "memory"),
     (["train", "{tmp}/tiny.toml", "--set", 'model.aux_loss_scope="batch"'], "model.aux_loss_scope"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.recompute="attention"'], "parallel.recompute"),
+    # tessel's MoE routes to 1 or 2 experts (a Hugging Face MoE to what its config declares)
+    (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_top_k=3"], "model.moe_top_k"),
     (["train", "{tmp}/tiny.toml", "--set", "train.global_batch=1000000000"], "memory"),
     # train: folders
     (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/a_file"'], "logging.out_dir"),
@@ -180,6 +192,10 @@ BAD = [
     (["train", "{assets}/mixtral.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", "parallel.pp=2", "--set",
       "parallel.virtual_stages=2", "--set", 'parallel.schedule="interleaved"', "--set", "parallel.micro_batches=2"],
      "parallel.virtual_stages"),  # Mixtral's router loss across stages: one chunk per pipeline rank
+    # a Hugging Face config transformers would refuse on every rank: refused before spawn, in its words
+    *[(["train", "{tmp}/hf.toml", "--set", 'logging.out_dir="{tmp}/out"', "--set", f'model.hf_config="{{tmp}}/{name}"'],
+       key) for name, key in (("pad_outside.json", "pad_token_id"), ("layer_types.json", "layer_types"),
+                              ("typo.json", "model_type"), ("doge_router.json", "output_router_logits"))],
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/missing.json"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{tmp}/not_json.jsonl"'], "data.tokenizer"),
     (["train", "{tmp}/tiny.toml", "--set", 'data.tokenizer="{assets}/bpe300.json"'], "data.tokenizer"),  # > vocab

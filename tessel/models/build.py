@@ -35,7 +35,7 @@ def uses_every_parameter(m: ModelConfig) -> bool:
     forward skips)."""
     if m.hf_config is None:
         return m.n_experts == 0
-    return family(m.hf_config) in ("llama", "gpt2")
+    return family(m.hf_config) not in (None, "mixtral") and m.n_experts == 0
 
 
 def load_init_from(model: nn.Module, m: ModelConfig) -> None:

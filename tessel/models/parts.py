@@ -36,6 +36,15 @@ class AddsNothing(nn.Module):
         return torch.zeros((), device=device)  # x + 0 == x exactly; a 0-dim tensor keeps x's dtype
 
 
+class PassesHidden(nn.Module):
+    """Stands in for a decoder layer another stage holds, under its index (parts that hand over at the blocks):
+    returns the hidden states it is called with, so that a model that picks each layer's mask by its position
+    in the list (Gemma 2: layer_types[i]) still gives every real layer its own."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
 STAND_INS = {
     "pass": nn.Identity,  # returns its input: a final norm or head before the last stage, an input dropout
     "zero": AddsNothing,  # returns 0: an embedding added to the input embeddings after the first stage
@@ -52,7 +61,13 @@ class ModelParts:
     `stand_ins` says what a removed module becomes ("pass" or "zero", see
     STAND_INS); one not named there becomes None (or leaves its container).
     `hidden_input` is the keyword a stage after the first gets its hidden
-    states by (None: in the token ids' place).
+    states by (None: in the token ids' place). `hand_over_at_blocks`: stages
+    hand their hidden states over at the blocks themselves: a later stage's
+    first block takes what the stage receives, unchanged, and an earlier stage
+    sends its last block's output, so that whatever the model does to its
+    input embeddings (a multiplier) or to its head's output (soft-capping)
+    runs once, on the first or the last stage (tessel.models.hf.pp_plan); the
+    blocks a stage does not hold then stay in its list as PassesHidden.
     """
     before: tuple[str, ...] = ("tok_emb",)
     blocks: str = "layers"
@@ -60,11 +75,16 @@ class ModelParts:
     tied: tuple[str, str] = ("tok_emb.weight", "lm_head.weight")
     stand_ins: dict[str, str] = field(default_factory=dict)
     hidden_input: str | None = None
+    hand_over_at_blocks: bool = False
 
     def stand_in(self, name: str) -> nn.Module | None:
         """What a stage that does not own module `name` holds in its place."""
         kind = self.stand_ins.get(name)
         return STAND_INS[kind]() if kind is not None else None
+
+    def held_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The blocks a model (or a pipeline stage of it) holds, in order, without stand-ins."""
+        return [b for b in model.get_submodule(self.blocks) if not isinstance(b, PassesHidden)]
 
     def unplaced(self, model: nn.Module) -> list[str]:
         """'name (Class)' of each module holding a parameter that no part holds: a stage cut by these

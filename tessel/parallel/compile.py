@@ -64,12 +64,11 @@ from tessel.parallel.tensor_nd.summa import Linear2D, TiedHead2D
 
 def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
     """Compile the model (a pipeline rank: each of its chunks) as train.compile says: each block's forward,
-    or each stage's; some modules eager inside (eager_modules), a Hugging Face model without its key/value
-    cache."""
+    or each stage's; some modules eager inside (eager_modules). A Hugging Face model comes without its key/value
+    cache, whose updates dynamo cannot trace in a checkpointed layer (tessel.models.hf.build.as_training_model,
+    which every one passes through)."""
     for stage in stages:
         run_eagerly(eager_modules(stage, cfg))
-        if cfg.model.hf_config is not None:
-            without_kv_cache(stage)
     if cfg.parallel.pp > 1 and splits_backward(cfg.parallel.schedule):
         # B runs its backward with retain_graph (W reuses the graph), which AOTAutograd refuses for a backward
         # compiled to reuse saved activations' buffers (donated buffers): compile without that reuse
@@ -121,14 +120,3 @@ def run_eagerly(modules: list[nn.Module]) -> None:
     """These modules' forwards stay eager inside a compiled region (a graph break around each)."""
     for module in modules:
         module.forward = torch.compiler.disable(module.forward, recursive=True)
-
-
-def without_kv_cache(model: nn.Module) -> None:
-    """A Hugging Face model called without its key/value cache (transformers makes one in training too, from
-    config.use_cache): tessel never reads it (sampling runs whole windows), and each layer's update of it
-    is Python state that dynamo cannot trace inside a checkpointed layer."""
-    model.register_forward_pre_hook(_no_cache, with_kwargs=True)
-
-
-def _no_cache(module: nn.Module, args: tuple, kwargs: dict):
-    return args, {**kwargs, "use_cache": False}

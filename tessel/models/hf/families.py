@@ -1,13 +1,19 @@
-"""Where tessel finds the parts of each Hugging Face family it knows, by module name: data, not code.
+"""What tessel knows of each Hugging Face family beyond transformers' own plans: data, not code.
 
-A Family says where the decoder layers live (recomputation, ZeRO-3 units, the
-pipeline's cut) and, as the other axes land, how tensor parallelism splits the
-family's modules, where a pipeline stage cuts it (its ModelParts: the module
-names of the embedding, the decoder layers, the final norm and head, what
-stands in for each on a stage that does not hold it, and how a stage after the
-first takes its hidden states) and how its experts map onto tessel's
-dispatcher. A model of an unknown family still gets data parallelism,
-ZeRO and recompute (its decoder layers are then its longest ModuleList).
+A family whose config declares a base_model_pp_plan and a base_model_tp_plan
+needs nothing here but its name: its decoder layers, its pipeline cut
+(tessel.models.hf.pp_plan) and its tensor-parallel rules
+(tessel.models.hf.tp_plan.rules_from_plan) are read from those plans and from
+the model's own modules. A family keeps notes here only for what its plans do
+not say (PlanNotes, each checked against the plan): Phi-3's fused projections,
+split block by block where its plan gathers them; Mixtral's MoE block, computed
+whole on every tp rank (its experts go to the ep axis). A family with no plans
+at all (GPT-2) brings all of its rules and parts. A model of an unknown family
+still gets data parallelism, ZeRO and recompute (its decoder layers are then its
+longest ModuleList).
+
+Which model types tessel places on which axis, checked before any process
+starts, is tessel.hf_shape (it reads the config's JSON, without transformers).
 """
 
 from __future__ import annotations
@@ -16,16 +22,10 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from tessel.models.hf.tp_plan import GPT2_TP, LLAMA_TP, MIXTRAL_TP, TPRules
+from tessel.models.hf.pp_plan import has_pp_plan, parts_from_plan
+from tessel.models.hf.tp_plan import GPT2_TP, PlanNotes, TPRules, rules_from_plan
 from tessel.models.parts import ModelParts
 
-# Llama, Mistral, Qwen2 and Mixtral (LlamaModel.forward and its copies): the embedding is skipped when
-# inputs_embeds is given; the final norm and the head are always called, so they pass hidden states
-# through before the last stage; the rotary embedding (buffers only) stays on every stage.
-LLAMA_PARTS = ModelParts(
-    before=("model.embed_tokens",), blocks="model.layers", after=("model.norm", "lm_head"),
-    tied=("model.embed_tokens.weight", "lm_head.weight"),
-    stand_ins={"model.norm": "pass", "lm_head": "pass"}, hidden_input="inputs_embeds")
 # GPT-2 (GPT2Model.forward): hidden = inputs_embeds + wpe(positions), then dropout, so after the first
 # stage the position embedding adds nothing and the dropout passes through (it ran on the first stage)
 GPT2_PARTS = ModelParts(
@@ -34,38 +34,63 @@ GPT2_PARTS = ModelParts(
     stand_ins={"transformer.wpe": "zero", "transformer.drop": "pass", "transformer.ln_f": "pass", "lm_head": "pass"},
     hidden_input="inputs_embeds")
 
+# Phi-3 packs q|k|v (num_attention_heads, then num_key_value_heads twice, of head_dim each) and gate|up
+# into one projection each; its plan gathers their outputs whole, so every rank would compute every head.
+# Split block by block instead, each rank holds the q, k, v of its own heads and its half of gate and up;
+# its attention finds q at config.num_attention_heads * head_dim and k after it at num_key_value_heads *
+# head_dim, so both become the rank's own counts (the model's config keeps the whole ones)
+PHI3_NOTES = PlanNotes(
+    linear=(("layers.*.self_attn.qkv_proj", "colwise_packed"), ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.mlp.gate_up_proj", "colwise_packed"), ("layers.*.mlp.down_proj", "rowwise")),
+    blocks=(("layers.*.self_attn.qkv_proj", ("num_attention_heads", "num_key_value_heads", "num_key_value_heads")),
+            ("layers.*.mlp.gate_up_proj", (1, 1))),
+    widths=(("layers.*.self_attn", ("num_key_value_heads", "config.num_attention_heads")),))
+
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    layers: str  # the ModuleList of decoder layers
-    tp: TPRules | None = None  # how tensor parallelism splits it (tessel.models.hf.tp_plan)
-    parts: ModelParts | None = None  # how a pipeline cuts it (tessel.models.parts)
+    notes: PlanNotes = PlanNotes()  # what its plans do not say
+    tp: TPRules | None = None  # a family without plans: its own tensor-parallel rules
+    parts: ModelParts | None = None  # and its own pipeline cut
 
 
-FAMILIES = {
-    # also Mistral and Qwen2 (tessel.hf_shape.FAMILIES)
-    "llama": Family("llama", layers="model.layers", tp=LLAMA_TP, parts=LLAMA_PARTS),
-    "mixtral": Family("mixtral", layers="model.layers", tp=MIXTRAL_TP, parts=LLAMA_PARTS),
-    "gpt2": Family("gpt2", layers="transformer.h", tp=GPT2_TP, parts=GPT2_PARTS),
+FAMILIES = {name: Family(name) for name in (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "gpt_neox",
+    "starcoder2", "cohere")} | {
+    "phi3": Family("phi3", notes=PHI3_NOTES),
+    "mixtral": Family("mixtral", notes=PlanNotes(replicated=("layers.*.mlp",))),  # the sparse MoE block
+    "gpt2": Family("gpt2", tp=GPT2_TP, parts=GPT2_PARTS),
 }
 
 
-def decoder_layers(model: nn.Module, family: Family | None) -> list[nn.Module]:
-    """The model's decoder layers, in order."""
-    if family is not None:
-        return list(model.get_submodule(family.layers))
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
-
-
 def pipeline_parts(model: nn.Module, family: Family | None) -> ModelParts:
-    """The family's pipeline parts; for an architecture tessel has none for, ValueError naming the first
-    module it could not place."""
+    """The family's pipeline parts (its own, or read from the model's pipeline plan); for an architecture
+    tessel has none for, ValueError naming the first module it could not place."""
     if family is not None and family.parts is not None:
         return family.parts
+    if family is not None and has_pp_plan(model):
+        return parts_from_plan(model)
     first = next((f"{name} ({type(m).__name__})" for name, m in model.named_modules()
                   if any(True for _ in m.parameters(recurse=False))), type(model).__name__)
     raise ValueError(f"pipeline parallelism cannot place {first} of {type(model).__name__}: stages are cut by "
                      f"the module names of the families {', '.join(sorted(FAMILIES))}; this architecture trains "
                      "under dp, ZeRO and recompute")
+
+
+def tp_rules(model: nn.Module, family: Family | None) -> TPRules | None:
+    """The family's tensor-parallel rules (its own, or read from the model's plans); None for an architecture
+    tessel has none for (tessel.models.hf.tp_plan.hf_tp_plan then names what nothing places)."""
+    if family is None:
+        return None
+    if family.tp is not None:
+        return family.tp
+    return rules_from_plan(model, pipeline_parts(model, family), family.notes)
+
+
+def decoder_layers(model: nn.Module, family: Family | None) -> list[nn.Module]:
+    """The model's decoder layers, in order (on a pipeline stage: the ones it holds)."""
+    if family is not None and (family.parts is not None or has_pp_plan(model)):
+        return pipeline_parts(model, family).held_blocks(model)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []

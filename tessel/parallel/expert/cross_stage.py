@@ -1,11 +1,12 @@
-"""Mixtral's router loss under a pipeline: one loss over every layer, exact, though the layers are on other stages.
+"""A Hugging Face MoE's router loss under a pipeline: one loss over every layer, exact, though the layers are on
+other stages.
 
 transformers' load_balancing_loss_func takes its statistics over the router outputs of every layer at once:
 
     aux = c * E * sum_i f_i * P_i,   f_i = C_i / R,   P_i = S_i / R
 
 C_i: the top-k choices of expert i, S_i: the sum of the router probabilities of i, R: the rows (tokens x
-layers), each summed over all layers (tessel.models.hf.moe.mixtral_balance_loss), and under
+layers), each summed over all layers (tessel.models.hf.moe.balance_loss), and under
 aux_loss_scope = "global" over every rank that splits the batch (dp x ep; Qiu et al. 2025). Under pp a
 stage holds only some layers. C and R are counts, constant to autograd, so the loss is linear in each
 stage's probability sums S^s given them:
@@ -44,7 +45,7 @@ import torch.nn as nn
 
 from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
-from tessel.models.hf.moe import MixtralRouterLoss, mixtral_statistics
+from tessel.models.hf.moe import RouterLoss, RouterLossSpec, balance_statistics
 
 
 class Pending:
@@ -106,14 +107,13 @@ class RouterShare(torch.autograd.Function):
 
 
 class StageRouterLoss:
-    """Mixtral's router loss of one pipeline chunk's layers, for the executor (tessel.parallel.pipeline.aux's
+    """The router loss of one pipeline chunk's layers, for the executor (tessel.parallel.pipeline.aux's
     StageLoss): called after each training forward, it returns this chunk's RouterShare."""
 
     present = True  # every stage takes part in every micro-batch's all-reduce, whatever layers it holds
 
-    def __init__(self, chunk: nn.Module, hf_config: dict, stats: StepStatistics, last: bool, shards: int):
-        recorder = MixtralRouterLoss(chunk, float(hf_config.get("router_aux_loss_coef", 0.001)),
-                                     int(hf_config["num_local_experts"]), int(hf_config.get("num_experts_per_tok", 2)))
+    def __init__(self, chunk: nn.Module, spec: RouterLossSpec, stats: StepStatistics, last: bool, shards: int):
+        recorder = RouterLoss(chunk, spec)
         self.recorder, self.stats, self.last = recorder, stats, last
         # c * E, times N under the global scope; times m for the whole step (the executor seeds 1/m)
         self.seed = recorder.coef * recorder.n_experts * shards * (stats.m if stats.whole_step else 1)
@@ -123,7 +123,7 @@ class StageRouterLoss:
         logits = r.take_logits()
         if not logits:
             return None  # no training forward ran (evaluation, sampling)
-        counts, prob_sums, rows = mixtral_statistics(logits, r.n_experts, r.top_k)
+        counts, prob_sums, rows = balance_statistics(logits, r.n_experts, r.top_k)
         mb = self.stats.add(torch.cat([counts.to(prob_sums.dtype), rows.to(prob_sums.dtype)[None],
                                        prob_sums.detach()]))
         return RouterShare.apply(prob_sums, self.stats, mb, self.seed, self._value(mb))
@@ -138,7 +138,7 @@ class StageRouterLoss:
         return m * self.recorder.coef * self.recorder.n_experts * float((C * S).sum() / R ** 2)
 
 
-def stage_router_losses(chunks: nn.ModuleList, mesh: Mesh, hf_config: dict, scope: str, micro_batches: int,
+def stage_router_losses(chunks: nn.ModuleList, mesh: Mesh, spec: RouterLossSpec, scope: str, micro_batches: int,
                         whole_step: bool, last: list[bool]) -> list[StageRouterLoss]:
     """One StageRouterLoss per chunk of this pipeline rank (collective: makes the statistics' process group).
 
@@ -152,5 +152,5 @@ def stage_router_losses(chunks: nn.ModuleList, mesh: Mesh, hf_config: dict, scop
         if mesh.rank in ranks:
             group = g
     shards = mesh.size(*TOKEN_AXES) if scope == "global" else mesh.size("cp")
-    stats = StepStatistics(int(hf_config["num_local_experts"]), micro_batches, whole_step, group)
-    return [StageRouterLoss(chunk, hf_config, stats, last[c], shards) for c, chunk in enumerate(chunks)]
+    stats = StepStatistics(spec.n_experts, micro_batches, whole_step, group)
+    return [StageRouterLoss(chunk, spec, stats, last[c], shards) for c, chunk in enumerate(chunks)]

@@ -10,7 +10,7 @@ the logical (E, ...) tensors). Tokens travel by tessel.parallel.expert's
 AllToAllDispatcher, the one the reference GPT's MoE uses. Mixtral has no capacity
 factor, so nothing is dropped: every top-k choice reaches its expert.
 
-The load-balancing loss (tessel.models.hf.moe.MixtralRouterLoss) joins the loss
+The load-balancing loss (tessel.models.hf.moe.RouterLoss) joins the loss
 function (under a pipeline, each stage adds its share: tessel.parallel.expert.cross_stage);
 with model.aux_loss_scope = "global" its statistics span the ranks that split the
 batch, so any layout trains on transformers' single-process loss.

@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 
 from tessel.models.gpt import GPT, cross_entropy
-from tessel.models.parts import GPT_PARTS, ModelParts
+from tessel.models.parts import GPT_PARTS, ModelParts, PassesHidden
 from tessel.observe.metrics import synced_seconds
+from tessel.parallel.pipeline.handover import HandOver
 from tessel.parallel.pipeline.schedules import stage_of
 
 
@@ -48,9 +49,10 @@ def without_modules(model: nn.Module, names: Sequence[str], parts: ModelParts = 
     so the model itself stays whole; deepcopy's memo maps every other module,
     parameter and buffer to itself. A removed entry of a container (ModuleList,
     ModuleDict, Sequential) is deleted: its siblings keep their names and the
-    container iterates over what is left. Any other removed module becomes its
-    stand-in in `parts` (a pass-through, a zero), or None, which the model's
-    forward skips.
+    container iterates over what is left (parts that hand over at the blocks keep a
+    removed block's place with a pass-through, PassesHidden). Any other removed
+    module becomes its stand-in in `parts` (a pass-through, a zero), or None,
+    which the model's forward skips.
     """
     above = {""} | {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
     shared = {id(m): m for name, m in model.named_modules(remove_duplicate=False) if name not in above}
@@ -59,7 +61,9 @@ def without_modules(model: nn.Module, names: Sequence[str], parts: ModelParts = 
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = stage.get_submodule(parent_name)
-        if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if parts.hand_over_at_blocks and parent_name == parts.blocks:
+            setattr(parent, leaf, PassesHidden())  # under its index: the model may read a layer's by it
+        elif isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             delattr(parent, leaf)
         else:
             setattr(parent, leaf, parts.stand_in(name))
@@ -175,9 +179,10 @@ def stage_bounds(layout: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def split_model(model: nn.Module, layout: Sequence[int], rank: int, p: int,
-                parts: ModelParts = GPT_PARTS, vshape: bool = False) -> list[nn.Module]:
+                parts: ModelParts = GPT_PARTS, vshape: bool = False, sequence_shards: int = 1) -> list[nn.Module]:
     """This pipeline rank's chunks: virtual stages rank, rank + p, rank + 2p, ... (Narayanan et al. 2021),
-    or in a V (ZBV, Qi et al. 2023) stages rank and 2p - 1 - rank."""
+    or in a V (ZBV, Qi et al. 2023) stages rank and 2p - 1 - rank. sequence_shards: the pieces of the
+    sequence that stages exchange (tp under sequence parallelism), for parts that hand over at the blocks."""
     check_placed(model, parts)
     bounds = stage_bounds(layout)
     last = len(layout) - 1
@@ -186,5 +191,7 @@ def split_model(model: nn.Module, layout: Sequence[int], rank: int, p: int,
         chunk = without_modules(model, removed_modules(parts, sum(layout), bounds[s], s == 0, s == last), parts)
         if s > 0 and parts.hidden_input is not None:
             chunk.register_forward_pre_hook(HiddenStatesAs(parts.hidden_input), with_kwargs=True)
+        if parts.hand_over_at_blocks:
+            HandOver(parts.hidden_input, sequence_shards).attach(chunk, parts.held_blocks(chunk), s == 0, s == last)
         chunks.append(chunk)
     return chunks

@@ -55,8 +55,9 @@ def choose_layout(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts =
 def pipeline_chunks(model: nn.Module, mesh: Mesh, cfg: Config, parts: ModelParts = GPT_PARTS) -> nn.ModuleList:
     """This rank's model chunks (one per virtual stage it runs)."""
     layout = choose_layout(model, mesh, cfg, parts)
+    shards = mesh.size("tp") if cfg.parallel.sequence_parallel else 1  # stages exchange sequence shards
     return nn.ModuleList(split_model(model, layout, mesh.coord("pp"), mesh.size("pp"), parts,
-                                     vshape=is_vshape(cfg.parallel.schedule)))
+                                     vshape=is_vshape(cfg.parallel.schedule), sequence_shards=shards))
 
 
 def pipeline_runner(chunks: nn.ModuleList, loss_fn, mesh: Mesh, cfg: Config, gather_vocab=None,

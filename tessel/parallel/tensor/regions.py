@@ -128,6 +128,16 @@ def sum_grads_over_tp(module: nn.Module, ctx: TPContext) -> None:
             p.register_hook(partial(_summed_over_tp, group=ctx.group))
 
 
+def sum_partial_grads(module: nn.Module, ctx: TPContext) -> None:
+    """A replicated module that each tp rank applies to its own heads only (Qwen3's and Gemma 3's q/k norms,
+    one weight of head_dim shared by every head: transformers' replicated_with_grad_allreduce): each rank's
+    gradient is its heads' share, so it is all-reduced over tp before it accumulates, with or without
+    sequence parallelism (under it the attention's input was gathered first: every rank sees the whole
+    sequence, its own heads). The weights stay identical on every rank and unmarked (counted once)."""
+    for p in module.parameters():
+        p.register_hook(partial(_summed_over_tp, group=ctx.group))
+
+
 def _summed_over_tp(grad: torch.Tensor, group) -> torch.Tensor:
     return comm.all_reduce(grad.clone(), group)  # a hook must not change the tensor it is given
 

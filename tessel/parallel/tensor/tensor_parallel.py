@@ -21,9 +21,11 @@ rows are zero, never looked up, and their logits are masked out of the loss.
 The layers keep the weight layout of the module they replace: nn.Linear's
 [out, in], or [in, out] for transformers' Conv1D (GPT-2's linear layers), so
 parameter names and logical shapes stay the model's own. A fused q|k|v
-projection (GPT-2's c_attn) is split block by block: each rank holds the q, k
-and v columns of its own heads (tessel.sharding.mark_packed; not a plain shard,
-so checkpoints refuse it until they learn to cut it).
+projection (GPT-2's c_attn, Phi-3's qkv_proj, whose k and v blocks are smaller
+than q's under grouped-query attention) is split block by block: each rank
+holds the q, k and v columns of its own heads (tessel.sharding.mark_packed;
+checkpoints save it as pieces of the logical tensor:
+tessel.train.checkpoint.packed).
 
 Every layer is built `from_xxx(plain_module, ctx)` where ctx (TPContext) holds
 the group and the sequence-parallel switch. Colossal-AI's 2D/2.5D/3D layers fit
@@ -34,7 +36,9 @@ constructors, registered as further styles in STYLES so that plans and
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+from functools import partial
 from typing import Callable
 
 import torch
@@ -44,7 +48,8 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm, regions
 from tessel.parallel.tensor.context import TPContext
-from tessel.sharding import logical_shape, mark_packed, mark_sharded, packed_dims, set_logical_shape, shard_dims
+from tessel.sharding import (block_sizes, logical_shape, mark_packed, mark_sharded, packed_dims, set_logical_shape,
+                             shard_dims)
 
 
 def _shard(full: torch.Tensor, dim: int, ctx: TPContext, padded: int) -> torch.Tensor:
@@ -64,13 +69,14 @@ def _sharded_param(data: torch.Tensor, dim: int, logical_shape: torch.Size | Non
     return p
 
 
-def _packed_param(full: torch.Tensor, dim: int, parts: int, ctx: TPContext) -> nn.Parameter:
-    """This rank's chunk of each of the `parts` equal blocks of `full` along dim, side by side."""
-    if full.size(dim) % (parts * ctx.size):
-        raise ValueError(f"{parts} packed blocks of size {full.size(dim)} do not split over tp {ctx.size}")
-    blocks = full.unflatten(dim, (parts, -1))  # (.., parts, block, ..)
-    p = nn.Parameter(blocks.chunk(ctx.size, dim=dim + 1)[ctx.rank].flatten(dim, dim + 1).detach().clone())
-    mark_packed(p, "tp", dim, parts)
+def _packed_param(full: torch.Tensor, dim: int, blocks: tuple[int, ...], ctx: TPContext) -> nn.Parameter:
+    """This rank's chunk of each packed block of `full` along dim (relative sizes `blocks`), side by side."""
+    sizes = block_sizes(blocks, full.size(dim))
+    if any(size % ctx.size for size in sizes):
+        raise ValueError(f"packed blocks of sizes {sizes} do not split over tp {ctx.size}")
+    pieces = [block.chunk(ctx.size, dim=dim)[ctx.rank] for block in full.split(sizes, dim)]
+    p = nn.Parameter(torch.cat(pieces, dim).detach().clone())
+    mark_packed(p, "tp", dim, blocks)
     return p
 
 
@@ -104,17 +110,17 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, shared_weight: nn.Parameter | None = None,
-                    parts: int = 1, **kw) -> "ColumnParallelLinear":
-        """From an nn.Linear or a Conv1D. parts > 1: the output packs that many equal blocks (q|k|v),
-        each split over tp, so that every rank holds the q, k and v of its own heads."""
+                    blocks: tuple[int, ...] = (1,), **kw) -> "ColumnParallelLinear":
+        """From an nn.Linear or a Conv1D. Several blocks: the output packs blocks of these relative sizes
+        (q|k|v, gate|up), each split over tp, so that every rank holds the q, k and v of its own heads."""
         in_out = _in_out(linear)
         dim = 1 if in_out else 0  # the output features' dim of the weight
         out = linear.weight.size(dim)
-        if parts > 1:
+        if len(blocks) > 1:
             if kw.get("gather_output"):
                 raise ValueError("a packed projection's output cannot be gathered whole")
-            weight = _packed_param(linear.weight, dim, parts, ctx)
-            bias = None if linear.bias is None else _packed_param(linear.bias, 0, parts, ctx)
+            weight = _packed_param(linear.weight, dim, blocks, ctx)
+            bias = None if linear.bias is None else _packed_param(linear.bias, 0, blocks, ctx)
             return cls(weight, bias, ctx, out, in_out=in_out, **kw)
         padded = ctx.padded(out)
         logical = linear.weight.shape if padded != out else None
@@ -189,10 +195,12 @@ class VocabParallelEmbedding(nn.Module):
     the sequence is then split at the first decoder layer (style "split_sequence"). Otherwise they
     leave through ctx.exit (reduce-scattered along the sequence under sequence parallelism).
     padding_idx: as nn.Embedding's, a row that gets no gradient.
+    embed_scale: a factor on every row (transformers' scaled word embeddings, Gemma's sqrt(hidden)), the
+    module's own buffer kept under its name; the owner's row times it, plus zeros, is its product exactly.
     """
 
     def __init__(self, weight: nn.Parameter, ctx: TPContext, num_embeddings: int, whole_output: bool = False,
-                 padding_idx: int | None = None):
+                 padding_idx: int | None = None, embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.weight, self.ctx, self.num_embeddings = weight, ctx, num_embeddings
         self.whole_output = whole_output
@@ -200,23 +208,39 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + weight.size(0)
         own = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         self.local_padding_idx = padding_idx - self.vocab_start if own else None
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, ctx: TPContext, whole_output: bool = False) -> "VocabParallelEmbedding":
         rows = ctx.padded(emb.num_embeddings)
         logical = emb.weight.shape if rows != emb.num_embeddings else None
         return cls(_sharded_param(_shard(emb.weight, 0, ctx, rows), 0, logical), ctx, emb.num_embeddings,
-                   whole_output, emb.padding_idx)
+                   whole_output, emb.padding_idx, _embed_scale(emb))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         foreign = (idx < self.vocab_start) | (idx >= self.vocab_end)  # ids another rank owns
         local = (idx - self.vocab_start).masked_fill(foreign, 0)
         out = F.embedding(local, self.weight, self.local_padding_idx)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(self.weight.dtype)  # as transformers' ScaledWordEmbedding.forward
         out = out.masked_fill(foreign.unsqueeze(-1), 0.0)  # (B, T, C) partial
         return comm.reduce_from_tp(out, self.ctx.group) if self.whole_output else self.ctx.exit(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.weight.size(1)}, rows {self.vocab_start}:{self.vocab_end}"
+
+
+def _embed_scale(emb: nn.Embedding) -> torch.Tensor | None:
+    """The factor a token embedding multiplies its rows by: None for nn.Embedding itself, the `embed_scale`
+    buffer of transformers' scaled word embeddings (Gemma's: lookup * embed_scale); any other forward is
+    refused, since the split table would skip it."""
+    if type(emb).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(emb, "embed_scale", None)
+    if not isinstance(scale, torch.Tensor) or not type(emb).__name__.endswith("ScaledWordEmbedding"):
+        raise TypeError(f"a {type(emb).__name__} computes its own forward, which a vocabulary-parallel table "
+                        "would skip (tessel splits nn.Embedding and transformers' scaled word embeddings)")
+    return scale.detach().clone()
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -305,11 +329,30 @@ def _colwise(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
 
 
 def _colwise_qkv(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
-    return ColumnParallelLinear.from_linear(module, ctx, parts=3, enter=False)
+    return ColumnParallelLinear.from_linear(module, ctx, blocks=(1, 1, 1), enter=False)
+
+
+def _colwise_packed(module: nn.Module, ctx: TPContext, memo: dict, blocks: tuple[int, ...]) -> nn.Module:
+    return ColumnParallelLinear.from_linear(module, ctx, blocks=blocks, enter=False)
+
+
+def _colwise_gather(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    # transformers' colwise_gather_output: what follows inside the region sees the whole output
+    return ColumnParallelLinear.from_linear(module, ctx, enter=False, gather_output=True)
 
 
 def _rowwise(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
     return RowParallelLinear.from_linear(module, ctx)
+
+
+def _rowwise_split(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    # transformers' rowwise_split_input: takes the whole input (after a colwise_gather) and keeps its own slice
+    return RowParallelLinear.from_linear(module, ctx, input_is_parallel=False)
+
+
+def _sum_grads(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
+    regions.sum_partial_grads(module, ctx)  # transformers' replicated_with_grad_allreduce
+    return module
 
 
 def _sequence_norm(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
@@ -338,13 +381,15 @@ def _keep(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
 
 
 STYLES: dict[str, Callable[[nn.Module, TPContext, dict], nn.Module]] = {
-    "enter": _enter_region, "colwise": _colwise, "colwise_qkv": _colwise_qkv, "rowwise": _rowwise,
+    "enter": _enter_region, "colwise": _colwise, "colwise_qkv": _colwise_qkv, "colwise_packed": _colwise_packed,
+    "colwise_gather": _colwise_gather, "rowwise": _rowwise, "rowwise_split": _rowwise_split,
     "vocab_embedding": _vocab_embedding, "vocab_embedding_whole": _vocab_embedding_whole,
     "vocab_head": _vocab_head, "vocab_head_entered": _vocab_head_entered, "sequence_norm": _sequence_norm,
-    "final_norm": _final_norm, "split_sequence": _split_sequence,
+    "final_norm": _final_norm, "split_sequence": _split_sequence, "sum_grads": _sum_grads,
     "replicate": _replicate, "keep": _keep,
 }
-COLUMN_STYLES = ("colwise", "colwise_qkv")  # need an enclosing "enter"
+# need an enclosing "enter"; "colwise_packed" also its blocks' relative sizes (apply_plan's `blocks`)
+COLUMN_STYLES = ("colwise", "colwise_qkv", "colwise_packed", "colwise_gather")
 PLACING_STYLES = frozenset(STYLES) - {"enter", "split_sequence"}  # say where a module's parameters live
 
 
@@ -382,13 +427,16 @@ def unplaced_modules(model: nn.Module, found: dict[str, str]) -> list[str]:
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], ctx: TPContext, place_all: bool = False,
-               widths: dict[str, tuple[str, ...]] | None = None) -> nn.Module:
+               widths: dict[str, tuple[str, ...]] | None = None,
+               blocks: dict[str, tuple[int, ...]] | None = None) -> nn.Module:
     """Swap the modules a plan names for their tensor-parallel versions, in place.
 
     place_all: first check that the plan says where every parameter goes (a model of another
     architecture fails here, naming the module, before anything changes).
     widths: {module pattern: attribute names} of widths a kept module computes its local shapes
-    from, divided by tp (GPT-2's attention splits its fused q|k|v output at `split_size`).
+    from, divided by tp (GPT-2's attention splits its fused q|k|v output at `split_size`); an attribute
+    "config.<name>" is one the module reads from its config, which it then gets a copy of.
+    blocks: {pattern of a "colwise_packed" module: the relative sizes of the blocks its output packs}.
     """
     found = match_plan(model, plan)
     missing = unplaced_modules(model, found) if place_all else []
@@ -400,8 +448,11 @@ def apply_plan(model: nn.Module, plan: dict[str, str], ctx: TPContext, place_all
     memo: dict = {}
     for name, style in found.items():  # parents before children
         module = model.get_submodule(name)
+        make = STYLES[style]
+        if style == "colwise_packed":
+            make = partial(make, blocks=next(b for p, b in (blocks or {}).items() if fnmatch.fnmatchcase(name, p)))
         try:
-            new = STYLES[style](module, ctx, memo)
+            new = make(module, ctx, memo)
         except (TypeError, ValueError) as err:
             raise ValueError(f"tensor parallelism cannot place {name!r} ({type(module).__name__}) "
                              f"as {style!r}: {err}") from None
@@ -417,10 +468,22 @@ def _divide_widths(model: nn.Module, widths: dict[str, tuple[str, ...]], ctx: TP
         for pattern, attrs in widths.items():
             if fnmatch.fnmatchcase(name, pattern):
                 for attr in attrs:
-                    whole = getattr(module, attr)
+                    owner, attr = _width_owner(module, attr)
+                    whole = getattr(owner, attr)
                     if whole % ctx.size:
                         raise ValueError(f"{name}.{attr} = {whole} is not divisible by tp {ctx.size}")
-                    setattr(module, attr, whole // ctx.size)
+                    setattr(owner, attr, whole // ctx.size)
+
+
+def _width_owner(module: nn.Module, attr: str) -> tuple[object, str]:
+    """(object, attribute) of a width: the module's own, or with "config." its config's, on a copy of that
+    config made for this module alone (the model and its other modules keep the whole value)."""
+    if not attr.startswith("config."):
+        return module, attr
+    if getattr(module, "tessel_own_config", False) is False:
+        module.config = copy.copy(module.config)
+        module.tessel_own_config = True
+    return module.config, attr.removeprefix("config.")
 
 
 # ---- helpers for checks and checkpoints --------------------------------------------
@@ -429,10 +492,11 @@ def full_tensor(t: torch.Tensor, param: torch.Tensor, ctx: TPContext) -> torch.T
     """The whole logical tensor of `t` (a parameter or its gradient) from its tp shards; a copy."""
     packed = packed_dims(param).get("tp")
     if packed is not None and ctx.group is not None:
-        dim, parts = packed
-        full = comm.all_gather_dim(t.detach(), dim, ctx.group)  # rank-major: [r0: q k v | r1: q k v ..]
-        # (.., tp, parts, chunk, ..) -> (.., parts, tp, chunk, ..): each block whole again, in order
-        return full.unflatten(dim, (ctx.size, parts, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+        dim, blocks = packed
+        ranks = comm.all_gather_dim(t.detach(), dim, ctx.group).chunk(ctx.size, dim)  # [r0: q k v | r1: q k v ..]
+        sizes = block_sizes(blocks, t.size(dim))
+        # each block whole again (its pieces in rank order), the blocks in order
+        return torch.cat([torch.cat([r.split(sizes, dim)[b] for r in ranks], dim) for b in range(len(blocks))], dim)
     dim = shard_dims(param).get("tp")
     if dim is None or ctx.group is None:
         return t.detach().clone()

@@ -80,8 +80,8 @@ class LogicalView:
                              "mark it with mark_sharded(p, axis, dim=...) to checkpoint it")
         return [Shard(dims[a]) if a in axes else Replicate() for a in self.axes]
 
-    def _packed(self, like: torch.Tensor, name: str) -> tuple[str, int, int] | None:
-        """(axis, dim, parts) of a packed shard over one of this mesh's axes (and no other); None if unpacked."""
+    def _packed(self, like: torch.Tensor, name: str) -> tuple[str, int, tuple[int, ...]] | None:
+        """(axis, dim, blocks) of a packed shard over one of this mesh's axes (and no other); None if unpacked."""
         packed = [(a, *dp) for a, dp in packed_dims(like).items() if a in self.axes]
         if not packed:
             return None
@@ -148,8 +148,8 @@ class LogicalView:
             return own.local_slice(full)
         packed = self._packed(like, "")
         if packed is not None:
-            axis, dim, parts = packed
-            return packed_slice(full, dim, parts, self.mesh.size(axis), self.mesh.coord(axis))
+            axis, dim, blocks = packed
+            return packed_slice(full, dim, blocks, self.mesh.size(axis), self.mesh.coord(axis))
         dims = shard_dims(like)
         out = full
         for a in shard_axes(like):

@@ -1,8 +1,8 @@
 """Hugging Face heads whose forward changes the logits after lm_head, trained with and without train.fused_loss
 on one process: Granite's linear scaling (logits / logits_scaling), which commutes with the head's matmul and
-so stays in the model, applied to the hidden states the head now returns; and Gemma 3's final soft-capping
-(Gemma 2's: cap * tanh(logits / cap); Gemma 2 itself cannot be built with SDPA attention, which tessel's
-build asks for), which moves into the fused loss while the model's own is switched off. Compared: 3 steps'
+so stays in the model, applied to the hidden states the head now returns; and Gemma 2's and Gemma 3's final
+soft-capping (cap * tanh(logits / cap); Gemma 2 with its eager attention, having no SDPA), which moves into the
+fused loss while the model's own is switched off. Compared: 3 steps'
 losses and gradient norms, the validation loss, a sampled text and the final weights."""
 
 import json
@@ -23,6 +23,7 @@ CONFIGS = {
     # 0.05 bends them hard (tanh(2) = 0.96), so a cap left out of the loss, or left in the model to bend the
     # hidden states, moves the first loss by >= 2e-3 (measured), far outside the tolerance
     "gemma3_text": {**COMMON, "model_type": "gemma3_text", "head_dim": 8, "final_logit_softcapping": 0.05},
+    "gemma2": {**COMMON, "model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": 0.05},
 }
 STEPS = ["train.steps=3", "train.eval_every=3", "train.eval_batches=1", "train.sample_tokens=6"]
 # fp32, one process: the same logits chunk by chunk, summed in another order (~1e-7 relative); over 3 AdamW

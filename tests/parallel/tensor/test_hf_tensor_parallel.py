@@ -14,19 +14,20 @@ import torch
 import torch.nn as nn
 from torch.testing import assert_close
 
-from tessel.config import ConfigError
+from tessel.config import ConfigError, hf_tp_refusal
 from tessel.models.build import build_model
-from tessel.models.hf.families import FAMILIES
+from tessel.models.hf.families import FAMILIES, tp_rules
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor import regions
 from tessel.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, apply_plan,
                                                     full_tensor, match_plan, unplaced_modules)
-from tessel.sharding import shard_axes
+from tessel.sharding import packed_dims, shard_axes
 from tessel.spawn import spawn
+from tessel.train.checkpoint.packed import packed_slice
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import build_runner, tiny_config
+from tests.helpers import PLANNED, build_runner, tiny_config
 
 STEPS = 5
 # tiny configs, dropout 0 (GPT-2 has dropout by default). Llama: grouped-query attention (4 heads,
@@ -51,6 +52,7 @@ CONFIGS = {
     "opt": {"model_type": "opt", "vocab_size": 128, "hidden_size": 32, "ffn_dim": 64, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64},
 }
+CONFIGS |= PLANNED  # the families placed from transformers' own plans (tests/helpers.py)
 # name -> (config, overrides); every one runs on two ranks, its reference on one process
 LAYOUTS = {
     "llama_tp2_sp_recompute": ("llama", ["parallel.tp=2", "parallel.sequence_parallel=true",
@@ -59,7 +61,8 @@ LAYOUTS = {
     "gpt2_tp2_sp": ("gpt2", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "mixtral_tp2": ("mixtral", ["parallel.tp=2"]),  # attention split, the MoE block replicated
     "mixtral_tp2_sp": ("mixtral", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-}
+} | {f"{kind}_tp2{sp}": (kind, ["parallel.tp=2", *(["parallel.sequence_parallel=true"] if sp else [])])
+     for kind in PLANNED for sp in ("", "_sp")}
 # fp32 throughout; the same argument as tests/parallel/tensor/test_tensor_parallel.py. Tensor
 # parallelism sums partial products in another order than one process (all-reduced per-rank
 # partial matmuls, split softmax sums), so results differ by fp32 rounding: measured loss
@@ -143,22 +146,35 @@ def test_parity_with_the_single_process_transformers_model(world2, references, n
     assert max((ref["weights"][n] - w0).abs().max().item() for n, w0 in ref["weights0"].items()) > 1e-3
 
 
+# the parameters tp splits in each decoder layer (besides the vocabulary: the embedding, and the head unless tied)
+LLAMA_SPLIT = (*(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+SPLIT = {
+    "gpt2": ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
+             "mlp.c_proj.weight"),
+    "mixtral": tuple(f"self_attn.{p}_proj.weight" for p in "qkvo"),  # the MoE block stays whole (experts on ep)
+    # the fused projections, split block by block
+    "phi3": ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
+    "gpt_neox": ("attention.query_key_value.weight", "attention.query_key_value.bias", "attention.dense.weight",
+                 "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight"),
+    "starcoder2": (*(f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")), "self_attn.o_proj.weight",
+                   "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"),
+}
+# the base model's prefix, the layers' list, the embedding
+NAMES = {"gpt2": ("transformer", "transformer.h", "transformer.wte"),
+         "gpt_neox": ("gpt_neox", "gpt_neox.layers", "gpt_neox.embed_in")}
+
+
 def test_the_plan_splits_what_it_should(world2, references):
     """Every linear layer of attention (and of the MLP, where it is dense) and the vocabulary are split,
-    each rank holding half of them; the norms, GPT-2's position embedding, the MoE router and experts
-    stay whole."""
+    each rank holding half of them; the norms (q/k norms too), GPT-2's position embedding, the MoE router and
+    experts stay whole."""
     for name, (kind, _) in LAYOUTS.items():
+        _, layers, embedding = NAMES.get(kind, ("model", "model.layers", "model.embed_tokens"))
+        tied = CONFIGS[kind].get("tie_word_embeddings", kind == "gpt2")
+        want = sorted([f"{layers}.{i}.{m}" for i in range(2) for m in SPLIT.get(kind, LLAMA_SPLIT)]
+                      + [f"{embedding}.weight"] + ([] if tied else ["lm_head.weight"]))
         for got in (r[name] for r in world2):
-            sharded = sorted(got["local_numel"])
-            if kind == "gpt2":
-                assert sharded == sorted([f"transformer.h.{i}.{m}" for i in range(2) for m in (
-                    "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                    "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")] + ["transformer.wte.weight"])
-            else:
-                dense = ("gate_proj", "up_proj", "down_proj") if kind == "llama" else ()
-                assert sharded == sorted([f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
-                    *(f"self_attn.{p}_proj" for p in "qkvo"), *(f"mlp.{p}" for p in dense))]
-                    + ["model.embed_tokens.weight", "lm_head.weight"])
+            assert sorted(got["local_numel"]) == want, name
             for n, local in got["local_numel"].items():
                 full = references[name]["weights"][n].numel()
                 assert full / 2 <= local <= full / 2 + 32, n  # + one padded vocabulary row (251 -> 252)
@@ -171,29 +187,48 @@ def _model(configs, kind: str) -> nn.Module:
     return build_model(_cfg(configs[kind]).model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2"])
-def test_every_weight_of_each_family_is_placed(configs, kind):
+FOUR_NORMS = {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+LAYER_NORMS = {"gemma2": FOUR_NORMS, "gemma3_text": FOUR_NORMS, "cohere": {"input_layernorm"},  # one before both
+               "olmo2": {"post_attention_layernorm", "post_feedforward_layernorm"}}  # after attention and MLP
+
+
+def _styles(configs, kind: str) -> dict[str, str]:
+    """{module: style} of the family's plan on its tiny model; every parameter placed."""
     model = _model(configs, kind)
-    plan = hf_tp_plan(model, FAMILIES[{"mistral": "llama", "qwen2": "llama"}.get(kind, kind)].tp)
+    plan = hf_tp_plan(model, tp_rules(model, FAMILIES[kind]))
     styles = match_plan(model, plan.styles)
     assert unplaced_modules(model, styles) == []
+    return styles
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2", *PLANNED])
+def test_every_weight_of_each_family_is_placed(configs, kind):
+    styles = _styles(configs, kind)
     if kind == "gpt2":
         assert styles["transformer.h.1.attn"] == "enter" and styles["transformer.h.1.attn.c_attn"] == "colwise_qkv"
         assert styles["transformer.h.0.mlp.c_proj"] == "rowwise" and styles["transformer.wpe"] == "keep"
         assert styles["transformer.wte"] == "vocab_embedding_whole" and styles["transformer.ln_f"] == "final_norm"
-        assert plan.widths == {"transformer.h.*.attn": ("split_size",)}
         return
-    # transformers' base_model_tp_plan, under the base model's prefix
-    assert styles["model.layers.1.self_attn.k_proj"] == "colwise" and styles["model.layers.0.self_attn"] == "enter"
-    assert styles["model.layers.0.self_attn.o_proj"] == "rowwise"
-    assert styles["model.embed_tokens"] == "vocab_embedding_whole" and styles["lm_head"] == "vocab_head_entered"
-    assert styles["model.layers.1.input_layernorm"] == "sequence_norm" and styles["model.norm"] == "final_norm"
-    assert styles["model.layers.0"] == "split_sequence"
+    prefix, layers, embedding = NAMES.get(kind, ("model", "model.layers", "model.embed_tokens"))
+    # derived from transformers' pipeline plan: the embedding, the first layer, the final norm, the head
+    assert styles[embedding] == "vocab_embedding_whole" and styles["lm_head"] == "vocab_head_entered"
+    assert styles[f"{layers}.0"] == "split_sequence"
+    assert styles[{"gpt_neox": "gpt_neox.final_layer_norm"}.get(kind, "model.norm")] == "final_norm"
+    # every norm of a layer outside attention and MLP runs on sequence shards (Gemma 2: four of them)
+    norms = {n.rpartition(".")[2] for n, s in styles.items() if s == "sequence_norm" and n.startswith(f"{layers}.1.")}
+    assert norms == LAYER_NORMS.get(kind, {"input_layernorm", "post_attention_layernorm"})
+    attn = f"{layers}.0.{'attention' if kind == 'gpt_neox' else 'self_attn'}"
+    assert styles[attn] == "enter" and styles[f"{layers}.1.mlp"] == ("replicate" if kind == "mixtral" else "enter")
+    if kind in ("qwen3", "gemma3_text"):  # per-head norms on each rank's own heads: gradients summed over tp
+        assert styles[f"{attn}.q_norm"] == styles[f"{attn}.k_norm"] == "sum_grads"
+    if kind == "olmo2":  # norms over every head: q, k, v gathered whole (as its plan says), the norms kept whole
+        assert styles[f"{attn}.q_proj"] == "colwise_gather" and styles[f"{attn}.o_proj"] == "rowwise_split"
+        assert styles[f"{attn}.q_norm"] == styles[f"{attn}.k_norm"] == "keep"
+    if kind == "phi3":  # its plan gathers the fused projections; the family's notes split them block by block
+        assert styles[f"{attn}.qkv_proj"] == styles[f"{layers}.0.mlp.gate_up_proj"] == "colwise_packed"
+        assert styles[f"{attn}.o_proj"] == "rowwise"
     if kind == "mixtral":  # transformers' packed_colwise / moe_tp_experts entries are inside the replicated block
-        assert styles["model.layers.0.mlp"] == "replicate"
         assert not any(n.startswith("model.layers.0.mlp.") for n in styles)
-    else:
-        assert styles["model.layers.0.mlp"] == "enter" and styles["model.layers.1.mlp.down_proj"] == "rowwise"
 
 
 def test_a_module_no_rule_places_is_named(configs):
@@ -207,16 +242,29 @@ def test_a_module_no_rule_places_is_named(configs):
     # a module the family's rules do not know, added to a known family
     llama = _model(configs, "llama")
     llama.model.layers[1].adapter = nn.Linear(32, 32)
-    with pytest.raises(ValueError, match=r"cannot place 'model.layers.1.adapter' \(Linear\):"):
-        apply_plan(llama, hf_tp_plan(llama, FAMILIES["llama"].tp).styles, TPContext(), place_all=True)
+    with pytest.raises(ValueError, match=r"cannot place 'model.layers.1.adapter' \(Linear\): outside the attention"):
+        apply_plan(llama, hf_tp_plan(llama, tp_rules(llama, FAMILIES["llama"])).styles, TPContext(), place_all=True)
+    # a module with weights inside the attention, whose projections the plan splits by heads
+    llama = _model(configs, "llama")
+    llama.model.layers[0].self_attn.gain = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"cannot place 'model.layers.0.self_attn.gain' \(Linear\): inside "
+                                         r"model.layers.\*.self_attn, whose projections the plan splits by heads"):
+        tp_rules(llama, FAMILIES["llama"])
     # not nn.Linear nor Conv1D where a linear style is asked for
     with pytest.raises(ValueError, match="cannot place 'model.layers.0.input_layernorm'.*neither an nn.Linear"):
         apply_plan(llama, {"model.layers.0": "enter", "model.layers.0.input_layernorm": "colwise"}, TPContext())
 
 
-def test_config_refuses_what_tensor_parallelism_cannot_split(configs):
-    for kind in ("llama", "mixtral", "gpt2"):
+def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
+    for kind in ("llama", "mixtral", "gpt2", *PLANNED):
         assert _cfg(configs[kind], "parallel.tp=2").parallel.tp == 2
+    # Cohere's optional q/k norms hold a weight per head, which its plan does not split: refused by name
+    qk = tmp_path / "cohere_qk.json"
+    qk.write_text(json.dumps({**PLANNED["cohere"], "use_qk_norm": True}))
+    assert hf_tp_refusal(PLANNED["cohere"]) is None
+    with pytest.raises(ConfigError, match=r"parallel.tp: Cohere's q/k norms \(use_qk_norm\) hold one weight per head"):
+        _cfg(str(qk), "parallel.tp=2")
+    assert _cfg(str(qk), "parallel.pp=2", "parallel.micro_batches=2").parallel.pp == 2  # a pipeline cuts it
     with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism has no plan for model_type 'opt'"):
         _cfg(configs["opt"], "parallel.tp=2")
     with pytest.raises(ConfigError, match=r"n_kv_head \(2\) is not divisible by tp \(4\)"):  # GQA: kv heads split
@@ -225,6 +273,43 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs):
         _cfg(configs["gpt2"], "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15")
     # GPT-2's per-head split of its fused q|k|v is checkpointed as pieces of the logical tensor
     assert _cfg(configs["gpt2"], "parallel.tp=2", "checkpoint.every=2").checkpoint.every == 2
+
+
+def test_grouped_query_qkv_splits_block_by_block_and_gathers_back():
+    """Phi-3's fused q|k|v under grouped-query attention: 4 q heads, 2 k and 2 v heads of 2 features, blocks of
+    relative sizes (4, 2, 2). Rank r holds q heads 2r, 2r+1 and k, v head r, side by side; gathered over tp
+    (full_tensor) and cut back from the whole tensor (a checkpoint's packed_slice) it is the same tensor."""
+    torch.manual_seed(0)
+    qkv, x = nn.Linear(8, 16, bias=False), torch.randn(2, 3, 8)
+    q, k, v = qkv(x).split([8, 4, 4], dim=-1)
+    shards = []
+    for rank in range(2):
+        col = ColumnParallelLinear.from_linear(qkv, TPContext(size=2, rank=rank), blocks=(4, 2, 2), enter=False)
+        assert col.weight.shape == (8, 8) and packed_dims(col.weight) == {"tp": (0, (4, 2, 2))}
+        mine = lambda t: t[..., t.size(-1) // 2 * rank:t.size(-1) // 2 * (rank + 1)]  # noqa: E731
+        assert_close(col(x), torch.cat([mine(q), mine(k), mine(v)], dim=-1))
+        assert_close(col.weight, packed_slice(qkv.weight, 0, (4, 2, 2), 2, rank))
+        shards.append(col.weight)
+    pieces = [s.split([4, 2, 2]) for s in shards]
+    whole = torch.cat([torch.cat([p[b] for p in pieces]) for b in range(3)])
+    assert_close(whole, qkv.weight)
+
+
+def test_the_gemma2_config_exercises_its_caps_and_window(configs, tmp_path):
+    """The tp and pp parity of Gemma 2 shows that its soft-caps and windows are right on split heads and
+    vocabulary shards only if they change the output: each, turned off, moves the logits by over 10 times the
+    parity tolerance on losses (the vocab-parallel loss sees logits the model capped on each shard,
+    elementwise; the attention caps each split head's scores)."""
+    ids = torch.arange(16).unsqueeze(0) * 5 % 128
+    logits = _model(configs, "gemma2")(ids)
+    cap = PLANNED["gemma2"]["final_logit_softcapping"]
+    assert logits.abs().max() < cap
+    for key, off in (("final_logit_softcapping", None), ("attn_logit_softcapping", None), ("sliding_window", 64)):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({**PLANNED["gemma2"], key: off}))
+        torch.manual_seed(0)
+        other = build_model(_cfg(str(path)).model)(ids)
+        assert (other - logits).abs().max() > 10 * LOSS_TOL["atol"], key
 
 
 def test_conv1d_and_packed_qkv_layers_keep_transformers_layout():
@@ -236,7 +321,7 @@ def test_conv1d_and_packed_qkv_layers_keep_transformers_layout():
     q, k, v = qkv(x).split(8, dim=-1)
     for rank in range(2):
         ctx = TPContext(size=2, rank=rank)  # no group: the layers' local math, one rank at a time
-        col = ColumnParallelLinear.from_linear(qkv, ctx, parts=3, enter=False)
+        col = ColumnParallelLinear.from_linear(qkv, ctx, blocks=(1, 1, 1), enter=False)
         assert col.weight.shape == (8, 12) and col.bias.shape == (12,)
         mine = slice(4 * rank, 4 * rank + 4)
         assert_close(col(x), torch.cat([q[..., mine], k[..., mine], v[..., mine]], dim=-1))
