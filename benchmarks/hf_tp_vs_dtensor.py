@@ -1,6 +1,8 @@
-"""Tensor parallelism on a Hugging Face Llama at tp=2: tessel's plan vs transformers' own.
+"""Tensor parallelism on a Hugging Face model at tp=2: tessel's plan vs transformers' own.
 
-Both sides train transformers' LlamaForCausalLM built from the same local
+Both sides train transformers' causal LM of the chosen family (`--family`:
+Llama, Qwen3 with its per-head q/k norms, Gemma 2 with its soft-capping and
+four norms a layer) built from the same local
 config with the same seed (so the same weights; the first-step losses are
 printed to show it) on the same batch, on the same two ranks. tessel's side is
 `tessel.parallelize` with the plan it derives from the model (Megatron layers,
@@ -16,7 +18,7 @@ AdamW. Steps of the two sides are interleaved so that load changes on the
 machine hit both alike; we print the median of each and the ratio tessel /
 transformers last.
 
-    PYTHONPATH=$PWD python benchmarks/hf_tp_vs_dtensor.py [--steps 30] [--warmup 5]
+    PYTHONPATH=$PWD python benchmarks/hf_tp_vs_dtensor.py [--family qwen3] [--steps 30] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ from tessel.spawn import spawn
 
 
 def _write_config(args) -> str:
-    doc = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
+    doc = {"model_type": args.family, "head_dim": args.hidden // args.heads, "vocab_size": args.vocab,
+           "hidden_size": args.hidden,
            "intermediate_size": args.ffn, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
            "num_key_value_heads": args.kv_heads, "max_position_embeddings": args.seq,
-           "bos_token_id": 1, "eos_token_id": 2}
+           "bos_token_id": 1, "eos_token_id": 2,
+           # an untied head on every family (Gemma 2 ties it by default): transformers' tensor parallelism cannot
+           # place a tied head (its apply_tensor_parallelism looks for lm_head.weight among the modules' own
+           # parameters: KeyError), and the two sides must train the same model
+           "tie_word_embeddings": False}
     path = Path(tempfile.mkdtemp(prefix="tessel-hf-tp-")) / "config.json"
     path.write_text(json.dumps(doc))
     return str(path)
@@ -58,12 +65,12 @@ def _config(args, path: str):
 
 def _transformers_model(cfg):
     """transformers' own tensor parallelism on the same model (same seed, same weights)."""
-    from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)  # LlamaForCausalLM.from_config; its hook returns the logits
-    distributed, _, meshes = LlamaForCausalLM.prepare_distribute_model(DistributedConfig(tp_size=2, tp_plan="auto"))
-    return LlamaForCausalLM.maybe_distribute_model(model, distributed, meshes)
+    model = build_model(cfg.model)  # <Family>ForCausalLM.from_config; its hook returns the logits
+    cls = type(model)
+    distributed, _, meshes = cls.prepare_distribute_model(DistributedConfig(tp_size=2, tp_plan="auto"))
+    return cls.maybe_distribute_model(model, distributed, meshes)
 
 
 def _step_transformers(model, opt, x, y):
@@ -114,6 +121,7 @@ def _bench(args, path: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="llama", choices=("llama", "qwen3", "gemma2"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
@@ -128,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     results = spawn(_bench, 2, args, _write_config(args), timeout=1800, threads=args.threads)
     r0 = results[0]
-    print(f"HF LlamaForCausalLM hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} kv "
+    print(f"HF {args.family} hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} kv "
           f"ffn={args.ffn} vocab={args.vocab} batch={args.batch}x{args.seq}, tp=2, {args.threads} thread(s)/rank, "
           f"gloo on CPU; {args.steps} timed steps after {args.warmup} warm-up")
     print(f"first-step loss: tessel {r0['first_loss']['tessel']:.6f}  "
