@@ -265,7 +265,8 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.tp: Cohere's q/k norms \(use_qk_norm\) hold one weight per head"):
         _cfg(str(qk), "parallel.tp=2")
     assert _cfg(str(qk), "parallel.pp=2", "parallel.micro_batches=2").parallel.pp == 2  # a pipeline cuts it
-    with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism has no plan for model_type 'opt'"):
+    with pytest.raises(ConfigError, match="parallel.tp: model_type 'opt': OPTForCausalLM's config declares no "
+                       "base_model_tp_plan"):
         _cfg(configs["opt"], "parallel.tp=2")
     with pytest.raises(ConfigError, match=r"n_kv_head \(2\) is not divisible by tp \(4\)"):  # GQA: kv heads split
         _cfg(configs["llama"], "parallel.tp=4")
