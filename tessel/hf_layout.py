@@ -94,9 +94,21 @@ def pipeline_cut(model) -> PipelineCut:
     before, after = names[:at], names[at + 1:]
     if not before or list(plan[before[0]][0]) != ["input_ids"]:
         raise ValueError(f"{kind}'s base_model_pp_plan starts with no part taking input_ids (its embedding)")
-    return PipelineCut(before=tuple(f"{prefix}.{n}" for n in before), blocks=f"{prefix}.{lists[0]}",
-                       after=(*(f"{prefix}.{n}" for n in after), head_name(model)),
-                       hidden_input=plan[before[0]][1][0])
+    cut = PipelineCut(before=tuple(f"{prefix}.{n}" for n in before), blocks=f"{prefix}.{lists[0]}",
+                      after=(*(f"{prefix}.{n}" for n in after), head_name(model)),
+                      hidden_input=plan[before[0]][1][0])
+    _check_cut_holds_all(model, cut)
+    return cut
+
+
+def _check_cut_holds_all(model, cut: PipelineCut) -> None:
+    """Every module with weights lies in a part of the cut (a stage holds it or not): ValueError naming the first
+    that none holds (Gemma 4's per-layer embeddings, beside the plan's parts)."""
+    parts = (*cut.before, cut.blocks, *cut.after)
+    for name, module in model.named_modules():
+        if _has_weights(module) and not _named(name, parts):
+            raise ValueError(f"pipeline parallelism cannot place {name} ({type(module).__name__}): it is in none of "
+                             f"the parts of {type(model).__name__}'s base_model_pp_plan ({', '.join(parts)})")
 
 
 def head_name(model) -> str:

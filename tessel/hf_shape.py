@@ -8,10 +8,12 @@ few fields tessel needs are read from the JSON itself, with the defaults the
 families' configuration classes use where a key is absent
 (transformers/models/<family>/configuration_<family>.py).
 
-FAMILIES names the architectures tessel places on tp and pp (their cut read
-from the plans transformers declares: tessel.models.hf.families); any other
-causal LM still trains under data parallelism, ZeRO and recompute. TP_LIMITS
-says which settings of a family tensor parallelism cannot split.
+FAMILIES names the architectures of tessel's table (tessel.models.hf.families),
+checked here without building anything; another whose config declares plans
+is placed on tp and pp by the derivation from those plans (tessel.hf_layout,
+which the checks run on the model built on the meta device), and any causal LM
+trains under data parallelism, ZeRO and recompute. TP_LIMITS says which
+settings of a table's family tensor parallelism cannot split.
 """
 
 from __future__ import annotations
