@@ -238,6 +238,11 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
             continue
         pattern = f"{blocks}.*.{name[len(blocks) + 1:].partition('.')[2]}"
         region = next((r for r in regions if _named(name, (r,))), None)
+        if region is not None and fnmatch.fnmatchcase(name, region):  # the module around the projections itself
+            own = ", ".join(n for n, _ in module.named_parameters(recurse=False))
+            raise ValueError(f"tensor parallelism cannot place '{name}' ({type(module).__name__}): it holds weights "
+                             f"of its own ({own}) beside the projections the plan splits, which the plan does "
+                             "not name")
         if region is None and _is_norm(module):
             norms[pattern] = None
         elif region is not None and all(s in GATHERED for s in regions[region]):

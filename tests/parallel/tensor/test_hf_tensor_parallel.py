@@ -154,7 +154,8 @@ SPLIT = {
     "gpt2": ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
              "mlp.c_proj.weight"),
     "mixtral": tuple(f"self_attn.{p}_proj.weight" for p in "qkvo"),  # the MoE block stays whole (experts on ep)
-    "glm4": (*(f"self_attn.{p}_proj.weight" for p in "qkvo"), "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
+    "glm4": (*(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv"),
+             "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),  # q/k/v biases by default
     "seed_oss": (*LLAMA_SPLIT, *(f"self_attn.{p}_proj.bias" for p in "qkv")),
     # the fused projections, split block by block
     "phi3": ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
