@@ -22,7 +22,7 @@ from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
 from tessel.hf_layout import pp_problem, tp_problem
-from tessel.hf_shape import (FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, TP_LIMITS, HFConfigError, family, model_shape,
+from tessel.hf_shape import (LOGITS_AFTER_HEAD, OWN_RULES, HFConfigError, family, model_shape,
                              read_config)
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
@@ -577,24 +577,24 @@ def _check_fused_loss(cfg: Config) -> None:
 
 def hf_tp_refusal(doc: dict) -> str | None:
     """Why tensor parallelism (1D, with or without sequence parallelism) cannot split the Hugging Face model
-    whose config.json reads `doc`, or None. A family of tessel's table (tessel.hf_shape.FAMILIES) is split by
-    rules tested on it, unless a setting its plan cannot split is on (TP_LIMITS); any other is placed from its
-    own plans by the derivation the ranks run (tessel.hf_layout, on the model built on the meta device), which
-    names what it cannot place. The shapes (heads, kv heads, feed-forward over tp) are check_layout's."""
+    whose config.json reads `doc`, or None. A family with rules of tessel's own (tessel.hf_shape.OWN_RULES, no
+    plans in its config) is split by them; any other is placed from its own plans by the derivation the ranks
+    run (tessel.hf_layout, on the model built on the meta device), which names what it cannot place (Cohere's
+    optional q/k norms, a weight per head its plan does not split; a latent attention no plan names). The
+    shapes (heads, kv heads, feed-forward over tp) are check_layout's."""
     kind = doc["model_type"]
-    if kind in HF_FAMILIES:
-        return next((why for key, why in TP_LIMITS.get(kind, {}).items() if doc.get(key)), None)
-    why = tp_problem(doc)
+    why = None if kind in OWN_RULES else tp_problem(doc)
     return None if why is None else f"model_type {kind!r}: {why}; " \
         "this architecture trains under dp, ZeRO and recompute"
 
 
 def hf_pp_refusal(doc: dict) -> str | None:
-    """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: a family of
-    tessel's table, or one whose base_model_pp_plan describes an embedding, one list of decoder layers and a
-    head (tessel.hf_layout.pipeline_cut, on the model built on the meta device)."""
+    """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: a family with
+    parts of tessel's own (OWN_RULES), or one whose base_model_pp_plan describes an embedding, one list of decoder
+    layers and a head holding every weight (tessel.hf_layout.pipeline_cut, on the model built on the meta
+    device)."""
     kind = doc["model_type"]
-    why = None if kind in HF_FAMILIES else pp_problem(doc)
+    why = None if kind in OWN_RULES else pp_problem(doc)
     return None if why is None else f"model_type {kind!r}: {why}; this " \
         "architecture trains under dp, ZeRO and recompute"
 

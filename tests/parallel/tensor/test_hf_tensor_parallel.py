@@ -269,11 +269,14 @@ def test_a_module_no_rule_places_is_named(configs):
 def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
     for kind in ("llama", "mixtral", "gpt2", *PLANNED, *DERIVED):
         assert _cfg(configs[kind], "parallel.tp=2").parallel.tp == 2
-    # Cohere's optional q/k norms hold a weight per head, which its plan does not split: refused by name
+    # Cohere's optional q/k norms hold a weight per head (2-D), which its plan does not split: the derivation
+    # refuses them by name
     qk = tmp_path / "cohere_qk.json"
     qk.write_text(json.dumps({**PLANNED["cohere"], "use_qk_norm": True}))
     assert hf_tp_refusal(PLANNED["cohere"]) is None
-    with pytest.raises(ConfigError, match=r"parallel.tp: Cohere's q/k norms \(use_qk_norm\) hold one weight per head"):
+    with pytest.raises(ConfigError, match=r"parallel.tp: model_type 'cohere': tensor parallelism cannot place "
+                                          r"'model.layers.0.self_attn.q_norm' \(CohereLayerNorm\): inside "
+                                          r"model.layers.\*.self_attn"):
         _cfg(str(qk), "parallel.tp=2")
     assert _cfg(str(qk), "parallel.pp=2", "parallel.micro_batches=2").parallel.pp == 2  # a pipeline cuts it
     with pytest.raises(ConfigError, match="parallel.tp: model_type 'opt': OPTForCausalLM's config declares no "
