@@ -248,10 +248,21 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
         elif region is not None and all(s in GATHERED for s in regions[region]):
             kept[pattern] = None
         else:
-            where = "outside the attention and the MLP, and not a norm" if region is None else \
+            where = _outside(pattern, linear) if region is None else \
                 f"inside {region}, whose projections the plan splits by heads, and the plan does not name it"
             raise ValueError(f"tensor parallelism cannot place '{name}' ({type(module).__name__}): {where}")
     return tuple(norms), tuple(kept)
+
+
+def _outside(pattern: str, linear: dict[str, str]) -> str:
+    """Why a module of a decoder layer outside every region is not placed: the plan names nothing in it or in the
+    module holding it (an attention it leaves whole, which tessel does not compute on every rank unasked), or it
+    is not a norm."""
+    layer = pattern.split(".*.")[0] + ".*"
+    for scope in (_parent(pattern), pattern):  # the module holding it, or itself (one with weights of its own)
+        if len(scope) > len(layer) + 1 and not any(p.startswith(scope + ".") for p in linear):
+            return f"outside the attention and the MLP: base_model_tp_plan names no module of {scope}"
+    return "outside the attention and the MLP, and not a norm"
 
 
 def _named(name: str, patterns) -> bool:

@@ -295,7 +295,8 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
 REFUSED = {
     "deepseek_v2": r"asks 'mla_kv_a_proj' of 'model.layers.\*.self_attn.kv_a_proj_with_mqa'",  # latent attention
     # DeepSeek-V3's plan names no projection of its latent attention: the first one nothing places
-    "deepseek_v3": r"cannot place 'model.layers.0.self_attn.q_a_proj' \(Linear\): outside the attention",
+    "deepseek_v3": r"cannot place 'model.layers.0.self_attn.q_a_proj' \(Linear\): outside the attention and the MLP: "
+                   r"base_model_tp_plan names no module of model.layers.\*.self_attn",
     "minimax": r"cannot place 'model.layers.\d.self_attn.norm' \(MiniMaxRMSNorm\): inside model.layers.\*.self_attn",
     "gpt_oss": "GptOssForCausalLM's config declares no base_model_tp_plan",
     "olmoe": "OlmoeForCausalLM's config declares no base_model_pp_plan",  # its cut gives the embedding and the head
