@@ -181,7 +181,8 @@ def rules_from_plan(model, cut: PipelineCut, notes: PlanNotes) -> TPRules:
     replicated = moe_blocks(model, cut.blocks)
     linear = plan_styles(model, notes, replicated)
     _check_linear(model, linear)
-    norms, kept = _layer_modules(model, cut.blocks, linear, replicated)
+    norms, kept, summed = _layer_modules(model, cut.blocks, linear, replicated)
+    linear |= summed
     final = cut.after[:-1]  # the head is last
     if len(final) != 1:
         raise ValueError(f"{type(model).__name__}'s pipeline plan has {list(final)} between its layers and its "
@@ -223,16 +224,18 @@ def _check_outside_layers(model, rules: TPRules, blocks: str) -> None:
 
 
 def _layer_modules(model, blocks: str, linear: dict[str, str],
-                   replicated: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(norms, kept): patterns of the modules with weights in the decoder layers that the plan does not name.
-    Outside the regions of column-parallel layers, a norm (it runs on sequence shards under sequence
+                   replicated: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
+    """(norms, kept, summed): patterns of the modules with weights in the decoder layers that the plan does not
+    name. Outside the regions of column-parallel layers, a norm (it runs on sequence shards under sequence
     parallelism); inside a region whose column layers gather their outputs, a module every rank computes on
-    the same whole tensor (kept whole). Anything else is refused by name."""
+    the same whole tensor (kept whole); inside any region, a module whose weights are scalars (Apertus' xIELU
+    activation: elementwise, the same on every rank's columns), whose gradients each rank has a part of
+    ("sum_grads", as transformers' replicated_with_grad_allreduce). Anything else is refused by name."""
     regions: dict[str, list[str]] = {}
     for p, s in linear.items():
         if s in COLUMN:
             regions.setdefault(_parent(p), []).append(s)
-    norms, kept = {}, {}
+    norms, kept, summed = {}, {}, {}
     for name, module in model.get_submodule(blocks).named_modules(prefix=blocks):
         if not _has_weights(module) or _named(name, (*linear, *replicated)):
             continue
@@ -247,11 +250,13 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
             norms[pattern] = None
         elif region is not None and all(s in GATHERED for s in regions[region]):
             kept[pattern] = None
+        elif region is not None and all(p.numel() == 1 for p in module.parameters(recurse=False)):
+            summed[pattern] = "sum_grads"
         else:
             where = _outside(pattern, linear) if region is None else \
                 f"inside {region}, whose projections the plan splits by heads, and the plan does not name it"
             raise ValueError(f"tensor parallelism cannot place '{name}' ({type(module).__name__}): {where}")
-    return tuple(norms), tuple(kept)
+    return tuple(norms), tuple(kept), summed
 
 
 def _outside(pattern: str, linear: dict[str, str]) -> str:

@@ -313,6 +313,17 @@ def test_the_derivation_refuses_what_the_plans_do_not_place(kind):
     assert why.startswith(f"model_type '{kind}': ")
 
 
+def test_scalar_weights_inside_a_split_region_sum_their_gradients():
+    """Apertus' xIELU activation holds scalar weights between its MLP's up and down projections: each rank applies
+    them to its own columns, so each holds a part of their gradient, summed over tp (as the plan's q/k norms)."""
+    from tessel.support import tiny_config as family_defaults
+    from tessel.hf_layout import meta_model
+    model = meta_model(family_defaults("apertus"))
+    styles = match_plan(model, hf_tp_plan(model, tp_rules(model, family_of("apertus"))).styles)
+    assert styles["model.layers.0.mlp.act_fn"] == "sum_grads" and styles["model.layers.0.mlp"] == "enter"
+    assert unplaced_modules(model, styles) == []
+
+
 def test_grouped_query_qkv_splits_block_by_block_and_gathers_back():
     """Phi-3's fused q|k|v under grouped-query attention: 4 q heads, 2 k and 2 v heads of 2 features, blocks of
     relative sizes (4, 2, 2). Rank r holds q heads 2r, 2r+1 and k, v head r, side by side; gathered over tp
