@@ -111,6 +111,38 @@ def _check_cut_holds_all(model, cut: PipelineCut) -> None:
                              f"the parts of {type(model).__name__}'s base_model_pp_plan ({', '.join(parts)})")
 
 
+def tp_cut(model) -> PipelineCut:
+    """Where tensor parallelism finds the embedding, the decoder layers, the final norm and the head: the pipeline
+    plan's cut, or for a model whose config declares none, its structure (structural_cut)."""
+    if not getattr(model.config, "base_model_pp_plan", None):
+        return structural_cut(model)
+    try:
+        return pipeline_cut(model)
+    except ValueError as err:
+        raise ValueError(f"tensor parallelism finds the embedding, the final norm and the head by the pipeline "
+                         f"plan: {err}") from None
+
+
+def structural_cut(model) -> PipelineCut:
+    """The cut read off the base model's own modules: its input embedding (get_input_embeddings), its one list of
+    config.num_hidden_layers decoder layers, the modules with weights registered after that list (its final
+    norm), and its head. ValueError where the base model does not show them so."""
+    kind, prefix = type(model).__name__, model.base_model_prefix
+    if getattr(model, prefix, None) is None:
+        raise ValueError(f"{kind}'s config declares no base_model_pp_plan, and it holds no base model at its "
+                         f"base_model_prefix ({prefix!r})")
+    children = list(model.get_submodule(prefix).named_children())
+    layers = [i for i, (_, m) in enumerate(children)
+              if _is_list(m) and len(m) == getattr(model.config, "num_hidden_layers", None)]
+    embedding = next((n for n, m in children if m is model.get_input_embeddings()), None)
+    if len(layers) != 1 or embedding is None:
+        raise ValueError(f"{kind}'s config declares no base_model_pp_plan, and its base model shows no input "
+                         "embedding and one list of num_hidden_layers decoder layers beside it")
+    after = [f"{prefix}.{n}" for n, m in children[layers[0] + 1:] if next(m.parameters(), None) is not None]
+    return PipelineCut(before=(f"{prefix}.{embedding}",), blocks=f"{prefix}.{children[layers[0]][0]}",
+                       after=(*after, head_name(model)), hidden_input="inputs_embeds")
+
+
 def head_name(model) -> str:
     """The module name of the causal LM's output head (its get_output_embeddings())."""
     head = model.get_output_embeddings()
@@ -318,7 +350,7 @@ def _problems(doc_json: str) -> tuple[str | None, str | None]:
         why = f"transformers does not build its model from this config ({type(err).__name__}: " \
               f"{' '.join(str(err).split())})"
         return why, why
-    return _reason(lambda: rules_from_plan(model, pipeline_cut(_with_tp_plan(model)), PlanNotes())), \
+    return _reason(lambda: rules_from_plan(model, tp_cut(_with_tp_plan(model)), PlanNotes())), \
         _reason(lambda: pipeline_cut(model))
 
 

@@ -92,7 +92,7 @@ def tp_rules(model: nn.Module, family: Family | None) -> TPRules | None:
         return None
     if family.tp is not None:
         return family.tp
-    return rules_from_plan(model, pipeline_parts(model, family), family.notes)
+    return rules_from_plan(model, family.notes)
 
 
 def decoder_layers(model: nn.Module, family: Family | None) -> list[nn.Module]:

@@ -50,9 +50,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from tessel.hf_layout import COLUMN, PipelineCut, PlanNotes, TPRules, plan_styles
+from tessel.hf_layout import COLUMN, PlanNotes, TPRules, plan_styles, tp_cut
 from tessel.hf_layout import rules_from_plan as derive_rules
-from tessel.models.parts import ModelParts
 
 GPT2_TP = TPRules(
     embedding="transformer.wte", first_layer="transformer.h.0",
@@ -95,11 +94,10 @@ def hf_tp_plan(model: nn.Module, rules: TPRules | None) -> TPPlan:
     return TPPlan(styles, dict(rules.widths), dict(rules.blocks))
 
 
-def rules_from_plan(model: nn.Module, parts: ModelParts, notes: PlanNotes) -> TPRules:
-    """A family's rules from its base_model_tp_plan, its pipeline parts and its modules (tessel.hf_layout, the
-    derivation tessel.config's checks run too); ValueError naming the first module nothing places."""
-    cut = PipelineCut(before=parts.before, blocks=parts.blocks, after=parts.after, hidden_input=parts.hidden_input)
-    return derive_rules(model, cut, notes)
+def rules_from_plan(model: nn.Module, notes: PlanNotes) -> TPRules:
+    """A family's rules from its base_model_tp_plan, its pipeline plan's cut (or its structure's) and its modules
+    (tessel.hf_layout, the derivation tessel.config's checks run too); ValueError naming what nothing places."""
+    return derive_rules(model, tp_cut(model), notes)
 
 
 def _parent(pattern: str) -> str:

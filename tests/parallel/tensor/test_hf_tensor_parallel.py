@@ -299,7 +299,10 @@ REFUSED = {
                    r"base_model_tp_plan names no module of model.layers.\*.self_attn",
     "minimax": r"cannot place 'model.layers.\d.self_attn.norm' \(MiniMaxRMSNorm\): inside model.layers.\*.self_attn",
     "gpt_oss": "GptOssForCausalLM's config declares no base_model_tp_plan",
-    "olmoe": "OlmoeForCausalLM's config declares no base_model_pp_plan",  # its cut gives the embedding and the head
+    # no pipeline plan: the structure gives the embedding, the layers, the final norm and the head, and its plan
+    # splits only its experts
+    "granitemoe": r"cannot place 'model.layers.0.self_attn.q_proj' \(Linear\): outside the attention and the MLP: "
+                  r"base_model_tp_plan names no module of model.layers.\*.self_attn",
 }
 
 
@@ -311,6 +314,20 @@ def test_the_derivation_refuses_what_the_plans_do_not_place(kind):
     why = hf_tp_refusal(family_defaults(kind))
     assert why is not None and re.search(REFUSED[kind], why), why
     assert why.startswith(f"model_type '{kind}': ")
+
+
+def test_without_a_pipeline_plan_tp_reads_the_cut_off_the_structure():
+    """OLMoE's config declares a tensor-parallel plan and no pipeline plan: tensor parallelism finds its embedding,
+    layers, final norm and head in its base model's modules (tessel.hf_layout.structural_cut); a pipeline, which
+    would also need what each part takes and gives, is refused naming the missing plan."""
+    from tessel.config import hf_pp_refusal
+    from tessel.hf_layout import meta_model, structural_cut
+    from tessel.support import tiny_config as family_defaults
+    doc = family_defaults("olmoe")
+    assert hf_tp_refusal(doc) is None
+    assert "OlmoeForCausalLM's config declares no base_model_pp_plan" in hf_pp_refusal(doc)
+    cut = structural_cut(meta_model(doc))
+    assert (cut.before, cut.blocks, cut.after) == (("model.embed_tokens",), "model.layers", ("model.norm", "lm_head"))
 
 
 def test_scalar_weights_inside_a_split_region_sum_their_gradients():
