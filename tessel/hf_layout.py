@@ -217,8 +217,8 @@ def rules_from_plan(model, cut: PipelineCut, notes: PlanNotes) -> TPRules:
     linear |= summed
     final = cut.after[:-1]  # the head is last
     if len(final) != 1:
-        raise ValueError(f"{type(model).__name__}'s pipeline plan has {list(final)} between its layers and its "
-                         "head; tensor parallelism expects one final norm there")
+        raise ValueError(f"{type(model).__name__} has {list(final)} between its layers and its head (the parts of "
+                         "its pipeline plan, or its modules with weights); tensor parallelism expects one final norm")
     rules = TPRules(embedding=cut.before[0], first_layer=f"{cut.blocks}.0", norms=norms, final_norm=final[0],
                     head=cut.after[-1], linear=tuple(linear.items()), replicated=replicated, kept=kept,
                     widths=tuple((f"{prefix}.{k}", v) for k, v in notes.widths),
