@@ -98,6 +98,9 @@ def tp_rules(model: nn.Module, family: Family | None) -> TPRules | None:
 def decoder_layers(model: nn.Module, family: Family | None) -> list[nn.Module]:
     """The model's decoder layers, in order (on a pipeline stage: the ones it holds)."""
     if family is not None and (family.parts is not None or has_pp_plan(model)):
-        return pipeline_parts(model, family).held_blocks(model)
+        try:
+            return pipeline_parts(model, family).held_blocks(model)
+        except ValueError:  # a plan that cannot cut stages (weights beside its parts) still names no other layers
+            pass
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
