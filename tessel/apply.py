@@ -22,9 +22,9 @@ from tessel.config import Config
 from tessel.mesh import Mesh
 from tessel.models.build import uses_every_parameter
 from tessel.models.gpt import Block, cross_entropy
-from tessel.models.hf.families import FAMILIES, Family, decoder_layers, pipeline_parts, tp_rules
+from tessel.models.hf.families import Family, decoder_layers, family_of, pipeline_parts, tp_rules
 from tessel.models.hf.tp_plan import hf_tp_plan
-from tessel.hf_shape import family
+from tessel.hf_shape import read_config
 from tessel.models.hf.moe import RouterLossSpec, router_loss, router_loss_spec, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
 from tessel.models.parts import GPT_PARTS, ModelParts
@@ -118,8 +118,8 @@ def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _family(cfg: Config) -> Family | None:
-    """The Hugging Face family of the model (tessel.models.hf.families), None for one tessel has no rules for."""
-    return FAMILIES.get(family(cfg.model.hf_config) or "")
+    """The Hugging Face family of the model (tessel.models.hf.families: its entry, or one read from its plans)."""
+    return family_of(read_config(cfg.model.hf_config)["model_type"])
 
 
 def apply_context_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:

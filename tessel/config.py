@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
-from tessel.hf_shape import (FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, TP_LIMITS, HFConfigError, family, model_shape,
+from tessel.hf_layout import pp_problem, tp_problem
+from tessel.hf_shape import (LOGITS_AFTER_HEAD, OWN_RULES, HFConfigError, family, model_shape,
                              read_config)
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
@@ -576,25 +577,26 @@ def _check_fused_loss(cfg: Config) -> None:
 
 def hf_tp_refusal(doc: dict) -> str | None:
     """Why tensor parallelism (1D, with or without sequence parallelism) cannot split the Hugging Face model
-    whose config.json reads `doc`, or None: its family must be one whose plans tessel reads and tests
-    (tessel.hf_shape.FAMILIES), with none of the settings its plan cannot split (TP_LIMITS). The shapes
-    (heads, kv heads, feed-forward over tp) are check_layout's."""
+    whose config.json reads `doc`, or None. A family with rules of tessel's own (tessel.hf_shape.OWN_RULES, no
+    plans in its config) is split by them; any other is placed from its own plans by the derivation the ranks
+    run (tessel.hf_layout, on the model built on the meta device), which names what it cannot place (Cohere's
+    optional q/k norms, a weight per head its plan does not split; a latent attention no plan names). The
+    shapes (heads, kv heads, feed-forward over tp) are check_layout's."""
     kind = doc["model_type"]
-    if kind not in HF_FAMILIES:
-        return (f"tensor parallelism has no plan for model_type {kind!r} (it splits {', '.join(sorted(HF_FAMILIES))}); "
-                "this architecture trains under dp, ZeRO and recompute")
-    return next((why for key, why in TP_LIMITS.get(kind, {}).items() if doc.get(key)), None)
+    why = None if kind in OWN_RULES else tp_problem(doc)
+    return None if why is None else f"model_type {kind!r}: {why}; " \
+        "this architecture trains under dp, ZeRO and recompute"
 
 
 def hf_pp_refusal(doc: dict) -> str | None:
-    """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: its family must
-    be one whose pipeline plan (embedding, decoder layers, final norm, head) tessel reads and tests."""
+    """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: a family with
+    parts of tessel's own (OWN_RULES), or one whose base_model_pp_plan describes an embedding, one list of decoder
+    layers and a head holding every weight (tessel.hf_layout.pipeline_cut, on the model built on the meta
+    device)."""
     kind = doc["model_type"]
-    if kind in HF_FAMILIES:
-        return None
-    return (f"pipeline parallelism has no module names for model_type {kind!r} (it cuts "
-            f"{', '.join(sorted(HF_FAMILIES))}), so it cannot place the model's embedding, decoder layers, final "
-            "norm and head on stages; this architecture trains under dp, ZeRO and recompute")
+    why = None if kind in OWN_RULES else pp_problem(doc)
+    return None if why is None else f"model_type {kind!r}: {why}; this " \
+        "architecture trains under dp, ZeRO and recompute"
 
 
 def _check_hf_tensor_parallel(cfg: Config) -> None:

@@ -8,10 +8,11 @@ few fields tessel needs are read from the JSON itself, with the defaults the
 families' configuration classes use where a key is absent
 (transformers/models/<family>/configuration_<family>.py).
 
-FAMILIES names the architectures tessel places on tp and pp (their cut read
-from the plans transformers declares: tessel.models.hf.families); any other
-causal LM still trains under data parallelism, ZeRO and recompute. TP_LIMITS
-says which settings of a family tensor parallelism cannot split.
+FAMILIES names the architectures of tessel's table (tessel.models.hf.families),
+checked here without building anything; another whose config declares plans
+is placed on tp and pp by the derivation from those plans (tessel.hf_layout,
+which the checks run on the model built on the meta device), and any causal LM
+trains under data parallelism, ZeRO and recompute.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pathlib import Path
 FAMILIES = {kind: kind for kind in (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3", "gpt_neox",
     "starcoder2", "cohere", "mixtral", "gpt2")}
-# model_type -> {config key: why tensor parallelism cannot split the model when that key is set}
-TP_LIMITS = {"cohere": {"use_qk_norm": "Cohere's q/k norms (use_qk_norm) hold one weight per head, which its "
-                                       "tensor-parallel plan does not split"}}
+# families whose tp rules and pipeline parts tessel writes itself (tessel.models.hf.families): their configs
+# declare no plans
+OWN_RULES = ("gpt2",)
 # tie_word_embeddings' default in the family's config class
 TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3_text", "starcoder2", "cohere"}
 # What a causal LM's forward does to its head's output before returning it (transformers 5.x, modeling_<type>.py,

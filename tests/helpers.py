@@ -55,6 +55,28 @@ PLANNED = {
                     "query_pre_attn_scalar": 8},
 }
 
+# Families with no entry in tessel's table (tessel.models.hf.families.FAMILIES), placed by the derivation from
+# their plans alone (tessel.hf_layout), each for a structure the table's families lack
+DERIVED = {
+    # post-attention and post-MLP norms (4 a layer), a fused gate|up projection its plan gathers, partial rotary
+    "glm4": {**DENSE, "model_type": "glm4", "tie_word_embeddings": False},
+    # attention and MLP in parallel after one LayerNorm, sliding windows (4 < seq_len 16) on 3 of 4 layers, tied
+    # and scaled logits
+    "cohere2": {**DENSE, "model_type": "cohere2", "tie_word_embeddings": True, "sliding_window": 4,
+                "logit_scale": 0.5},
+    # per-head q/k norms and norms after attention and MLP only, sliding windows
+    "exaone4": {**DENSE, "model_type": "exaone4", "tie_word_embeddings": False, "sliding_window": 4},
+    # q/k norms over every head (gathered q, k, v as OLMo 2), sliding windows
+    "olmo3": {**DENSE, "model_type": "olmo3", "tie_word_embeddings": False, "sliding_window": 4},
+    # q/k/v biases; its default dropout (0.1) off, as every parity test trains
+    "seed_oss": {**DENSE, "model_type": "seed_oss", "tie_word_embeddings": False, "attention_bias": True,
+                 "attention_dropout": 0.0, "residual_dropout": 0.0},
+    "ernie4_5": {**DENSE, "model_type": "ernie4_5", "tie_word_embeddings": True},
+    # MoE: its first layer dense (an MLP split by the plan), its second a sparse block every tp rank computes whole
+    "qwen3_moe": {**DENSE, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]},
+}
+
 
 def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     # a private directory per run: concurrent test sessions must not share metrics files

@@ -25,7 +25,7 @@ from tessel.models.gpt import cross_entropy
 from tessel.models.weights import read_weights, tied_names
 from tessel.spawn import spawn
 from tessel.train.checkpoint.manager import CheckpointManager
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import DERIVED, PLANNED, build_trainer, tiny_config
 
 GPT_TO_LLAMA = dict(rtol=0, atol=1e-5)  # see the module's docstring
 SAME_CODE = dict(rtol=0, atol=0)
@@ -138,17 +138,28 @@ def test_hf_sharded_checkpoints_export_under_their_own_names(tmp_path):
                      msg=lambda m: f"{name}: {m}")
 
 
-def test_hf_llama_dp2_tp2_pp2_checkpoint_exports_under_its_own_names(tmp_path):
+# dp2 x tp2 x pp2 checkpoints of families of every kind of cut: Llama; Phi-3's fused q|k|v and gate|up, split
+# block by block and saved as pieces of the logical tensors; Qwen3's per-head q/k norms; and families placed from
+# their plans alone (tessel.hf_layout): GLM-4's gathered gate|up and post norms, Cohere 2's parallel block and
+# tied head, Qwen3-MoE's sparse block (whole on every tp rank) after a dense layer
+EXPORTED = {"llama": LLAMA, **{kind: {**PLANNED[kind], "max_position_embeddings": 32} for kind in ("phi3", "qwen3")},
+            **{kind: {**DERIVED[kind], "max_position_embeddings": 32} for kind in ("glm4", "cohere2", "qwen3_moe")}}
+
+
+def test_hf_dp2_tp2_pp2_checkpoints_export_under_their_own_names(tmp_path):
     """Each stage saves its own layers under the model's names, tp shards as logical rows."""
-    hf = f'model.hf_config="{config_file(tmp_path, {**LLAMA, "vocab_size": 250})}"'
-    layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]
-    sharded = spawn(_train, 8, str(tmp_path), {"llama": [hf, *layout]}, 250, timeout=300)[0]["llama"]
-    checkpoint = tmp_path / "llama" / "step_00000002"
-    export(checkpoint, tmp_path / "hf")
+    runs = {kind: [f'model.hf_config="{config_file(tmp_path, {**doc, "vocab_size": 250})}"', "parallel.dp=2",
+                   "parallel.tp=2", "parallel.pp=2"] for kind, doc in EXPORTED.items()}
+    sharded = spawn(_train, 8, str(tmp_path), runs, 250, timeout=600)[0]
     x = batch(250)
-    cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
-    assert_close(hf_logits(tmp_path / "hf", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE)
-    assert_close(exported_loss(tmp_path / "hf", 250), torch.tensor(sharded), **SHARDED_LOSS)
+    for kind in EXPORTED:
+        checkpoint = tmp_path / kind / "step_00000002"
+        export(checkpoint, tmp_path / f"hf-{kind}")
+        cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
+        assert_close(hf_logits(tmp_path / f"hf-{kind}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE,
+                     msg=lambda m: f"{kind}: {m}")
+        assert_close(exported_loss(tmp_path / f"hf-{kind}", 250), torch.tensor(sharded[kind]), **SHARDED_LOSS,
+                     msg=lambda m: f"{kind}: {m}")
 
 
 # ---- one process: every conversion, and the round trip -----------------------------------------

@@ -52,9 +52,9 @@ import torch
 import torch.nn as nn
 
 from tessel.config import Config
-from tessel.hf_shape import family
+from tessel.hf_shape import family, read_config
 from tessel.models.gpt import Block
-from tessel.models.hf.families import FAMILIES, decoder_layers
+from tessel.models.hf.families import decoder_layers, family_of
 from tessel.models.hf.moe import mixtral_modules
 from tessel.models.moe import moe_layers
 from tessel.parallel.expert.hf_experts import ShardedMixtralExperts
@@ -101,7 +101,7 @@ def transformer_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
     """The reference GPT's blocks, or a Hugging Face model's decoder layers (as apply_recompute finds them)."""
     if cfg.model.hf_config is None:
         return [m for m in model.modules() if isinstance(m, Block)]
-    return decoder_layers(model, FAMILIES.get(family(cfg.model.hf_config) or ""))
+    return decoder_layers(model, family_of(read_config(cfg.model.hf_config)["model_type"]))
 
 
 def eager_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:

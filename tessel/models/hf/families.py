@@ -1,19 +1,21 @@
 """What tessel knows of each Hugging Face family beyond transformers' own plans: data, not code.
 
 A family whose config declares a base_model_pp_plan and a base_model_tp_plan
-needs nothing here but its name: its decoder layers, its pipeline cut
-(tessel.models.hf.pp_plan) and its tensor-parallel rules
-(tessel.models.hf.tp_plan.rules_from_plan) are read from those plans and from
-the model's own modules. A family keeps notes here only for what its plans do
-not say (PlanNotes, each checked against the plan): Phi-3's fused projections,
-split block by block where its plan gathers them; Mixtral's MoE block, computed
-whole on every tp rank (its experts go to the ep axis). A family with no plans
-at all (GPT-2) brings all of its rules and parts. A model of an unknown family
-still gets data parallelism, ZeRO and recompute (its decoder layers are then its
-longest ModuleList).
+needs nothing here, not even its name (family_of): its decoder layers, its
+pipeline cut and its tensor-parallel rules, MoE blocks included (computed whole
+on every tp rank, their experts on the ep axis), are derived from those plans
+and from the model's own modules (tessel.hf_layout), or refused naming what the
+derivation cannot place. FAMILIES lists the families whose parity tests predate
+that derivation (tessel.hf_shape.FAMILIES, the checks' fast path), and keeps
+notes only for what a plan does not say (PlanNotes, each checked against the
+plan): Phi-3's fused projections, split block by block where its plan gathers
+them. A family with no plans at all (GPT-2) brings all of its rules and parts.
+A model without plans still gets data parallelism, ZeRO and recompute (its
+decoder layers are then its longest ModuleList).
 
-Which model types tessel places on which axis, checked before any process
-starts, is tessel.hf_shape (it reads the config's JSON, without transformers).
+Which model types tessel places on which axis is checked before any process
+starts by tessel.config (tessel.hf_shape reads the config's JSON;
+tessel.hf_layout runs the derivation on the model built on the meta device).
 """
 
 from __future__ import annotations
@@ -57,11 +59,16 @@ class Family:
 
 FAMILIES = {name: Family(name) for name in (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "gpt_neox",
-    "starcoder2", "cohere")} | {
+    "starcoder2", "cohere", "mixtral")} | {
     "phi3": Family("phi3", notes=PHI3_NOTES),
-    "mixtral": Family("mixtral", notes=PlanNotes(replicated=("layers.*.mlp",))),  # the sparse MoE block
     "gpt2": Family("gpt2", tp=GPT2_TP, parts=GPT2_PARTS),
 }
+
+
+def family_of(model_type: str) -> Family:
+    """The family's entry here, or for a model type without one, a family placed from its own plans alone
+    (tessel.hf_layout derives its cut and its rules, or refuses it naming what it cannot place)."""
+    return FAMILIES.get(model_type) or Family(model_type)
 
 
 def pipeline_parts(model: nn.Module, family: Family | None) -> ModelParts:
@@ -85,12 +92,15 @@ def tp_rules(model: nn.Module, family: Family | None) -> TPRules | None:
         return None
     if family.tp is not None:
         return family.tp
-    return rules_from_plan(model, pipeline_parts(model, family), family.notes)
+    return rules_from_plan(model, family.notes)
 
 
 def decoder_layers(model: nn.Module, family: Family | None) -> list[nn.Module]:
     """The model's decoder layers, in order (on a pipeline stage: the ones it holds)."""
     if family is not None and (family.parts is not None or has_pp_plan(model)):
-        return pipeline_parts(model, family).held_blocks(model)
+        try:
+            return pipeline_parts(model, family).held_blocks(model)
+        except ValueError:  # a plan that cannot cut stages (weights beside its parts) still names no other layers
+            pass
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []

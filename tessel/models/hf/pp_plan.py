@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tessel.hf_layout import pipeline_cut
 from tessel.models.parts import ModelParts
 
 
@@ -35,36 +36,11 @@ def has_pp_plan(model: nn.Module) -> bool:
 
 
 def parts_from_plan(model: nn.Module) -> ModelParts:
-    """The pipeline parts of a transformers causal LM from its config's base_model_pp_plan; ValueError naming
-    what the plan lacks where it does not describe an embedding, one list of layers and a head."""
-    plan = dict(model.config.base_model_pp_plan or {})
-    kind = type(model).__name__
-    if not plan:
-        raise ValueError(f"{kind}'s config declares no base_model_pp_plan (transformers' pipeline plan)")
-    prefix = model.base_model_prefix
-    base = model.get_submodule(prefix)
-    names = list(plan)
-    # getattr, not get_submodule: on a pipeline stage a part it does not hold is None
-    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if len(lists) != 1:
-        raise ValueError(f"{kind}'s base_model_pp_plan names {len(lists)} lists of layers ({lists}); a pipeline "
-                         "cuts one")
-    at = names.index(lists[0])
-    before, after = names[:at], names[at + 1:]
-    if not before or list(plan[before[0]][0]) != ["input_ids"]:
-        raise ValueError(f"{kind}'s base_model_pp_plan starts with no part taking input_ids (its embedding)")
-    head = head_name(model)
-    stand_ins = {f"{prefix}.{n}": "pass" for n in (*before[1:], *after)} | {head: "pass"}
-    return ModelParts(before=tuple(f"{prefix}.{n}" for n in before), blocks=f"{prefix}.{lists[0]}",
-                      after=(*(f"{prefix}.{n}" for n in after), head),
-                      tied=(f"{prefix}.{before[0]}.weight", f"{head}.weight"), stand_ins=stand_ins,
-                      hidden_input=plan[before[0]][1][0], hand_over_at_blocks=True)
-
-
-def head_name(model: nn.Module) -> str:
-    """The module name of the causal LM's output head (its get_output_embeddings())."""
-    head = model.get_output_embeddings()
-    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-    if name is None:
-        raise ValueError(f"{type(model).__name__} has no output head (get_output_embeddings)")
-    return name
+    """The pipeline parts of a transformers causal LM from its config's base_model_pp_plan (tessel.hf_layout's
+    cut, the one tessel.config checks before any process starts); ValueError naming what the plan lacks."""
+    cut = pipeline_cut(model)
+    head = cut.after[-1]
+    stand_ins = {name: "pass" for name in (*cut.before[1:], *cut.after)}
+    return ModelParts(before=cut.before, blocks=cut.blocks, after=cut.after,
+                      tied=(f"{cut.before[0]}.weight", f"{head}.weight"), stand_ins=stand_ins,
+                      hidden_input=cut.hidden_input, hand_over_at_blocks=True)

@@ -8,6 +8,7 @@ One spawn of two ranks loops over every layout; the unit tests below need no pro
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.testing import assert_close
 
 from tessel.config import ConfigError, hf_tp_refusal
 from tessel.models.build import build_model
-from tessel.models.hf.families import FAMILIES, tp_rules
+from tessel.models.hf.families import FAMILIES, family_of, tp_rules
 from tessel.models.hf.tp_plan import hf_tp_plan
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor import regions
@@ -27,7 +28,7 @@ from tessel.spawn import spawn
 from tessel.train.checkpoint.packed import packed_slice
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import PLANNED, build_runner, tiny_config
+from tests.helpers import DERIVED, PLANNED, build_runner, tiny_config
 
 STEPS = 5
 # tiny configs, dropout 0 (GPT-2 has dropout by default). Llama: grouped-query attention (4 heads,
@@ -52,7 +53,7 @@ CONFIGS = {
     "opt": {"model_type": "opt", "vocab_size": 128, "hidden_size": 32, "ffn_dim": 64, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64},
 }
-CONFIGS |= PLANNED  # the families placed from transformers' own plans (tests/helpers.py)
+CONFIGS |= PLANNED | DERIVED  # the families placed from transformers' own plans (tests/helpers.py)
 # name -> (config, overrides); every one runs on two ranks, its reference on one process
 LAYOUTS = {
     "llama_tp2_sp_recompute": ("llama", ["parallel.tp=2", "parallel.sequence_parallel=true",
@@ -62,7 +63,8 @@ LAYOUTS = {
     "mixtral_tp2": ("mixtral", ["parallel.tp=2"]),  # attention split, the MoE block replicated
     "mixtral_tp2_sp": ("mixtral", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 } | {f"{kind}_tp2{sp}": (kind, ["parallel.tp=2", *(["parallel.sequence_parallel=true"] if sp else [])])
-     for kind in PLANNED for sp in ("", "_sp")}
+     for kind in PLANNED for sp in ("", "_sp")} | {
+    f"{kind}_tp2_sp": (kind, ["parallel.tp=2", "parallel.sequence_parallel=true"]) for kind in DERIVED}
 # fp32 throughout; the same argument as tests/parallel/tensor/test_tensor_parallel.py. Tensor
 # parallelism sums partial products in another order than one process (all-reduced per-rank
 # partial matmuls, split softmax sums), so results differ by fp32 rounding: measured loss
@@ -152,6 +154,9 @@ SPLIT = {
     "gpt2": ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
              "mlp.c_proj.weight"),
     "mixtral": tuple(f"self_attn.{p}_proj.weight" for p in "qkvo"),  # the MoE block stays whole (experts on ep)
+    "glm4": (*(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv"),
+             "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),  # q/k/v biases by default
+    "seed_oss": (*LLAMA_SPLIT, *(f"self_attn.{p}_proj.bias" for p in "qkv")),
     # the fused projections, split block by block
     "phi3": ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
     "gpt_neox": ("attention.query_key_value.weight", "attention.query_key_value.bias", "attention.dense.weight",
@@ -159,6 +164,8 @@ SPLIT = {
     "starcoder2": (*(f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")), "self_attn.o_proj.weight",
                    "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"),
 }
+# a family whose layers differ: layer -> what tp splits in it (Qwen3-MoE's dense first layer, its sparse second)
+LAYER_SPLIT = {"qwen3_moe": {0: LLAMA_SPLIT, 1: SPLIT["mixtral"]}}
 # the base model's prefix, the layers' list, the embedding
 NAMES = {"gpt2": ("transformer", "transformer.h", "transformer.wte"),
          "gpt_neox": ("gpt_neox", "gpt_neox.layers", "gpt_neox.embed_in")}
@@ -171,7 +178,8 @@ def test_the_plan_splits_what_it_should(world2, references):
     for name, (kind, _) in LAYOUTS.items():
         _, layers, embedding = NAMES.get(kind, ("model", "model.layers", "model.embed_tokens"))
         tied = CONFIGS[kind].get("tie_word_embeddings", kind == "gpt2")
-        want = sorted([f"{layers}.{i}.{m}" for i in range(2) for m in SPLIT.get(kind, LLAMA_SPLIT)]
+        split = LAYER_SPLIT.get(kind, {})
+        want = sorted([f"{layers}.{i}.{m}" for i in range(2) for m in split.get(i, SPLIT.get(kind, LLAMA_SPLIT))]
                       + [f"{embedding}.weight"] + ([] if tied else ["lm_head.weight"]))
         for got in (r[name] for r in world2):
             assert sorted(got["local_numel"]) == want, name
@@ -188,20 +196,22 @@ def _model(configs, kind: str) -> nn.Module:
 
 
 FOUR_NORMS = {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+AFTER = {"post_attention_layernorm", "post_feedforward_layernorm"}  # after attention and MLP only
 LAYER_NORMS = {"gemma2": FOUR_NORMS, "gemma3_text": FOUR_NORMS, "cohere": {"input_layernorm"},  # one before both
-               "olmo2": {"post_attention_layernorm", "post_feedforward_layernorm"}}  # after attention and MLP
+               "cohere2": {"input_layernorm"}, "olmo2": AFTER, "olmo3": AFTER, "exaone4": AFTER,
+               "glm4": {"input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm"}}
 
 
 def _styles(configs, kind: str) -> dict[str, str]:
     """{module: style} of the family's plan on its tiny model; every parameter placed."""
     model = _model(configs, kind)
-    plan = hf_tp_plan(model, tp_rules(model, FAMILIES[kind]))
+    plan = hf_tp_plan(model, tp_rules(model, family_of(kind)))  # a table's entry, or the plans alone
     styles = match_plan(model, plan.styles)
     assert unplaced_modules(model, styles) == []
     return styles
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2", *PLANNED])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2", *PLANNED, *DERIVED])
 def test_every_weight_of_each_family_is_placed(configs, kind):
     styles = _styles(configs, kind)
     if kind == "gpt2":
@@ -218,17 +228,18 @@ def test_every_weight_of_each_family_is_placed(configs, kind):
     norms = {n.rpartition(".")[2] for n, s in styles.items() if s == "sequence_norm" and n.startswith(f"{layers}.1.")}
     assert norms == LAYER_NORMS.get(kind, {"input_layernorm", "post_attention_layernorm"})
     attn = f"{layers}.0.{'attention' if kind == 'gpt_neox' else 'self_attn'}"
-    assert styles[attn] == "enter" and styles[f"{layers}.1.mlp"] == ("replicate" if kind == "mixtral" else "enter")
-    if kind in ("qwen3", "gemma3_text"):  # per-head norms on each rank's own heads: gradients summed over tp
+    moe = kind in ("mixtral", "qwen3_moe")  # the sparse MoE block, found from the experts the plans name
+    assert styles[attn] == "enter" and styles[f"{layers}.1.mlp"] == ("replicate" if moe else "enter")
+    if kind in ("qwen3", "gemma3_text", "exaone4", "qwen3_moe"):  # per-head norms on each rank's own heads: gradients summed over tp
         assert styles[f"{attn}.q_norm"] == styles[f"{attn}.k_norm"] == "sum_grads"
-    if kind == "olmo2":  # norms over every head: q, k, v gathered whole (as its plan says), the norms kept whole
+    if kind in ("olmo2", "olmo3"):  # norms over every head: q, k, v gathered whole (as its plan says), the norms kept whole
         assert styles[f"{attn}.q_proj"] == "colwise_gather" and styles[f"{attn}.o_proj"] == "rowwise_split"
         assert styles[f"{attn}.q_norm"] == styles[f"{attn}.k_norm"] == "keep"
     if kind == "phi3":  # its plan gathers the fused projections; the family's notes split them block by block
         assert styles[f"{attn}.qkv_proj"] == styles[f"{layers}.0.mlp.gate_up_proj"] == "colwise_packed"
         assert styles[f"{attn}.o_proj"] == "rowwise"
-    if kind == "mixtral":  # transformers' packed_colwise / moe_tp_experts entries are inside the replicated block
-        assert not any(n.startswith("model.layers.0.mlp.") for n in styles)
+    if moe:  # transformers' packed_colwise / moe_tp_experts entries are inside the replicated block
+        assert not any(n.startswith("model.layers.1.mlp.") for n in styles)
 
 
 def test_a_module_no_rule_places_is_named(configs):
@@ -256,16 +267,20 @@ def test_a_module_no_rule_places_is_named(configs):
 
 
 def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
-    for kind in ("llama", "mixtral", "gpt2", *PLANNED):
+    for kind in ("llama", "mixtral", "gpt2", *PLANNED, *DERIVED):
         assert _cfg(configs[kind], "parallel.tp=2").parallel.tp == 2
-    # Cohere's optional q/k norms hold a weight per head, which its plan does not split: refused by name
+    # Cohere's optional q/k norms hold a weight per head (2-D), which its plan does not split: the derivation
+    # refuses them by name
     qk = tmp_path / "cohere_qk.json"
     qk.write_text(json.dumps({**PLANNED["cohere"], "use_qk_norm": True}))
     assert hf_tp_refusal(PLANNED["cohere"]) is None
-    with pytest.raises(ConfigError, match=r"parallel.tp: Cohere's q/k norms \(use_qk_norm\) hold one weight per head"):
+    with pytest.raises(ConfigError, match=r"parallel.tp: model_type 'cohere': tensor parallelism cannot place "
+                                          r"'model.layers.0.self_attn.q_norm' \(CohereLayerNorm\): inside "
+                                          r"model.layers.\*.self_attn"):
         _cfg(str(qk), "parallel.tp=2")
     assert _cfg(str(qk), "parallel.pp=2", "parallel.micro_batches=2").parallel.pp == 2  # a pipeline cuts it
-    with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism has no plan for model_type 'opt'"):
+    with pytest.raises(ConfigError, match="parallel.tp: model_type 'opt': OPTForCausalLM's config declares no "
+                       "base_model_tp_plan"):
         _cfg(configs["opt"], "parallel.tp=2")
     with pytest.raises(ConfigError, match=r"n_kv_head \(2\) is not divisible by tp \(4\)"):  # GQA: kv heads split
         _cfg(configs["llama"], "parallel.tp=4")
@@ -273,6 +288,57 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
         _cfg(configs["gpt2"], "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15")
     # GPT-2's per-head split of its fused q|k|v is checkpointed as pieces of the logical tensor
     assert _cfg(configs["gpt2"], "parallel.tp=2", "checkpoint.every=2").checkpoint.every == 2
+
+
+# families the derivation from their plans refuses (tessel.hf_layout), on their config class's defaults shrunk:
+# model type -> what the refusal must name
+REFUSED = {
+    "deepseek_v2": r"asks 'mla_kv_a_proj' of 'model.layers.\*.self_attn.kv_a_proj_with_mqa'",  # latent attention
+    # DeepSeek-V3's plan names no projection of its latent attention: the first one nothing places
+    "deepseek_v3": r"cannot place 'model.layers.0.self_attn.q_a_proj' \(Linear\): outside the attention and the MLP: "
+                   r"base_model_tp_plan names no module of model.layers.\*.self_attn",
+    "minimax": r"cannot place 'model.layers.\d.self_attn.norm' \(MiniMaxRMSNorm\): inside model.layers.\*.self_attn",
+    "gpt_oss": "GptOssForCausalLM's config declares no base_model_tp_plan",
+    # no pipeline plan: the structure gives the embedding, the layers, the final norm and the head, and its plan
+    # splits only its experts
+    "granitemoe": r"cannot place 'model.layers.0.self_attn.q_proj' \(Linear\): outside the attention and the MLP: "
+                  r"base_model_tp_plan names no module of model.layers.\*.self_attn",
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_the_derivation_refuses_what_the_plans_do_not_place(kind):
+    """Before any process starts, the rules the ranks would run, on transformers' model built on the meta device:
+    a family without a table entry is refused by the module or the plan entry they cannot place."""
+    from tessel.support import tiny_config as family_defaults
+    why = hf_tp_refusal(family_defaults(kind))
+    assert why is not None and re.search(REFUSED[kind], why), why
+    assert why.startswith(f"model_type '{kind}': ")
+
+
+def test_without_a_pipeline_plan_tp_reads_the_cut_off_the_structure():
+    """OLMoE's config declares a tensor-parallel plan and no pipeline plan: tensor parallelism finds its embedding,
+    layers, final norm and head in its base model's modules (tessel.hf_layout.structural_cut); a pipeline, which
+    would also need what each part takes and gives, is refused naming the missing plan."""
+    from tessel.config import hf_pp_refusal
+    from tessel.hf_layout import meta_model, structural_cut
+    from tessel.support import tiny_config as family_defaults
+    doc = family_defaults("olmoe")
+    assert hf_tp_refusal(doc) is None
+    assert "OlmoeForCausalLM's config declares no base_model_pp_plan" in hf_pp_refusal(doc)
+    cut = structural_cut(meta_model(doc))
+    assert (cut.before, cut.blocks, cut.after) == (("model.embed_tokens",), "model.layers", ("model.norm", "lm_head"))
+
+
+def test_scalar_weights_inside_a_split_region_sum_their_gradients():
+    """Apertus' xIELU activation holds scalar weights between its MLP's up and down projections: each rank applies
+    them to its own columns, so each holds a part of their gradient, summed over tp (as the plan's q/k norms)."""
+    from tessel.support import tiny_config as family_defaults
+    from tessel.hf_layout import meta_model
+    model = meta_model(family_defaults("apertus"))
+    styles = match_plan(model, hf_tp_plan(model, tp_rules(model, family_of("apertus"))).styles)
+    assert styles["model.layers.0.mlp.act_fn"] == "sum_grads" and styles["model.layers.0.mlp"] == "enter"
+    assert unplaced_modules(model, styles) == []
 
 
 def test_grouped_query_qkv_splits_block_by_block_and_gathers_back():
