@@ -48,7 +48,7 @@ class ExpertSite:
 
 def ep_plan(model: nn.Module) -> dict[str, str]:
     """The plan's patterns, under the model (prefixed with the base model's name) -> style."""
-    plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
     return {f"{model.base_model_prefix}.{key}": style for key, style in plan.items()}
 
 
@@ -129,6 +129,10 @@ def _refusal(doc_json: str, ep: int) -> str | None:  # one meta build per config
     why = plan_problem(kind, getattr(config, "base_model_ep_plan", None) or {})
     if why is not None:  # answered from the config class alone
         return why
-    with torch.device("meta"):  # shapes and classes only: no memory, no initialisation
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):  # shapes and classes only: no memory, no initialisation
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # the family's own classes refuse the config: every rank would fail the same way
+        return (f"transformers cannot build this '{kind}' config's model to find its experts: "
+                f"{type(err).__name__}: {' '.join(str(err).split())}")
     return ep_problem(model, ep)
