@@ -119,20 +119,30 @@ def hf_ep_refusal(doc: dict, ep: int) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _refusal(doc_json: str, ep: int) -> str | None:  # one meta build per config and degree
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging
-    logging.set_verbosity_error()  # its warnings about a shrunk or hand-made config are hf_check's concern
     doc = json.loads(doc_json)
-    kind = doc.pop("model_type")
-    config = AutoConfig.for_model(kind, **doc)
-    why = plan_problem(kind, getattr(config, "base_model_ep_plan", None) or {})
-    if why is not None:  # answered from the config class alone
+    why = plan_problem(doc["model_type"], getattr(_config(doc), "base_model_ep_plan", None) or {})
+    if why is not None:  # answered from the config alone
         return why
     try:
-        with torch.device("meta"):  # shapes and classes only: no memory, no initialisation
-            model = AutoModelForCausalLM.from_config(config)
+        model = _meta_model(doc)
     except Exception as err:  # the family's own classes refuse the config: every rank would fail the same way
-        return (f"transformers cannot build this '{kind}' config's model to find its experts: "
+        return (f"transformers cannot build this '{doc['model_type']}' config's model to find its experts: "
                 f"{type(err).__name__}: {' '.join(str(err).split())}")
     return ep_problem(model, ep)
+
+
+def _config(doc: dict):
+    # deferred: transformers loads torch; only a recipe naming a Hugging Face MoE under ep asks
+    from transformers import AutoConfig
+    from transformers.utils import logging
+    logging.set_verbosity_error()  # its warnings about a shrunk or hand-made config are hf_check's concern
+    doc = dict(doc)
+    return AutoConfig.for_model(doc.pop("model_type"), **doc)
+
+
+def _meta_model(doc: dict) -> nn.Module:
+    """transformers' causal LM for the config, shapes and classes only (no memory, no initialisation)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_config(doc))
