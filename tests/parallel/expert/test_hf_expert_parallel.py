@@ -5,7 +5,8 @@ router, its own experts, its own aux loss (output_router_logits: the model's `au
 load_balancing_loss_func over all layers), scored as loss = cross-entropy(logits, targets) +
 router_aux_loss_coef * aux_loss on the whole batch. The parallel runs go through parallelize(): each ep rank
 holds half of the experts (tessel.hf_ep_plan: the modules and parameters the family's base_model_ep_plan
-names) and routes its half of the batch (under dp2 x ep2 its quarter). Mixtral goes further: tp2 x ep2 also
+names) and routes its half of the batch (under dp2 x ep2 its quarter; with ZeRO-1, or ZeRO-3 and full
+recompute, for two of them: each expert sharded over the dp ranks that hold it). Mixtral goes further: tp2 x ep2 also
 splits attention and the vocabulary over tp; pp2 and pp2 x ep2 put each layer on its own stage, and its router
 loss, which spans every layer, is computed across the stages (tessel.parallel.expert.cross_stage). With
 model.aux_loss_scope = "global" (the default) the balance statistics span the ranks that split the batch, so
@@ -41,7 +42,7 @@ from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.sharding import shard_axes, shard_dims
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.optim import build_optimizer
+from tessel.train.optim import build_optimizer, optimizer_params
 from tests.helpers import build_runner, build_trainer, tiny_config
 
 STEPS = 5
@@ -84,7 +85,12 @@ LAYOUTS = {2: {("mixtral", "ep2"): ["parallel.ep=2"], ("mixtral", "pp2_gpipe"): 
                ("mixtral", "pp2_1f1b"): PP2, **{(f, "ep2"): ["parallel.ep=2"] for f in OTHERS}},
            4: {("mixtral", "tp2_ep2"): ["parallel.tp=2", "parallel.ep=2"],
                ("mixtral", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
-               **{(f, "dp2_ep2"): ["parallel.dp=2", "parallel.ep=2"] for f in OTHERS}}}
+               **{(f, "dp2_ep2"): ["parallel.dp=2", "parallel.ep=2"] for f in OTHERS},
+               # ZeRO shards each expert over the dp ranks that hold it (tessel.mesh.EXPERT_AXES), the rest over
+               # dp x ep; ZeRO-3 gathers the experts' shards around the all-to-all, recompute runs it again
+               ("qwen3_moe", "dp2_ep2_zero3_recompute"): ["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3",
+                                                          'parallel.recompute="full"'],
+               ("deepseek_v3", "dp2_ep2_zero1"): ["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"]}}
 PER_MICRO_BATCH = {"pp2_1f1b"}
 
 # fp32 throughout. The experts see the same rows in another order (all-to-all, regrouped by
@@ -135,8 +141,7 @@ def _parallel(path: str, overrides: list[str]) -> dict:
     cfg = _cfg(path, *overrides)
     model, runner, mesh = build_runner(cfg)
     ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
-    params = runner.parameters()
-    opt = build_optimizer(params, cfg.train)
+    opt = runner.optimizer or build_optimizer(runner.parameters(), cfg.train)  # ZeRO brings its own
     shards = mesh.size("dp", "ep")
     sampler = _batches(cfg, mesh.local_rank_in("dp", "ep"), shards)
     named = runner.named_parameters() if mesh.size("pp") > 1 else dict(model.named_parameters())
@@ -147,10 +152,13 @@ def _parallel(path: str, overrides: list[str]) -> dict:
         if shards > 1:  # the mean over the batch's shares
             dist.all_reduce(loss, group=mesh.group("dp", "ep"))
         losses.append(loss.item() / shards)
-        clip_grad_norm_(params, cfg.train.grad_clip, mesh)
+        clip_grad_norm_(optimizer_params(opt), cfg.train.grad_clip, mesh)
         opt.step()
         opt.zero_grad(set_to_none=False)
-    out = {"losses": losses, "sharded": sharded, "weights": {n: _whole(q, mesh, ctx) for n, q in named.items()}}
+    gathered = getattr(getattr(runner, "model", None), "gathered", None)  # ZeRO-3: shards made whole meanwhile
+    with gathered() if gathered is not None else torch.no_grad():
+        weights = {n: _whole(q, mesh, ctx) for n, q in named.items()}
+    out = {"losses": losses, "sharded": sharded, "weights": weights}
     if mesh.size("pp") > 1:  # each stage holds its own layers, under the model's names
         stages = [None] * mesh.size("pp")
         dist.all_gather_object(stages, out, group=mesh.group("pp"))
@@ -232,7 +240,8 @@ def test_moe_families_under_ep_match_transformers(configs, reference, world, tmp
         want = reference["mixtral/2" if layout in PER_MICRO_BATCH else family]
         for rank, result in enumerate(r[(family, layout)] for r in got):
             # under ep the experts modules' parameters are sharded, under transformers' own names
-            assert result["sharded"] == sorted(n for n in want["weights"] if ".experts." in n and "ep2" in layout)
+            assert result["sharded"] == sorted(n for n in want["weights"] if ".experts." in n and "ep2" in layout), \
+                f"{family} {layout}"
             _check_close(f"{family} {layout} rank {rank}", result, want)
 
 
