@@ -177,10 +177,28 @@ def _checkpointed(path: str, root: str) -> dict:
     return {n: _whole(q, mesh, ctx) for n, q in model.named_parameters()}
 
 
+def _idle_rank(path: str) -> dict:
+    """Every token of both ranks chooses experts 0 and 1 (rank 0's): rank 1's experts receive no row. They run
+    on one zero row instead, so that they get a gradient (zero) like any expert and the backward's all-to-alls
+    meet on both ranks; each rank's output is its tokens' weighted sum over the two experts."""
+    cfg = _cfg(path, "parallel.ep=2")
+    model, _, mesh = build_runner(cfg)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    torch.manual_seed(mesh.rank)
+    x = torch.randn(6, experts.hidden_dim, requires_grad=True)  # (N, C) this rank's tokens
+    weights = torch.rand(6, 2).softmax(-1).requires_grad_()
+    out = experts(x, torch.tensor([[0, 1]] * 6), weights)
+    out.sum().backward()
+    whole = {n: _whole(q, mesh, None) for n, q in experts.named_parameters()}
+    return {"out": out.detach(), "x": x.detach(), "weights": weights.detach(), "whole": whole,
+            "grads": {n: q.grad for n, q in experts.named_parameters()}, "x_grad": x.grad}
+
+
 def _run(paths: dict[str, str], layouts: dict, checkpoint_root: str | None = None) -> dict:
     out = {case: _parallel(paths[case[0]], overrides) for case, overrides in layouts.items()}
     if checkpoint_root is not None:
         out["checkpointed"] = _checkpointed(paths["mixtral"], checkpoint_root)
+        out["idle"] = _idle_rank(paths["qwen2_moe"])
     return out
 
 
@@ -231,6 +249,7 @@ def test_moe_families_under_ep_match_transformers(configs, reference, world, tmp
     got = spawn(_run, world, configs, LAYOUTS[world], None if root is None else str(root))
     if root is not None:
         _check_export(root / "step_00000001", tmp_path / "hf", got[0]["checkpointed"])
+        _check_idle_rank([r["idle"] for r in got])
     assert reference["mixtral"]["aux"] > 1.5  # E * sum f*P >= top_k: the aux loss is on and counted
     # the two scopes differ (by 2.4e-4 in the loss, measured): each pipeline run matches one of them only
     assert abs(reference["mixtral"]["losses"][-1] - reference["mixtral/2"]["losses"][-1]) > 1e-4
@@ -243,6 +262,20 @@ def test_moe_families_under_ep_match_transformers(configs, reference, world, tmp
             assert result["sharded"] == sorted(n for n in want["weights"] if ".experts." in n and "ep2" in layout), \
                 f"{family} {layout}"
             _check_close(f"{family} {layout} rank {rank}", result, want)
+
+
+def _check_idle_rank(ranks: list[dict]) -> None:
+    """Both ranks' outputs are Qwen2-MoE's expert MLPs (down(silu(gate) * up)) of experts 0 and 1, weighted;
+    rank 1's experts got zero gradients, not none."""
+    whole = ranks[0]["whole"]
+    for rank, r in enumerate(ranks):
+        mlp = [torch.nn.functional.linear(torch.nn.functional.silu(g) * u, whole["down_proj"][e])
+               for e in (0, 1) for g, u in [torch.nn.functional.linear(r["x"], whole["gate_up_proj"][e]).chunk(2, -1)]]
+        want = r["weights"][:, :1] * mlp[0] + r["weights"][:, 1:] * mlp[1]
+        assert_close(r["out"], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} output: {m}")
+        assert r["x_grad"] is not None and r["x_grad"].abs().sum() > 0
+    assert all(g is not None and not g.any() for g in ranks[1]["grads"].values())
+    assert all(g.any() for g in ranks[0]["grads"].values())
 
 
 def _check_close(case: str, result: dict, want: dict) -> None:
