@@ -246,7 +246,7 @@ def reference(configs):
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_families_under_ep_match_transformers(configs, reference, world, tmp_path):
     root = tmp_path / "ck" if world == 2 else None  # world 2 also saves and exports a Mixtral checkpoint
-    got = spawn(_run, world, configs, LAYOUTS[world], None if root is None else str(root))
+    got = spawn(_run, world, configs, LAYOUTS[world], None if root is None else str(root), timeout=600)
     if root is not None:
         _check_export(root / "step_00000001", tmp_path / "hf", got[0]["checkpointed"])
         _check_idle_rank([r["idle"] for r in got])
