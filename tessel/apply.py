@@ -39,7 +39,7 @@ from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.balance import (balance_over_batch, balance_over_sequences, global_balance,
                                             sequence_balance)
 from tessel.parallel.expert.cross_stage import stage_router_losses
-from tessel.parallel.expert.hf_experts import shard_mixtral_experts
+from tessel.parallel.expert.hf_experts import shard_hf_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.fused_loss.apply import FusedHead, GatherAfterHead, LogitsOf, fuse_model_head
 from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
@@ -153,11 +153,12 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 
 def _hf_expert_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
-    """A Hugging Face model: ep > 1 shards a Mixtral's experts under their own names (tessel.config admits ep > 1
-    for no other family); the router loss of any MoE family (when its config outputs router logits, as
-    transformers adds it: tessel.models.hf.moe) joins the loss."""
+    """A Hugging Face model: ep > 1 shards the experts its base_model_ep_plan names, under their own names
+    (tessel.parallel.expert.hf_experts; tessel.config refuses a model whose experts it cannot place); the router
+    loss of any MoE family (when its config outputs router logits, as transformers adds it: tessel.models.hf.moe)
+    joins the loss."""
     if mesh.size("ep") > 1:
-        shard_mixtral_experts(plan.model, mesh)
+        shard_hf_experts(plan.model, mesh)
     if mesh.size("pp") > 1:  # its loss spans every layer: each stage adds its share (apply_pipeline)
         return plan
     loss = router_loss(plan.model)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
+from tessel.hf_ep_plan import hf_ep_refusal
 from tessel.hf_layout import pp_problem, tp_problem
 from tessel.hf_shape import (LOGITS_AFTER_HEAD, OWN_RULES, HFConfigError, family, model_shape,
                              read_config)
@@ -622,19 +623,19 @@ def _check_hf_pipeline(cfg: Config) -> None:
 
 
 def _check_hf_expert_parallel(cfg: Config) -> None:
-    """ep > 1 shards the experts of Mixtral's sparse MoE blocks (tessel.parallel.expert.hf_experts); no other
-    Hugging Face family has experts tessel can place."""
+    """ep > 1 shards the experts modules that the model's base_model_ep_plan names, E/ep experts a rank
+    (tessel.parallel.expert.hf_experts); a model whose plan or experts tessel cannot place is refused, naming
+    the module or key (tessel.hf_ep_plan.hf_ep_refusal)."""
     p, doc = cfg.parallel, read_config(cfg.model.hf_config)
     # its aux loss mixes the statistics of every layer: each stage's share (tessel.parallel.expert.cross_stage)
     # follows the micro-batches of its chunk in order, one chunk per rank
     _require(p.pp == 1 or p.virtual_stages == 1 or not doc.get("output_router_logits"), "parallel.virtual_stages",
-             "Mixtral's router aux loss (output_router_logits) spans every layer; under pp > 1 it is computed "
+             "the router aux loss (output_router_logits) spans every layer; under pp > 1 it is computed "
              "with one chunk per pipeline rank (virtual_stages = 1)")
     if p.ep == 1:
         return
-    kind = doc["model_type"]
-    _require(family(cfg.model.hf_config) == "mixtral", "parallel.ep", f"a '{kind}' model has no sparse MoE block "
-             "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
+    why = hf_ep_refusal(doc, p.ep)
+    _require(why is None, "parallel.ep", str(why))
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:

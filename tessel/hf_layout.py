@@ -345,7 +345,7 @@ def pp_problem(doc: dict) -> str | None:
 @functools.lru_cache(maxsize=32)
 def _problems(doc_json: str) -> tuple[str | None, str | None]:
     try:
-        model = meta_model(json.loads(doc_json))
+        model = cached_meta_model(doc_json)
     except Exception as err:  # whatever the family's class raises on this config is the answer, on one line
         why = f"transformers does not build its model from this config ({type(err).__name__}: " \
               f"{' '.join(str(err).split())})"
@@ -360,6 +360,12 @@ def _reason(derive) -> str | None:
     except ValueError as err:
         return str(err)
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def cached_meta_model(doc_json: str):
+    """meta_model of a config.json's sorted JSON text, built once for every check that reads it (tp, pp, ep)."""
+    return meta_model(json.loads(doc_json))
 
 
 def meta_model(doc: dict):

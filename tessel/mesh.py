@@ -21,8 +21,11 @@ from tessel.axes import AXES, TOKEN_AXES, full_order
 
 # Combinations that strategies reduce over: non-expert gradients over dp x ep,
 # the global gradient norm over everything that shards parameters; losses and replicated
-# gradients over every axis whose ranks see different tokens (tessel.axes.TOKEN_AXES).
-DEFAULT_COMBOS = (("dp", "ep"), TOKEN_AXES)
+# gradients over every axis whose ranks see different tokens (tessel.axes.TOKEN_AXES); an
+# expert's (sharded over ep) over the token axes that replicate it, which ZeRO shards it over
+# (made here, by every rank: a pipeline stage without experts must take part in its creation too).
+EXPERT_AXES = tuple(a for a in TOKEN_AXES if a != "ep")
+DEFAULT_COMBOS = (("dp", "ep"), TOKEN_AXES, EXPERT_AXES)
 
 
 @dataclass

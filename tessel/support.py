@@ -71,7 +71,7 @@ WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.mo
 # model type and sets the axis.
 TP, PP, CP = ("tests/parallel/tensor/test_hf_tensor_parallel.py", "tests/parallel/pipeline/test_hf_pipeline.py",
               "tests/parallel/context/test_context_parallel.py")
-ZERO3, EP = "tests/parallel/zero/test_hf_models.py", "tests/parallel/expert/test_hf_mixtral_ep.py"
+ZERO3, EP = "tests/parallel/zero/test_hf_models.py", "tests/parallel/expert/test_hf_expert_parallel.py"
 COMPILE, FUSED = "tests/parallel/test_compile.py", "tests/parallel/fused_loss/test_fused_layouts.py"
 GRID, HEADS = "tests/parallel/tensor_nd/test_grid_modes.py", "tests/parallel/fused_loss/test_hf_heads.py"
 TESTED: dict[str, dict[str, str]] = {

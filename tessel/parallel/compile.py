@@ -52,12 +52,11 @@ import torch
 import torch.nn as nn
 
 from tessel.config import Config
+from tessel.hf_ep_plan import expert_sites
 from tessel.hf_shape import family, read_config
 from tessel.models.gpt import Block
 from tessel.models.hf.families import decoder_layers, family_of
-from tessel.models.hf.moe import mixtral_modules
 from tessel.models.moe import moe_layers
-from tessel.parallel.expert.hf_experts import ShardedMixtralExperts
 from tessel.parallel.pipeline.schedules import splits_backward
 from tessel.parallel.tensor_nd.summa import Linear2D, TiedHead2D
 
@@ -106,13 +105,13 @@ def transformer_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
 
 def eager_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
     """The modules that stay eager inside a compiled region: those whose shapes follow the routing (the
-    reference GPT's MoE layers; Mixtral's experts, transformers' own or under ep tessel's shard of them),
-    and the 2D/2.5D grid's SUMMA layers, whose rooted broadcasts and reduces dynamo cannot trace (each
-    step compiled on its own would recompile for every panel shape)."""
+    reference GPT's MoE layers; a Hugging Face MoE's experts, the modules its ep plan names, with their
+    all-to-all under ep), and the 2D/2.5D grid's SUMMA layers, whose rooted broadcasts and reduces dynamo
+    cannot trace (each step compiled on its own would recompile for every panel shape)."""
     eager: list[nn.Module] = list(moe_layers(model))
-    eager += [m for m in model.modules() if isinstance(m, (Linear2D, TiedHead2D, ShardedMixtralExperts))]
-    if cfg.model.hf_config is not None and family(cfg.model.hf_config) == "mixtral":
-        eager += [m for _, m in mixtral_modules(model, "experts")]
+    eager += [m for m in model.modules() if isinstance(m, (Linear2D, TiedHead2D))]
+    if cfg.model.hf_config is not None:
+        eager += [site.module for site in expert_sites(model)]
     return eager
 
 

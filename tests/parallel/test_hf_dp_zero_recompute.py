@@ -54,7 +54,7 @@ DP2 = {"gemma2": ["parallel.dp=2", "parallel.zero_stage=3", RECOMPUTE], "qwen3_m
 # bit for bit; the tolerance below is the dp2 one). dp2: each rank's half of the
 # batch, gradients averaged, the balance statistics summed over the ranks, ZeRO-3's gradients reduce-scattered:
 # sums in another order, ~1e-7 relative per op; AdamW turns a near-zero gradient's rounding into up to an
-# lr-sized step (lr 1e-3), so weights get 1/20 of one (as tests/parallel/expert/test_hf_mixtral_ep.py). A lost
+# lr-sized step (lr 1e-3), so weights get 1/20 of one (as tests/parallel/expert/test_hf_expert_parallel.py). A lost
 # router loss moves the loss by >= 1 and weights by ~lr; statistics per rank instead of the batch's move the loss
 # by ~1e-4 (measured on Mixtral there); a cache recomputed twice does not run at all. Measured here: losses
 # within 1e-6, weights within 1e-6.

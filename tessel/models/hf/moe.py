@@ -1,4 +1,4 @@
-"""Hugging Face mixtures of experts as tessel sees them: the router loss every family adds, and Mixtral's experts.
+"""Hugging Face mixtures of experts as tessel sees them: the router loss every family adds.
 
 The router loss. transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, GraniteMoE, JetMoE,
 DBRX, GPT-OSS, ...) add the same load-balancing loss when their config sets output_router_logits: each family's
@@ -12,12 +12,11 @@ whole batch (tessel.models.moe.BalanceStatistics; aux_loss_scope) and, under a p
 balances its experts by a bias) gets none; one whose loss differs is refused before any process
 (tessel.hf_check).
 
-Mixtral's experts. transformers' MixtralSparseMoeBlock routes with its own MixtralTopKRouter (`gate`: softmax
-over the experts, top-k, the k weights renormalised to sum to 1) and hands (tokens, top-k ids, top-k weights) to
-MixtralExperts (`experts`: every expert's gate/up projection stacked in gate_up_proj (E, 2F, C), its down
-projection in down_proj (E, C, F)). Mixtral has no capacity: no token is ever dropped. Expert parallelism
-(tessel.parallel.expert.hf_experts) replaces only the `experts` module, under the same name and with the same
-parameter names, so routing stays transformers' own and checkpoints keep transformers' names.
+The experts. Every family's MoE block routes with its own router and hands its experts module (the one its
+base_model_ep_plan names) the tokens, the chosen expert ids and their weights; expert parallelism
+(tessel.parallel.expert.hf_experts, tessel.hf_ep_plan) keeps that module, its class and its parameter names,
+and feeds it the rows of this rank's experts, so routing stays transformers' own and checkpoints keep
+transformers' names.
 """
 
 from __future__ import annotations
@@ -30,13 +29,6 @@ import torch.nn as nn
 
 from tessel.hf_check import balance_loss_of, is_standard_balance_loss
 from tessel.models.moe import BalanceStatistics, local_balance
-
-
-def mixtral_modules(model: nn.Module, kind: str) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every Mixtral router (kind "router") or experts container (kind "experts")."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
-    cls = {"router": MixtralTopKRouter, "experts": MixtralExperts}[kind]
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
 
 
 @dataclass(frozen=True)

@@ -1,35 +1,43 @@
-"""Expert parallelism for Hugging Face Mixtral: its experts on tessel's all-to-all dispatcher.
+"""Expert parallelism for Hugging Face MoE families: their own experts, fed by tessel's all-to-all dispatcher.
 
-Each MixtralSparseMoeBlock keeps its router (transformers' own softmax -> top-k ->
-renormalised weights) and calls `self.experts(hidden, top_k_index, top_k_weights)`.
-ShardedMixtralExperts takes that place: the same call, the same parameter names
-(`...mlp.experts.gate_up_proj`, `...mlp.experts.down_proj`), holding only this
-rank's E/ep experts (rows [j*E/ep, (j+1)*E/ep) of dim 0, marked sharded over ep so
-that data parallelism reduces them over dp alone, and checkpoints and export save
-the logical (E, ...) tensors). Tokens travel by tessel.parallel.expert's
-AllToAllDispatcher, the one the reference GPT's MoE uses. Mixtral has no capacity
-factor, so nothing is dropped: every top-k choice reaches its expert.
+transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, PhiMoE, GraniteMoE,
+GPT-OSS, ...) route with their own router (softmax or sigmoid, top-k, renormalised or scaled, DeepSeek's
+biased group-limited choice) and hand the experts module (tessel.hf_ep_plan: the one the family's
+base_model_ep_plan names) the tokens (N, C), the chosen global expert ids (N, k) and their weights (N, k).
+Under ep that module stays in its place, with its own class, forward and parameter names; it keeps only this
+rank's E/ep experts (rows [j*E/ep, (j+1)*E/ep) of every per-expert parameter, marked sharded over ep so that
+data parallelism reduces them over dp alone, and checkpoints and export save the logical (E, ...) tensors),
+and its forward is wrapped, as transformers' own expert parallelism wraps it:
 
-The load-balancing loss (tessel.models.hf.moe.RouterLoss) joins the loss
-function (under a pipeline, each stage adds its share: tessel.parallel.expert.cross_stage);
-with model.aux_loss_scope = "global" its statistics span the ranks that split the
-batch, so any layout trains on transformers' single-process loss.
+    routing -> AllToAllDispatcher.dispatch (the reference GPT's MoE uses the same) -> the module's own forward
+    on the rows that arrived, with local expert ids and weight 1 -> combine, weighted by the router's weights
+
+so the experts compute exactly the family's expert MLP (gated or not, biases, GPT-OSS's clamped SwiGLU,
+transposed layouts) and the routing is the family's, run on every rank's own tokens. Shared experts and first
+dense layers are not in the plan: they stay whole, like the attention. Nothing is dropped (these families
+have no capacity factor): every top-k choice reaches its expert.
+
+The router loss of the family (tessel.models.hf.moe.RouterLoss) joins the loss function (under a pipeline,
+each stage adds its share: tessel.parallel.expert.cross_stage); with model.aux_loss_scope = "global" its
+statistics span the ranks that split the batch, so any layout trains on transformers' single-process loss.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
+from tessel.hf_ep_plan import ExpertSite, ep_problem, expert_sites
 from tessel.mesh import Mesh
-from tessel.models.hf.moe import mixtral_modules
 from tessel.models.moe import Routing
 from tessel.parallel.expert.expert_parallel import AllToAllDispatcher
 from tessel.sharding import mark_sharded
 
 
-def mixtral_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> Routing:
-    """Mixtral's choices (N, k) as tessel's Routing: every assignment kept (no capacity, nothing dropped)."""
+def routing_of(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> Routing:
+    """The family's choices (N, k) as tessel's Routing: every assignment kept (no capacity, nothing dropped)."""
     N, k = top_k_index.shape
     expert = top_k_index.reshape(-1)
     zero = top_k_weights.new_zeros(())
@@ -38,46 +46,61 @@ def mixtral_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_ex
                    dropped=torch.zeros((), dtype=torch.long, device=expert.device), aux_loss=zero, z_loss=zero)
 
 
-class ShardedMixtralExperts(nn.Module):
-    """MixtralExperts' place and parameter names, this rank's experts only; tokens moved by all-to-all."""
+class ExpertParallelForward:
+    """An experts module's own forward, run on the rows this rank's experts receive from every ep rank.
 
-    def __init__(self, experts: nn.Module, mesh: Mesh):
-        super().__init__()
-        ep, j = mesh.size("ep"), mesh.coord("ep")
-        self.n_experts = experts.num_experts
-        local = self.n_experts // ep
-        self.gate_up_proj = _shard(experts.gate_up_proj, j * local, local)  # (E/ep, 2F, C)
-        self.down_proj = _shard(experts.down_proj, j * local, local)  # (E/ep, C, F)
-        self.act_fn = experts.act_fn
-        self.dispatcher = AllToAllDispatcher(self.n_experts, mesh.group("ep"), ep)
+    Called as the module is: (hidden_states (N, C), global expert ids (N, k), weights (N, k)), by position or
+    by the family's own argument names; returns the weighted sum over each token's experts (N, C)."""
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        # hidden_states (N, C); top_k_index, top_k_weights (N, k) from Mixtral's router
-        r = mixtral_routing(top_k_index, top_k_weights, self.n_experts)
+    def __init__(self, experts: nn.Module, n_experts: int, dispatcher: AllToAllDispatcher):
+        self.forward = experts.forward  # the family's own, bound to the module that now holds E/ep experts
+        self.signature = inspect.signature(self.forward)
+        self.n_experts, self.dispatcher = n_experts, dispatcher
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        hidden_states, top_k_index, top_k_weights = self.signature.bind(*args, **kwargs).arguments.values()
+        r = routing_of(top_k_index, top_k_weights, self.n_experts)
         rows, counts, state = self.dispatcher.dispatch(hidden_states, r)  # (M, C) grouped by local expert
-        out = self.dispatcher.combine(self._experts(rows, counts), state)  # (N, C), weighted by the gates
+        out = self.dispatcher.combine(self._local_experts(rows, counts), state)  # (N, C), weighted by the gates
         return out.to(hidden_states.dtype)
 
-    def _experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each local expert on its rows: down(act(gate) * up), Mixtral's expert MLP."""
-        outs = []
-        for e, chunk in enumerate(x.split(counts)):
-            gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        return torch.cat(outs) if outs else x[:0]
+    def _local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The module's forward on the rows that arrived: local ids by their group, weight 1 (the combine weighs)."""
+        if not rows.size(0):
+            # no row came: one zero row (still on the graph) runs expert 0, so that every rank's experts get
+            # a gradient (zero) and the collectives of the backward stay matched
+            return self.forward(rows.sum(0, keepdim=True), *_local_ids([1], rows))[:0]
+        return self.forward(rows, *_local_ids(counts, rows))
+
+
+def _local_ids(counts: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by local expert as the module's arguments: top-1 choices (M, 1) of local ids, weight 1."""
+    local = torch.arange(len(counts), device=rows.device)
+    local = local.repeat_interleave(torch.tensor(counts, device=rows.device))
+    return local[:, None], torch.ones(local.numel(), 1, dtype=rows.dtype, device=rows.device)
+
+
+def shard_hf_experts(model: nn.Module, mesh: Mesh) -> list[ExpertSite]:
+    """Keep this rank's E/ep experts in every experts module of the model's ep plan, fed by all-to-all over
+    ep. ValueError naming the module (tessel.config refuses the same before any process starts)."""
+    ep = mesh.size("ep")
+    why = ep_problem(model, ep)
+    if why is not None:
+        raise ValueError(why)
+    sites = expert_sites(model)
+    for site in sites:
+        local, first = site.n_experts // ep, mesh.coord("ep") * (site.n_experts // ep)
+        for name in site.params:
+            owner, _, attr = f"{site.name}.{name}".rpartition(".")
+            holder = model.get_submodule(owner)
+            setattr(holder, attr, _shard(getattr(holder, attr), first, local))
+        dispatcher = AllToAllDispatcher(site.n_experts, mesh.group("ep"), ep)
+        site.module.forward = ExpertParallelForward(site.module, site.n_experts, dispatcher)
+        site.module.num_experts = local  # its forward counts the experts it holds (as transformers' ep sets it)
+    return sites
 
 
 def _shard(weight: nn.Parameter, start: int, n: int) -> nn.Parameter:
     shard = nn.Parameter(weight.detach()[start:start + n].clone(), requires_grad=weight.requires_grad)
     mark_sharded(shard, "ep", dim=0)
     return shard
-
-
-def shard_mixtral_experts(model: nn.Module, mesh: Mesh) -> int:
-    """Swap every MixtralExperts for this rank's ShardedMixtralExperts; returns how many were swapped."""
-    swapped = mixtral_modules(model, "experts")
-    for name, experts in swapped:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, ShardedMixtralExperts(experts, mesh))
-    return len(swapped)
