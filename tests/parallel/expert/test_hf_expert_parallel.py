@@ -85,6 +85,11 @@ LAYOUTS = {2: {("mixtral", "ep2"): ["parallel.ep=2"], ("mixtral", "pp2_gpipe"): 
                ("mixtral", "pp2_1f1b"): PP2, **{(f, "ep2"): ["parallel.ep=2"] for f in OTHERS}},
            4: {("mixtral", "tp2_ep2"): ["parallel.tp=2", "parallel.ep=2"],
                ("mixtral", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
+               # families placed from their own plans: tp (hf_layout) around ep; deepseek_v3's first stage holds
+               # its dense first layer only, so the router loss comes from the second stage alone
+               ("qwen3_moe", "tp2_ep2"): ["parallel.tp=2", "parallel.ep=2"],
+               ("qwen3_moe", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
+               ("deepseek_v3", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
                **{(f, "dp2_ep2"): ["parallel.dp=2", "parallel.ep=2"] for f in OTHERS},
                # ZeRO shards each expert over the dp ranks that hold it (tessel.mesh.EXPERT_AXES), the rest over
                # dp x ep; ZeRO-3 gathers the experts' shards around the all-to-all, recompute runs it again
