@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
+from tessel.hf_context import hf_cp_refusal
 from tessel.hf_shape import (FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, TP_LIMITS, HFConfigError, family, model_shape,
                              read_config)
 
@@ -435,6 +436,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _check_hf_tensor_parallel(cfg)
         _check_hf_pipeline(cfg)
         _check_hf_expert_parallel(cfg)
+        _check_hf_context_parallel(cfg)
     if m.init_from is not None:
         _require(Path(m.init_from).exists(), "model.init_from", f"no such file or folder: {m.init_from}")
     if cfg.data.source == "bin":
@@ -635,6 +637,16 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
              "tessel can shard over ep (Hugging Face expert parallelism covers the mixtral family)")
 
 
+def _check_hf_context_parallel(cfg: Config) -> None:
+    """cp > 1 on a Hugging Face model: every token mixer of every layer must be attention through transformers'
+    attention interface, handing it nothing ring and Ulysses attention do not apply (tessel.hf_context, which
+    reads the model built on the meta device); sliding windows and soft-capping are applied across the ranks."""
+    if cfg.parallel.cp == 1:
+        return
+    why = hf_cp_refusal(read_config(cfg.model.hf_config))
+    _require(why is None, "parallel.cp", str(why))
+
+
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
     """q of a q x q (2d) or q x q x depth (2.5d) grid, c of a c x c x c cube (3d); None if tp is no such grid."""
     root = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
@@ -740,16 +752,13 @@ def _check_uneven(cfg: Config) -> None:
                  "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
 
 
-# Hugging Face model types whose attention context parallelism replaces (tessel.parallel.context.apply)
-CP_HF_TYPES = ("llama", "mixtral", "gpt2")
-
-
 def _check_context_parallel(cfg: Config) -> None:
     """parallel.cp (tessel.parallel.context): every cp rank holds chunks r and 2cp-1-r of the same sequences (the
     causal triangle balanced), so the sequence splits in 2*cp chunks, and under sequence parallelism each rank's
     chunks split again over tp; Ulysses trades the sequence split for a head split, so each tp rank's heads and
     kv heads split over cp. MoE models route each rank's chunks with the capacity and balance statistics of the
-    whole sequences (tessel.parallel.context.moe). What is not built or tested yet is refused by name."""
+    whole sequences (tessel.parallel.context.moe). What is not built or tested yet is refused by name; a
+    Hugging Face model's own attention is judged by _check_hf_context_parallel."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return
@@ -767,17 +776,6 @@ def _check_context_parallel(cfg: Config) -> None:
     _require(p.tp_mode == "1d", "parallel.cp", f"context parallelism composes with 1d tensor parallelism so far "
              f"(not tp_mode '{p.tp_mode}')")
     _require(p.dp_arch == "allreduce", "parallel.cp", "context parallelism is not supported with a parameter server")
-    if m.hf_config is not None:
-        doc = read_config(m.hf_config)
-        kind = doc["model_type"]
-        _require(kind in CP_HF_TYPES, "parallel.cp", f"context parallelism of Hugging Face models covers "
-                 f"{', '.join(CP_HF_TYPES)} so far (not {kind!r})")
-        key, default = ("attn_pdrop", 0.1) if kind == "gpt2" else ("attention_dropout", 0.0)  # the config class's
-        _require(not doc.get(key, default), "parallel.cp", f"context parallelism computes attention without "
-                 f"dropout; set the model's {key} to 0")
-        window = doc.get("sliding_window")
-        _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
-                 f"attention; the model's sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")
     window = m.sliding_window
     _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
              f"attention; model.sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")

@@ -20,6 +20,11 @@ merge by their log-sum-exp (tessel.parallel.context.kernel.merge).
 Backward passes the key/value blocks around again; the gradient of a block's
 keys and values travels with it, each rank adding its queries' share, and
 after cp steps one more hop brings every block's gradient home.
+
+A sliding window or soft-capped scores (kernel.Scores) break the three cases' shortcut (a window hides part
+of a block's head chunk, the cap does not fit the fused kernel), so then every step computes its block
+whole under the mask of its queries' and keys' global positions (kernel.masked_block), and a block the
+window hides entirely from this rank's queries is passed on without any work.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessel.parallel.context.kernel import attend, attend_backward, fold_kv, merge, repeat_kv
+from tessel.parallel.context import layout
+from tessel.parallel.context.kernel import (PLAIN, Scores, attend, attend_backward, fold_kv, masked_block,
+                                            masked_block_backward, merge, repeat_kv)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,10 @@ class Ring:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def positions(self, index: int, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global sequence positions of the `local_len` tokens cp rank `index` holds."""
+        return torch.tensor(layout.positions(local_len * self.size, self.size, index), device=device)
 
     def shift(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], list]:
         """Start sending each tensor to the next rank and receiving its like from the previous one
@@ -66,7 +77,8 @@ class RingAttention(torch.autograd.Function):
     travel with their Hkv heads (grouped-query attention repeats them per block, not on the wire)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                scores: Scores = PLAIN) -> torch.Tensor:
         heads, c = q.size(1), q.size(2) // 2
         kv = torch.stack((k, v)).contiguous()  # one message a step
         out = lse = None
@@ -74,7 +86,12 @@ class RingAttention(torch.autograd.Function):
             source = (ring.index - step) % ring.size
             recvs, pending = ring.shift(kv) if step + 1 < ring.size else ([kv], [])
             bk, bv = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)
-            if source == ring.index:
+            if not scores.plain:
+                allowed = _allowed(ring, source, q, scores)
+                if allowed.any():  # the own block always: every query sees itself
+                    block = masked_block(q, bk, bv, allowed, scale, scores.softcap)
+                    out, lse = merge(None if out is None else (out, lse), block)
+            elif source == ring.index:
                 out, lse = merge(None, attend(q, bk, bv, True, scale))
             elif source < ring.index:  # every query sees the block's head chunk
                 out, lse = merge((out, lse), attend(q, bk[:, :, :c], bv[:, :, :c], False, scale))
@@ -85,13 +102,13 @@ class RingAttention(torch.autograd.Function):
             kv = recvs[0]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.scores = ring, scale, scores
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
+        ring, scale, scores = ctx.ring, ctx.scale, ctx.scores
         heads, kv_heads, c = q.size(1), k.size(1), q.size(2) // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v)).contiguous()
@@ -100,7 +117,11 @@ class RingAttention(torch.autograd.Function):
             source = (ring.index - step) % ring.size
             outgoing = ([kv] if step + 1 < ring.size else []) + ([carried] if carried is not None else [])
             recvs, pending = ring.shift(*outgoing) if outgoing else ([], [])
-            dkv = _block_grads(dq, dout, q, kv, out, lse, source, ring.index, heads, kv_heads, c, scale)
+            if scores.plain:
+                dkv = _block_grads(dq, dout, q, kv, out, lse, source, ring.index, heads, kv_heads, c, scale)
+            else:
+                dkv = _masked_block_grads(dq, dout, q, kv, out, lse, _allowed(ring, source, q, scores), kv_heads,
+                                          scale, scores)
             _wait(pending)
             if carried is not None:
                 dkv += recvs[-1]  # the block's gradient from the ranks that held it before
@@ -111,7 +132,26 @@ class RingAttention(torch.autograd.Function):
             recvs, pending = ring.shift(carried)
             _wait(pending)
             carried = recvs[0]
-        return dq.to(q.dtype), carried[0].to(k.dtype), carried[1].to(v.dtype), None, None
+        return dq.to(q.dtype), carried[0].to(k.dtype), carried[1].to(v.dtype), None, None, None
+
+
+def _allowed(ring: Ring, source: int, q: torch.Tensor, scores: Scores) -> torch.Tensor:
+    """(T, T): which keys of cp rank `source`'s block this rank's queries see, from their global positions."""
+    local = q.size(2)
+    return scores.allowed(ring.positions(ring.index, local, q.device), ring.positions(source, local, q.device))
+
+
+def _masked_block_grads(dq: torch.Tensor, dout, q, kv, out, lse, allowed: torch.Tensor, kv_heads: int, scale: float,
+                        scores: Scores) -> torch.Tensor:
+    """_block_grads for a block under a mask (kernel.Scores): the whole block, or nothing where none is seen."""
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if allowed.any():
+        heads = q.size(1)
+        gq, gk, gv = masked_block_backward(dout, q, repeat_kv(kv[0], heads), repeat_kv(kv[1], heads), out, lse,
+                                           allowed, scale, scores.softcap)
+        dq += gq
+        dkv[0], dkv[1] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
+    return dkv
 
 
 def _block_grads(dq: torch.Tensor, dout, q, kv, out, lse, source: int, index: int, heads: int, kv_heads: int,
@@ -135,5 +175,6 @@ def _block_grads(dq: torch.Tensor, dout, q, kv, out, lse, source: int, index: in
     return dkv
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, ring, scale)
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                   scores: Scores = PLAIN) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, ring, scale, scores)
