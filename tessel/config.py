@@ -22,7 +22,8 @@ from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
 from tessel.hf_context import hf_cp_refusal
-from tessel.hf_shape import (FAMILIES as HF_FAMILIES, LOGITS_AFTER_HEAD, TP_LIMITS, HFConfigError, family, model_shape,
+from tessel.hf_head import hf_fused_loss_refusal
+from tessel.hf_shape import (FAMILIES as HF_FAMILIES, TP_LIMITS, HFConfigError, family, model_shape,
                              read_config)
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
@@ -562,7 +563,7 @@ def _check_fused_loss(cfg: Config) -> None:
     """train.fused_loss moves the head's matmul into the loss (tessel.parallel.fused_loss): vocabulary-parallel
     under 1D tp; a grid mode (2d / 2.5d / 3d) splits the head's hidden dimension over its grid too, where the
     chunked loss would need the grid's own matmuls. A Hugging Face model must be of a type whose forward does
-    nothing to the head's output that the loss would miss (tessel.hf_shape.LOGITS_AFTER_HEAD)."""
+    nothing to the head's output that the loss would miss (tessel.hf_head reads its forward)."""
     p, m = cfg.parallel, cfg.model
     if not cfg.train.fused_loss:
         return
@@ -570,10 +571,8 @@ def _check_fused_loss(cfg: Config) -> None:
              f"fuses the vocabulary-parallel head of 1D tensor parallelism; tp_mode {p.tp_mode!r} also splits the "
              "head's hidden dimension over its grid (set train.fused_loss = false, or parallel.tp_mode = '1d')")
     if m.hf_config is not None:
-        kind = read_config(m.hf_config)["model_type"]
-        _require(kind in LOGITS_AFTER_HEAD, "train.fused_loss",
-                 f"model_type {kind!r}: tessel has not read what its forward does to the head's output (it knows "
-                 f"{', '.join(sorted(LOGITS_AFTER_HEAD))}); set train.fused_loss = false")
+        why = hf_fused_loss_refusal(read_config(m.hf_config))
+        _require(why is None, "train.fused_loss", str(why))
 
 
 def hf_tp_refusal(doc: dict) -> str | None:
