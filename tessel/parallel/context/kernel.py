@@ -69,9 +69,15 @@ def fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(B, kv_heads, H // kv_heads, T, D).sum(2)
 
 
+def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's fused CPU kernel takes the block: on the CPU, with values as wide as queries and keys
+    (DeepSeek's latent attention has narrower values, which the kernel refuses)."""
+    return q.device.type == "cpu" and v.size(-1) == q.size(-1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Block:
     """Softmax(q k^T * scale [causal]) v and its log-sum-exp; q (B, H, Tq, D), k and v (B, H, Tk, D)."""
-    if q.device.type == "cpu":
+    if _fused(q, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
     return math_block(q, k, v, causal, scale)
@@ -80,7 +86,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of one block, given the MERGED output and log-sum-exp of these queries over all blocks."""
-    if q.device.type == "cpu":
+    if _fused(q, v):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
     return math_block_backward(dout, q, k, v, out, lse, causal, scale)

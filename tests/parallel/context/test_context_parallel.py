@@ -78,10 +78,14 @@ HF = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
 # scale arrives as `scaling`), Cohere's parallel block and logit scale, GLM-4's four norms and partial rotary,
 # Qwen3-MoE's experts; and the two whose scores are more than scaled and masked: Gemma 2 (sliding and global
 # layers alternating, attention soft-capping, query_pre_attn_scalar) and StarCoder2 (a window on every layer),
-# both with a window of 6 tokens, so that it cuts across cp2's chunks of 8 (seq 32)
+# both with a window of 6 tokens, so that it cuts across cp2's chunks of 8 (seq 32); and DeepSeek-V3's latent
+# attention, whose values are narrower than its queries and keys (v_head_dim 8 against 8 + 8; its rotary part
+# is head_dim wide), with shared experts and a first dense layer
 FAMILIES = {"qwen3": {}, "olmo2": {}, "phi3": {}, "gpt_neox": {}, "granite": {}, "cohere": {}, "glm4": {},
-            "qwen3_moe": {}, "gemma2": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6}}
+            "qwen3_moe": {}, "gemma2": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6},
+            "deepseek_v3": {"head_dim": 8, "v_head_dim": 8}}
 ULYSSES = 'parallel.cp_mode="ulysses"'
+THREE_STEPS = ("train.steps=3", "train.eval_every=3")
 # The reference GPT with MoE blocks in every layer: top-2, aux and z-losses on. DROP gives the experts slots
 # for half the assignments, so capacity decides which tokens each expert takes: a cp rank counting it on its
 # own chunks would drop other tokens than one process. "ref:X" is an override of the reference alone.
@@ -97,7 +101,8 @@ WORLD2 = {
     "moe_ring_cp2": [*MOE, DROP, "parallel.cp=2"],
     "mixtral_ulysses_cp2": ["{mixtral}", "parallel.cp=2", ULYSSES],
     "gpt2_ring_cp2": ["{gpt2}", "parallel.cp=2"],
-    **{f"{kind}_{mode}_cp2": ["{%s}" % kind, "parallel.cp=2", *extra] for kind in FAMILIES
+    # 3 steps (the reference's too: it takes the same non-parallel overrides), to keep the suite's time
+    **{f"{kind}_{mode}_cp2": ["{%s}" % kind, *THREE_STEPS, "parallel.cp=2", *extra] for kind in FAMILIES
        for mode, extra in (("ring", []), ("ulysses", [ULYSSES]))},
 }
 WORLD4 = {
