@@ -66,8 +66,8 @@ def _refusal(text: str) -> str | None:
         try:
             model = _meta_model(model_class, config)
         except Exception as err:  # whatever stops the class building on the meta device, on one line
-            return (f"context parallelism reads the model's layers on the meta device, where {model_class.__name__} "
-                    f"does not build ({type(err).__name__}: {' '.join(str(err).split())})")
+            return (f"context parallelism reads the model's layers, but {model_class.__name__} does not build from "
+                    f"this config (on the meta device: {type(err).__name__}: {' '.join(str(err).split())})")
         return _layers_problem(model)
 
 

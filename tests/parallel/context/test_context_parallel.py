@@ -80,10 +80,10 @@ HF = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
 # layers alternating, attention soft-capping, query_pre_attn_scalar) and StarCoder2 (a window on every layer),
 # both with a window of 6 tokens, so that it cuts across cp2's chunks of 8 (seq 32); and DeepSeek-V3's latent
 # attention, whose values are narrower than its queries and keys (v_head_dim 8 against 8 + 8; its rotary part
-# is head_dim wide), with shared experts and a first dense layer
+# is head_dim wide; its keys and values have every head), with shared experts and a first dense layer
 FAMILIES = {"qwen3": {}, "olmo2": {}, "phi3": {}, "gpt_neox": {}, "granite": {}, "cohere": {}, "glm4": {},
             "qwen3_moe": {}, "gemma2": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6},
-            "deepseek_v3": {"head_dim": 8, "v_head_dim": 8}}
+            "deepseek_v3": {"head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4}}
 ULYSSES = 'parallel.cp_mode="ulysses"'
 THREE_STEPS = ("train.steps=3", "train.eval_every=3")
 # The reference GPT with MoE blocks in every layer: top-2, aux and z-losses on. DROP gives the experts slots
