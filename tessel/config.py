@@ -21,9 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
+from tessel.hf_context import hf_cp_refusal
 from tessel.hf_ep_plan import hf_ep_refusal
+from tessel.hf_head import hf_fused_loss_refusal
 from tessel.hf_layout import pp_problem, tp_problem
-from tessel.hf_shape import (LOGITS_AFTER_HEAD, OWN_RULES, HFConfigError, family, model_shape,
+from tessel.hf_shape import (OWN_RULES, HFConfigError, family, model_shape,
                              read_config)
 
 # Command-line arguments are checked with the same error as recipe fields: `field` is then the flag.
@@ -437,6 +439,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> None:
         _check_hf_tensor_parallel(cfg)
         _check_hf_pipeline(cfg)
         _check_hf_expert_parallel(cfg)
+        _check_hf_context_parallel(cfg)
     if m.init_from is not None:
         _require(Path(m.init_from).exists(), "model.init_from", f"no such file or folder: {m.init_from}")
     if cfg.data.source == "bin":
@@ -562,7 +565,7 @@ def _check_fused_loss(cfg: Config) -> None:
     """train.fused_loss moves the head's matmul into the loss (tessel.parallel.fused_loss): vocabulary-parallel
     under 1D tp; a grid mode (2d / 2.5d / 3d) splits the head's hidden dimension over its grid too, where the
     chunked loss would need the grid's own matmuls. A Hugging Face model must be of a type whose forward does
-    nothing to the head's output that the loss would miss (tessel.hf_shape.LOGITS_AFTER_HEAD)."""
+    nothing to the head's output that the loss would miss (tessel.hf_head reads its forward)."""
     p, m = cfg.parallel, cfg.model
     if not cfg.train.fused_loss:
         return
@@ -570,10 +573,8 @@ def _check_fused_loss(cfg: Config) -> None:
              f"fuses the vocabulary-parallel head of 1D tensor parallelism; tp_mode {p.tp_mode!r} also splits the "
              "head's hidden dimension over its grid (set train.fused_loss = false, or parallel.tp_mode = '1d')")
     if m.hf_config is not None:
-        kind = read_config(m.hf_config)["model_type"]
-        _require(kind in LOGITS_AFTER_HEAD, "train.fused_loss",
-                 f"model_type {kind!r}: tessel has not read what its forward does to the head's output (it knows "
-                 f"{', '.join(sorted(LOGITS_AFTER_HEAD))}); set train.fused_loss = false")
+        why = hf_fused_loss_refusal(read_config(m.hf_config))
+        _require(why is None, "train.fused_loss", str(why))
 
 
 def hf_tp_refusal(doc: dict) -> str | None:
@@ -636,6 +637,16 @@ def _check_hf_expert_parallel(cfg: Config) -> None:
         return
     why = hf_ep_refusal(doc, p.ep)
     _require(why is None, "parallel.ep", str(why))
+
+
+def _check_hf_context_parallel(cfg: Config) -> None:
+    """cp > 1 on a Hugging Face model: every token mixer of every layer must be attention through transformers'
+    attention interface, handing it nothing ring and Ulysses attention do not apply (tessel.hf_context, which
+    reads the model built on the meta device); sliding windows and soft-capping are applied across the ranks."""
+    if cfg.parallel.cp == 1:
+        return
+    why = hf_cp_refusal(read_config(cfg.model.hf_config))
+    _require(why is None, "parallel.cp", str(why))
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:
@@ -743,16 +754,13 @@ def _check_uneven(cfg: Config) -> None:
                  "an uneven dp split needs plain dp or ZeRO-1 (stages 2-3 reduce per micro-batch)")
 
 
-# Hugging Face model types whose attention context parallelism replaces (tessel.parallel.context.apply)
-CP_HF_TYPES = ("llama", "mixtral", "gpt2")
-
-
 def _check_context_parallel(cfg: Config) -> None:
     """parallel.cp (tessel.parallel.context): every cp rank holds chunks r and 2cp-1-r of the same sequences (the
     causal triangle balanced), so the sequence splits in 2*cp chunks, and under sequence parallelism each rank's
     chunks split again over tp; Ulysses trades the sequence split for a head split, so each tp rank's heads and
     kv heads split over cp. MoE models route each rank's chunks with the capacity and balance statistics of the
-    whole sequences (tessel.parallel.context.moe). What is not built or tested yet is refused by name."""
+    whole sequences (tessel.parallel.context.moe). What is not built or tested yet is refused by name; a
+    Hugging Face model's own attention is judged by _check_hf_context_parallel."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return
@@ -770,17 +778,6 @@ def _check_context_parallel(cfg: Config) -> None:
     _require(p.tp_mode == "1d", "parallel.cp", f"context parallelism composes with 1d tensor parallelism so far "
              f"(not tp_mode '{p.tp_mode}')")
     _require(p.dp_arch == "allreduce", "parallel.cp", "context parallelism is not supported with a parameter server")
-    if m.hf_config is not None:
-        doc = read_config(m.hf_config)
-        kind = doc["model_type"]
-        _require(kind in CP_HF_TYPES, "parallel.cp", f"context parallelism of Hugging Face models covers "
-                 f"{', '.join(CP_HF_TYPES)} so far (not {kind!r})")
-        key, default = ("attn_pdrop", 0.1) if kind == "gpt2" else ("attention_dropout", 0.0)  # the config class's
-        _require(not doc.get(key, default), "parallel.cp", f"context parallelism computes attention without "
-                 f"dropout; set the model's {key} to 0")
-        window = doc.get("sliding_window")
-        _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
-                 f"attention; the model's sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")
     window = m.sliding_window
     _require(window is None or window >= t.seq_len, "parallel.cp", f"context parallelism computes whole causal "
              f"attention; model.sliding_window ({window}) is shorter than train.seq_len ({t.seq_len})")

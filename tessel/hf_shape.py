@@ -30,14 +30,6 @@ FAMILIES = {kind: kind for kind in (
 OWN_RULES = ("gpt2",)
 # tie_word_embeddings' default in the family's config class
 TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3_text", "starcoder2", "cohere"}
-# What a causal LM's forward does to its head's output before returning it (transformers 5.x, modeling_<type>.py,
-# the lines after `logits = self.lm_head(hidden_states)`): "none"; "scaled", a linear scaling (Granite divides by
-# logits_scaling, Cohere multiplies by logit_scale), which commutes with the head's matmul; "softcap", Gemma 2's
-# cap * tanh(logits / cap), which the fused loss applies itself. train.fused_loss takes these model types only:
-# under it the head returns its input, and another type may change that output in a way the loss would not see.
-LOGITS_AFTER_HEAD = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "none", "mixtral": "none",
-                     "gpt2": "none", "gemma": "none", "phi3": "none", "olmo2": "none", "starcoder2": "none",
-                     "granite": "scaled", "cohere": "scaled", "gemma2": "softcap", "gemma3_text": "softcap"}
 
 
 class HFConfigError(ValueError):

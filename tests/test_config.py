@@ -118,14 +118,19 @@ def test_cp_joins_the_world_size_and_an_older_rank_order():
 
 
 def test_cp_refuses_what_it_does_not_cover_for_hugging_face_models(tmp_path):
+    """tessel.hf_context reads each model's own layers: what ring and Ulysses attention would not apply is
+    refused naming the key, layer type or keyword (the families from their config classes, shrunk)."""
+    from tessel.support import tiny_config as family
     llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
     gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
-    cases = {"mistral": ({**llama, "model_type": "mistral"}, "covers llama, mixtral, gpt2"),
-             "dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout"),
+    cases = {"dropout": ({**llama, "attention_dropout": 0.1}, "attention_dropout"),
              "gpt2_dropout": (gpt2, "attn_pdrop"),  # GPT2Config's attn_pdrop is 0.1 unless set
-             "window": ({**llama, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 16},
-                        r"sliding_window \(16\) is shorter than train.seq_len \(32\)")}
+             "sinks": (family("gpt_oss"), "GptOssAttention .* as s_aux"),  # attention sinks
+             "linear": (family("qwen3_next"), "layer_types hold 'linear_attention' layers"),  # Gated DeltaNet
+             "conv": ({**family("lfm2"), "full_attn_idxs": [1], "layer_types": None}, "'conv' layers"),
+             "own_mask": (family("doge"), "DogeAttention .* as a mask of its own"),  # its dynamic mask
+             "chunked": (family("llama4_text"), "'chunked_attention' layers")}
     for name, (doc, why) in cases.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
         with pytest.raises(ConfigError, match=why) as err:
@@ -145,7 +150,11 @@ def test_cp_takes_moe_models_gpt2_mixtral_and_hugging_face_pipelines(tmp_path):
                      "n_positions": 64, "attn_pdrop": 0.0},
             "mixtral": {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                        "num_local_experts": 4, "max_position_embeddings": 64, "sliding_window": 32}}
+                        "num_local_experts": 4, "max_position_embeddings": 64, "sliding_window": 32},
+            # a window shorter than the sequence: applied across the cp ranks (tessel.parallel.context.kernel)
+            "mistral": {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "max_position_embeddings": 64, "sliding_window": 6}}
     for name, doc in docs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
         for extra in ([], ["parallel.pp=2"], ["parallel.ep=2"] if name == "mixtral" else []):

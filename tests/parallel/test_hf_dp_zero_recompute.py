@@ -8,7 +8,9 @@ whose config sets output_router_logits, router_aux_loss_coef * its load_balancin
 - Qwen3-MoE with 8 experts per token of 16 and its router loss, one process and dp2 (the balance statistics
   of the whole batch, model.aux_loss_scope = "global"); Mixtral with 4 per token, dp2;
 - DeepSeek-V3 (latent attention, shared experts, a first dense layer; its forward adds no router loss) under
-  full recompute, one process and dp2: the key/value cache stays off, so the recomputed forward is the first's.
+  full recompute, one process and dp2: the key/value cache stays off, so the recomputed forward is the first's;
+- twelve families more (FAMILIES), each from its config class's defaults shrunk, under dp2 x ZeRO-3 x full
+  recompute.
 
 Each run starts from the weights transformers draws under the run's seed (tests.helpers.build_runner) and takes
 3 AdamW steps on the same batches (dp: each rank half of each batch, the loss their mean).
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from tessel import support
 from tessel.axes import TOKEN_AXES
 from tessel.mesh import make_mesh
 from tessel.parallel.norms import clip_grad_norm_
@@ -46,10 +49,18 @@ CONFIGS = {
                     "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
                     "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "output_router_logits": True},
 }
+# Families of every structure tessel reads, each from its own config class's defaults shrunk to 2 layers
+# (tessel.support.tiny_config): q/k norms (Qwen3, OLMo 2), fused q|k|v and gate|up (Phi-3), parallel blocks
+# (GPT-NeoX, Cohere, Phi), multipliers and a scaled head (Granite, Cohere), four norms a block (GLM-4), a
+# sliding window on every layer (StarCoder2, Mistral), a scaled embedding (Gemma), experts with shared ones
+# (Qwen2-MoE)
+FAMILIES = ("qwen3", "olmo2", "phi3", "gpt_neox", "cohere", "phi", "granite", "glm4", "starcoder2", "mistral",
+            "gemma", "qwen2_moe")
 RECOMPUTE = 'parallel.recompute="full"'
+ZERO3 = ["parallel.dp=2", "parallel.zero_stage=3", RECOMPUTE]
 ONE = {"qwen3_moe": [], "deepseek_v3": [RECOMPUTE]}
-DP2 = {"gemma2": ["parallel.dp=2", "parallel.zero_stage=3", RECOMPUTE], "qwen3_moe": ["parallel.dp=2"],
-       "mixtral": ["parallel.dp=2"], "deepseek_v3": ["parallel.dp=2", RECOMPUTE]}
+DP2 = {"gemma2": ZERO3, "qwen3_moe": ["parallel.dp=2"], "mixtral": ["parallel.dp=2"],
+       "deepseek_v3": ["parallel.dp=2", RECOMPUTE], **{kind: ZERO3 for kind in FAMILIES}}
 # fp32. One process: the same model, the same ops, and recompute runs the same forward again (measured: equal
 # bit for bit; the tolerance below is the dp2 one). dp2: each rank's half of the
 # batch, gradients averaged, the balance statistics summed over the ranks, ZeRO-3's gradients reduce-scattered:
@@ -62,9 +73,15 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 
 
+def _family_config(kind: str) -> dict:
+    doc = {**support.tiny_config(kind), "num_hidden_layers": 2}
+    return {**doc, "layer_types": None} if "layer_types" in doc else doc  # the class lays out 2 layers' types
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    return write_configs(tmp_path_factory.mktemp("families"), CONFIGS)
+    families = {kind: _family_config(kind) for kind in FAMILIES}
+    return write_configs(tmp_path_factory.mktemp("families"), {**CONFIGS, **families})
 
 
 def _cfg(path: str, *overrides: str):
@@ -139,7 +156,7 @@ def _assert_matches(got: dict, want: dict, where: str) -> None:
         assert_close(got["weights"][n], w, **WEIGHT_TOL, msg=lambda m: f"{where} {n}: {m}")
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [*CONFIGS, *FAMILIES])
 def test_family_trains_like_transformers(runs, name):
     want = runs["reference"][name]
     if name in ONE:

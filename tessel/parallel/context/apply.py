@@ -10,15 +10,16 @@ block's capacity and balance statistics are the third (tessel.parallel.context.m
 - The reference GPT: Attention.core (rotary, shared kv heads, causal attention)
   is replaced on the instance, as selective recompute replaces it
   (tessel.parallel.recompute), so parameter names never change.
-- A Hugging Face Llama, Mixtral or GPT-2: attention is transformers' own attention
+- A Hugging Face model (any family tessel.hf_context accepts): attention is transformers' own attention
   interface, a function registered by name (transformers.AttentionInterface) and
   chosen through the model's attn_implementation; the model is called with this
-  rank's position_ids (Llama's and Mixtral's rotary embedding reads them, GPT-2's
-  learned position embedding looks them up; a pipeline stage after the first
+  rank's position_ids (a rotary embedding reads them, a learned position
+  embedding such as GPT-2's looks them up; a pipeline stage after the first
   takes them too, beside its hidden states) and the CPContext as a
   keyword argument, which transformers hands every attention call. A custom
   attention has no mask function registered, so transformers builds no mask:
-  causality comes from the positions, inside the function.
+  causality, and a layer's sliding window (the `sliding_window` keyword every
+  attention implementation takes), come from the positions, inside the function.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn as nn
 from tessel.mesh import Mesh
 from tessel.models.gpt import Attention, apply_rotary
 from tessel.parallel.context.context import CPContext
+from tessel.parallel.context.kernel import Scores
 
 HF_ATTENTION = "tessel_context_parallel"  # its name in transformers' AttentionInterface
 HF_KWARG = "tessel_cp"  # the keyword transformers passes through to it
@@ -60,11 +62,24 @@ def context_parallel_gpt(model: nn.Module, ctx: CPContext) -> None:
 
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention interface: q (B, H, T, D), k and v (B, Hkv, T, D), rotary applied at the
-    positions the model was called with -> ((B, T, H, D), no weights). The mask is None (see above)."""
+    positions the model was called with -> ((B, T, H, D), no weights). The mask is None (see above); the
+    layer's sliding window and soft-cap come as keywords, as every attention implementation takes them.
+    What tessel.config refuses before any process starts (tessel.hf_context) is refused here too, should a
+    model handed to tessel.parallelize bring it anyway: a mask of the model's own making, dropout, a
+    non-causal layer."""
     ctx: CPContext = kwargs[HF_KWARG]
-    return ctx.attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    name = type(module).__name__
+    if attention_mask is not None:
+        raise ValueError(f"context parallelism: {name} hands its attention a mask of its own, which ring and "
+                         "Ulysses attention would not apply")
+    if dropout or getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        raise ValueError(f"context parallelism computes causal attention without dropout; {name} asks for "
+                         f"{'dropout' if dropout else 'non-causal attention'}")
+    scores = Scores(window=sliding_window, softcap=softcap)
+    return ctx.attention(query, key, value, scaling, scores).transpose(1, 2).contiguous(), None
 
 
 def context_parallel_hf(model: nn.Module, ctx: CPContext) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tessel.mesh import Mesh
 from tessel.parallel.context import layout
-from tessel.parallel.context.kernel import repeat_kv
+from tessel.parallel.context.kernel import PLAIN, Scores, repeat_kv
 from tessel.parallel.context.ring import Ring, ring_attention
 from tessel.parallel.context.ulysses import heads_to_seq, seq_to_heads
 
@@ -55,20 +55,31 @@ class CPContext:
         finally:
             self.whole = False
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  scores: Scores = PLAIN) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence; q (B, H, T, D), k and v (B, Hkv,
-        T, D) with rotary already applied at this rank's positions -> (B, H, T, D)."""
+        T, D) with rotary already applied at this rank's positions -> (B, H, T, D). `scores`: a sliding window
+        or soft-capping (tessel.parallel.context.kernel.Scores)."""
         scale = scale if scale is not None else 1 / math.sqrt(q.size(-1))
         if self.size == 1:
-            return _causal(q, k, v, scale)
+            return _causal(q, k, v, scale, scores)
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.ring, scale)
+            return ring_attention(q, k, v, self.ring, scale, scores)
         cp, group = self.ring.size, self.ring.group
-        q, k, v = (seq_to_heads(t, cp, group) for t in (q, k, v))
-        return heads_to_seq(_causal(q, k, v, scale), cp, group)
+        q, k, v = (seq_to_heads(t, cp, group) for t in (q, k, v))  # every position, in order
+        return heads_to_seq(_causal(q, k, v, scale, scores), cp, group)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The single-device attention, as the reference GPT computes it (shared kv heads, causal SDPA)."""
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, scores: Scores = PLAIN) -> torch.Tensor:
+    """The single-device attention over whole sequences in order, as the reference GPT computes it (shared kv
+    heads, causal SDPA); under a window or a soft-cap written out, as transformers' eager attention is."""
     heads = q.size(1)
-    return F.scaled_dot_product_attention(q, repeat_kv(k, heads), repeat_kv(v, heads), is_causal=True, scale=scale)
+    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+    if scores.plain:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if scores.softcap is not None:
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+    at = torch.arange(q.size(2), device=q.device)
+    s = s.masked_fill(~scores.allowed(at, at), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v

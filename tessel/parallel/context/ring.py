@@ -20,6 +20,11 @@ merge by their log-sum-exp (tessel.parallel.context.kernel.merge).
 Backward passes the key/value blocks around again; the gradient of a block's
 keys and values travels with it, each rank adding its queries' share, and
 after cp steps one more hop brings every block's gradient home.
+
+A sliding window or soft-capped scores (kernel.Scores) break the three cases' shortcut (a window hides part
+of a block's head chunk, the cap does not fit the fused kernel), so then every step computes its block
+whole under the mask of its queries' and keys' global positions (kernel.masked_block), and a block the
+window hides entirely from this rank's queries is passed on without any work.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessel.parallel.context.kernel import attend, attend_backward, fold_kv, merge, repeat_kv
+from tessel.parallel.context import layout
+from tessel.parallel.context.kernel import (PLAIN, Scores, attend, attend_backward, fold_kv, masked_block,
+                                            masked_block_backward, merge, repeat_kv)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,10 @@ class Ring:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def positions(self, index: int, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global sequence positions of the `local_len` tokens cp rank `index` holds."""
+        return torch.tensor(layout.positions(local_len * self.size, self.size, index), device=device)
 
     def shift(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], list]:
         """Start sending each tensor to the next rank and receiving its like from the previous one
@@ -62,19 +73,26 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence's keys and values, blocks passed
     around the cp ring (Liu et al. 2023), the next transfer overlapped with the current block's compute.
 
-    q (B, H, 2c, D); k, v (B, Hkv, 2c, D): this rank's head and tail chunks of c tokens. Keys and values
-    travel with their Hkv heads (grouped-query attention repeats them per block, not on the wire)."""
+    q (B, H, 2c, D); k (B, Hkv, 2c, D), v (B, Hkv, 2c, Dv): this rank's head and tail chunks of c tokens. Keys
+    and values travel with their Hkv heads (grouped-query attention repeats them per block, not on the wire),
+    side by side in one message (values may be narrower than keys: DeepSeek's latent attention)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
-        heads, c = q.size(1), q.size(2) // 2
-        kv = torch.stack((k, v)).contiguous()  # one message a step
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                scores: Scores = PLAIN) -> torch.Tensor:
+        heads, c, dk = q.size(1), q.size(2) // 2, k.size(-1)
+        kv = torch.cat((k, v), -1).contiguous()  # one message a step
         out = lse = None
         for step in range(ring.size):
             source = (ring.index - step) % ring.size
             recvs, pending = ring.shift(kv) if step + 1 < ring.size else ([kv], [])
-            bk, bv = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)
-            if source == ring.index:
+            bk, bv = _unpack(kv, dk, heads)
+            if not scores.plain:
+                allowed = _allowed(ring, source, q, scores)
+                if allowed.any():  # the own block always: every query sees itself
+                    block = masked_block(q, bk, bv, allowed, scale, scores.softcap)
+                    out, lse = merge(None if out is None else (out, lse), block)
+            elif source == ring.index:
                 out, lse = merge(None, attend(q, bk, bv, True, scale))
             elif source < ring.index:  # every query sees the block's head chunk
                 out, lse = merge((out, lse), attend(q, bk[:, :, :c], bv[:, :, :c], False, scale))
@@ -85,22 +103,26 @@ class RingAttention(torch.autograd.Function):
             kv = recvs[0]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.scores = ring, scale, scores
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
-        heads, kv_heads, c = q.size(1), k.size(1), q.size(2) // 2
+        ring, scale, scores = ctx.ring, ctx.scale, ctx.scores
+        heads, kv_heads, c, dk = q.size(1), k.size(1), q.size(2) // 2, k.size(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).contiguous()
+        kv = torch.cat((k, v), -1).contiguous()
         carried = None  # the gradient of the block held at the previous step, summed so far
         for step in range(ring.size):
             source = (ring.index - step) % ring.size
             outgoing = ([kv] if step + 1 < ring.size else []) + ([carried] if carried is not None else [])
             recvs, pending = ring.shift(*outgoing) if outgoing else ([], [])
-            dkv = _block_grads(dq, dout, q, kv, out, lse, source, ring.index, heads, kv_heads, c, scale)
+            if scores.plain:
+                dkv = _block_grads(dq, dout, q, kv, out, lse, source, ring.index, dk, kv_heads, c, scale)
+            else:
+                dkv = _masked_block_grads(dq, dout, q, kv, out, lse, _allowed(ring, source, q, scores), dk,
+                                          kv_heads, scale, scores)
             _wait(pending)
             if carried is not None:
                 dkv += recvs[-1]  # the block's gradient from the ranks that held it before
@@ -111,29 +133,53 @@ class RingAttention(torch.autograd.Function):
             recvs, pending = ring.shift(carried)
             _wait(pending)
             carried = recvs[0]
-        return dq.to(q.dtype), carried[0].to(k.dtype), carried[1].to(v.dtype), None, None
+        return dq.to(q.dtype), carried[..., :dk].to(k.dtype), carried[..., dk:].to(v.dtype), None, None, None
 
 
-def _block_grads(dq: torch.Tensor, dout, q, kv, out, lse, source: int, index: int, heads: int, kv_heads: int,
+def _unpack(kv: torch.Tensor, dk: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A travelling block (B, Hkv, T, Dk + Dv) -> its keys and values, repeated to the query heads."""
+    return repeat_kv(kv[..., :dk].contiguous(), heads), repeat_kv(kv[..., dk:].contiguous(), heads)
+
+
+def _allowed(ring: Ring, source: int, q: torch.Tensor, scores: Scores) -> torch.Tensor:
+    """(T, T): which keys of cp rank `source`'s block this rank's queries see, from their global positions."""
+    local = q.size(2)
+    return scores.allowed(ring.positions(ring.index, local, q.device), ring.positions(source, local, q.device))
+
+
+def _masked_block_grads(dq: torch.Tensor, dout, q, kv, out, lse, allowed: torch.Tensor, dk: int, kv_heads: int,
+                        scale: float, scores: Scores) -> torch.Tensor:
+    """_block_grads for a block under a mask (kernel.Scores): the whole block, or nothing where none is seen."""
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if allowed.any():
+        gq, gk, gv = masked_block_backward(dout, q, *_unpack(kv, dk, q.size(1)), out, lse, allowed, scale,
+                                           scores.softcap)
+        dq += gq
+        dkv[..., :dk], dkv[..., dk:] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
+    return dkv
+
+
+def _block_grads(dq: torch.Tensor, dout, q, kv, out, lse, source: int, index: int, dk: int, kv_heads: int,
                  c: int, scale: float) -> torch.Tensor:
-    """Adds this block's share to dq (in place); returns the block's (2, B, Hkv, 2c, D) fp32 key/value gradient.
-    The same three cases as the forward (see the module's docstring)."""
-    bk, bv = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)
+    """Adds this block's share to dq (in place); returns the block's (B, Hkv, 2c, Dk + Dv) fp32 key/value
+    gradient. The same three cases as the forward (see the module's docstring)."""
+    bk, bv = _unpack(kv, dk, q.size(1))
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if source == index:
         gq, gk, gv = attend_backward(dout, q, bk, bv, out, lse, True, scale)
         dq += gq
-        dkv[0], dkv[1] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
+        dkv[..., :dk], dkv[..., dk:] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
     elif source < index:
         gq, gk, gv = attend_backward(dout, q, bk[:, :, :c], bv[:, :, :c], out, lse, False, scale)
         dq += gq
-        dkv[0, :, :, :c], dkv[1, :, :, :c] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
+        dkv[:, :, :c, :dk], dkv[:, :, :c, dk:] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
     else:
         gq, gk, gv = attend_backward(dout[:, :, c:], q[:, :, c:], bk, bv, out[:, :, c:], lse[:, :, c:], False, scale)
         dq[:, :, c:] += gq
-        dkv[0], dkv[1] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
+        dkv[..., :dk], dkv[..., dk:] = fold_kv(gk, kv_heads), fold_kv(gv, kv_heads)
     return dkv
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, ring, scale)
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                   scores: Scores = PLAIN) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, ring, scale, scores)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tessel import support
 from tessel.calibrate.activations import planned_peak, step_peak
 from tessel.mesh import make_mesh
 from tessel.models.moe import local_slots
@@ -71,7 +72,20 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "inter
 GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
 HF = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
+# Families of other structure, each from its own config class's defaults shrunk (tessel.support.tiny_config) to
+# 2 layers: q/k norms per head (Qwen3, Qwen3-MoE) and over all heads (OLMo 2), fused q|k|v and gate|up (Phi-3),
+# GPT-NeoX's parallel block with its interleaved q|k|v and partial rotary, Granite's multipliers (the attention
+# scale arrives as `scaling`), Cohere's parallel block and logit scale, GLM-4's four norms and partial rotary,
+# Qwen3-MoE's experts; and the two whose scores are more than scaled and masked: Gemma 2 (sliding and global
+# layers alternating, attention soft-capping, query_pre_attn_scalar) and StarCoder2 (a window on every layer),
+# both with a window of 6 tokens, so that it cuts across cp2's chunks of 8 (seq 32); and DeepSeek-V3's latent
+# attention, whose values are narrower than its queries and keys (v_head_dim 8 against 8 + 8; its rotary part
+# is head_dim wide; its keys and values have every head), with shared experts and a first dense layer
+FAMILIES = {"qwen3": {}, "olmo2": {}, "phi3": {}, "gpt_neox": {}, "granite": {}, "cohere": {}, "glm4": {},
+            "qwen3_moe": {}, "gemma2": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6},
+            "deepseek_v3": {"head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4}}
 ULYSSES = 'parallel.cp_mode="ulysses"'
+THREE_STEPS = ("train.steps=3", "train.eval_every=3")
 # The reference GPT with MoE blocks in every layer: top-2, aux and z-losses on. DROP gives the experts slots
 # for half the assignments, so capacity decides which tokens each expert takes: a cp rank counting it on its
 # own chunks would drop other tokens than one process. "ref:X" is an override of the reference alone.
@@ -87,6 +101,9 @@ WORLD2 = {
     "moe_ring_cp2": [*MOE, DROP, "parallel.cp=2"],
     "mixtral_ulysses_cp2": ["{mixtral}", "parallel.cp=2", ULYSSES],
     "gpt2_ring_cp2": ["{gpt2}", "parallel.cp=2"],
+    # 3 steps (the reference's too: it takes the same non-parallel overrides), to keep the suite's time
+    **{f"{kind}_{mode}_cp2": ["{%s}" % kind, *THREE_STEPS, "parallel.cp=2", *extra] for kind in FAMILIES
+       for mode, extra in (("ring", []), ("ulysses", [ULYSSES]))},
 }
 WORLD4 = {
     "ring_cp4": ["parallel.cp=4", "parallel.recompute='selective'"],
@@ -114,6 +131,8 @@ WORLD4 = {
     # GPT-2's position embedding lives on the first stage; its head is tied to the embedding across stages
     "gpt2_cp2_pp2": ["{gpt2}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"],
     # Mixtral's router loss spans the stages (cross_stage) and, under GPipe, the whole step: the whole batch's
+    # the window and soft-cap of the whole sequences, each dp rank's sequences split over its cp ranks
+    "gemma2_cp2_dp2": ["{gemma2}", "parallel.cp=2", "parallel.dp=2"],
     "mixtral_cp2_pp2_gpipe": ["{mixtral}", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2",
                               'parallel.schedule="gpipe"'],
 }
@@ -271,9 +290,15 @@ def _world(layouts: dict, hf: dict[str, str], root: str) -> dict:
     return out
 
 
+def _family_config(kind: str, changes: dict) -> dict:
+    doc = {**support.tiny_config(kind), "num_hidden_layers": 2, **changes}
+    return {**doc, "layer_types": None} if "layer_types" in doc else doc  # the class lays out 2 layers' types
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict[str, str]:
-    return write_configs(tmp_path_factory.mktemp("hf"), HF)
+    families = {kind: _family_config(kind, changes) for kind, changes in FAMILIES.items()}
+    return write_configs(tmp_path_factory.mktemp("hf"), {**HF, **families})
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ it, so the comparisons are tight."""
 import torch
 from torch.testing import assert_close
 
-from tessel.parallel.context.kernel import (attend, attend_backward, fold_kv, math_block, math_block_backward,
-                                            merge, repeat_kv)
+from tessel.parallel.context.kernel import (Scores, attend, attend_backward, fold_kv, masked_block,
+                                            masked_block_backward, math_block, math_block_backward, merge, repeat_kv)
 
 
 def _qkv(tq: int, tk: int, dtype=torch.float64):
@@ -55,3 +55,28 @@ def test_grouped_query_heads_are_repeated_and_their_gradients_summed():
     grad = torch.randn_like(repeated)
     repeated.backward(grad)
     assert_close(fold_kv(grad, 2), kv.grad)
+
+
+def test_masked_blocks_merged_are_windowed_soft_capped_attention():
+    """A sliding window and soft-capped scores (kernel.Scores), as transformers' eager attention computes them
+    (Gemma 2's: cap * tanh(s / cap), then the mask), from blocks of keys at their global positions: the merged
+    output and each block's backward equal autograd through the whole computation. Window 3 hides the whole
+    first block from the last queries (an empty block: out 0, log-sum-exp -inf). The blocks compute in fp32
+    (as math_block does), the reference in fp64: within fp32's rounding (~1e-7 relative)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(6, 6))
+    scores, at = Scores(window=3, softcap=0.5), torch.arange(6)
+    s = torch.tanh(q @ k.transpose(-2, -1) * 0.3 / 0.5) * 0.5
+    want = torch.softmax(s.masked_fill(~scores.allowed(at, at), float("-inf")), -1) @ v
+    dout = torch.randn_like(want)
+    want.backward(dout)
+    halves = (slice(0, 3), slice(3, 6))
+    acc = None
+    for keys in halves:
+        acc = merge(acc, masked_block(q, k[:, :, keys], v[:, :, keys], scores.allowed(at, at[keys]), 0.3, 0.5))
+    tol = dict(rtol=1e-5, atol=1e-6)
+    assert_close(acc[0], want.detach().float(), **tol)
+    grads = [masked_block_backward(dout, q, k[:, :, keys], v[:, :, keys], acc[0], acc[1],
+                                   scores.allowed(at, at[keys]), 0.3, 0.5) for keys in halves]
+    assert_close(grads[0][0] + grads[1][0], q.grad, **tol)
+    assert_close(torch.cat((grads[0][1], grads[1][1]), 2), k.grad, **tol)
+    assert_close(torch.cat((grads[0][2], grads[1][2]), 2), v.grad, **tol)

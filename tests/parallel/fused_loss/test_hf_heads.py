@@ -1,5 +1,5 @@
 """Hugging Face heads whose forward changes the logits after lm_head, trained with and without train.fused_loss
-on one process: Granite's linear scaling (logits / logits_scaling), which commutes with the head's matmul and
+on one process: Granite's and Cohere's linear scalings (logits / logits_scaling, logits * logit_scale), which commute with the head's matmul and
 so stays in the model, applied to the hidden states the head now returns; and Gemma 2's and Gemma 3's final
 soft-capping (cap * tanh(logits / cap); Gemma 2 with its eager attention, having no SDPA), which moves into the
 fused loss while the model's own is switched off. Compared: 3 steps'
@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from tessel.hf_head import hf_fused_loss_refusal
 from tessel.models.build import build_model
 from tests.helpers import tiny_config, train_and_collect
 
@@ -19,6 +20,8 @@ COMMON = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hi
           "eos_token_id": 2}
 CONFIGS = {
     "granite": {**COMMON, "model_type": "granite", "logits_scaling": 4.0},
+    # Cohere multiplies instead (logits * logit_scale): read from its forward as a scaling too (tessel.hf_head)
+    "cohere": {**COMMON, "model_type": "cohere", "logit_scale": 4.0},
     # the logits of a fresh model are ~0.1 (hidden states of norm ~1 times weights of std 0.02): a cap of
     # 0.05 bends them hard (tanh(2) = 0.96), so a cap left out of the loss, or left in the model to bend the
     # hidden states, moves the first loss by >= 2e-3 (measured), far outside the tolerance
@@ -51,3 +54,14 @@ def test_a_head_that_rescales_or_caps_its_logits(tmp_path, kind):
     assert got["sample"] == ref["sample"]
     for name, w in ref["state"].items():
         assert_close(got["state"][name], w, **WEIGHT_TOL, msg=name)
+
+
+def test_what_a_forward_does_after_its_head_is_read_from_its_source():
+    """tessel.hf_head: the families above are accepted from their own forwards (scalings, the final soft-cap's
+    `if`), and a forward that does something else to its logits is refused naming the statement: Recurrent
+    Gemma's soft-cap under another key (logits_soft_cap, which the fused loss does not take over), Inkling's
+    slice of the padded vocabulary."""
+    for kind in (*CONFIGS, "llama", "falcon_h1", "opt"):  # Falcon-H1 multiplies the head's call, OPT copies it
+        assert hf_fused_loss_refusal({"model_type": kind}) is None, kind
+    assert "logits = nn.functional.tanh(logits / cap) * cap" in hf_fused_loss_refusal({"model_type": "recurrent_gemma"})
+    assert "unpadded_vocab_size" in hf_fused_loss_refusal({"model_type": "inkling_text"})
