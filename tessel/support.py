@@ -60,12 +60,13 @@ SIZES = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hi
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_routed_experts": 4,
          "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
          "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-         "first_k_dense_replace": 1, "sliding_window": 64,
+         "first_k_dense_replace": 1, "sliding_window": 64, "vocab_size_per_layer_input": 128, "index_head_dim": 16,
          # no dropout, as the parity tests train (context parallelism refuses attention dropout)
          "attention_dropout": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          # GPT-2's own names
          "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 128}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 DROPOUT = ("dropout", "pdrop", "dropout_rate", "dropout_prob")  # how config keys of dropout probabilities end
 WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.models.hf), no plan in their config
 
@@ -109,6 +110,10 @@ def tiny_config(model_type: str) -> dict:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     sizes = {k: v for k, v in SIZES.items() if defaults.get(k) is not None}
+    if defaults.get("qk_rope_head_dim") is not None:  # latent attention: head_dim is the rotary part, the class's
+        sizes.pop("head_dim", None)
+    if any(defaults.get(k) for k in EXPERT_COUNTS):  # routed experts whose class leaves the top-k unset
+        sizes["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
     if isinstance(defaults.get("layer_types"), list):  # one per layer: let the class lay out the shrunk count
         sizes["layer_types"] = None
     try:

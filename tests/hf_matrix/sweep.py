@@ -139,7 +139,7 @@ def run_transformers(path: str, axis: str, out_dir: str) -> dict:
     return {"losses": losses, "weights": weights, "moved": moved}
 
 
-MAX_PARAMS = 5_000_000  # a tiny config builds ~0.2M; one far larger is a size tiny_config does not shrink
+MAX_PARAMS = 10_000_000  # a tiny config builds ~0.2M; one far larger is a size tiny_config does not shrink
 
 
 def too_large(path: str) -> str | None:
@@ -216,7 +216,7 @@ def pool(cells: list[tuple[str, str]], folder: str, log: str) -> None:
     for kind, axis in cells:
         timer = _watchdog(Path(log), (kind, axis))
         try:
-            path, out_dir = write_config(kind, Path(folder)), tempfile.mkdtemp(prefix="tessel-sweep-")
+            path, out_dir = write_config(kind, Path(folder)), tempfile.mkdtemp(prefix="run-", dir=folder)
             got = run_tessel(path, axis, out_dir)
             if kinds.index(kind) % world == rank:
                 if kind not in references:  # the same config, seed and batches on every axis of the family
