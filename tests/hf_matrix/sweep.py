@@ -256,7 +256,7 @@ def sweep(cells: list[tuple[str, str]], out: Path | None = None, quiet: bool = F
     what it measured)."""
     with tempfile.TemporaryDirectory(prefix="tessel-sweep-") as scratch:
         folder, log = Path(scratch), Path(scratch) / "cells.jsonl"
-        by_world: dict[int, list[tuple[str, str]]] = {}
+        by_world: dict[tuple[bool, int], list[tuple[str, str]]] = {}  # compile's cells last: they cost the most
         # a family whose tiny config is not tiny, or that transformers itself cannot train, is recorded as such
         # without a pool: its cells would only kill pools
         unfit = {kind: too_large(path) or transformers_fails(path)
@@ -265,8 +265,8 @@ def sweep(cells: list[tuple[str, str]], out: Path | None = None, quiet: bool = F
             if unfit[cell[0]]:
                 _append(log, {"model_type": cell[0], "axis": cell[1], "status": "error", "error": unfit[cell[0]]})
             else:
-                by_world.setdefault(world_of(*cell, folder), []).append(cell)
-        for world, group in sorted(by_world.items()):
+                by_world.setdefault((cell[1] == "compile", world_of(*cell, folder)), []).append(cell)
+        for (_, world), group in sorted(by_world.items()):
             lanes = max(1, LANES // world)
             kinds = list(dict.fromkeys(kind for kind, _ in group))  # a family's cells in one lane: one reference
             with ThreadPoolExecutor(lanes) as ex:
