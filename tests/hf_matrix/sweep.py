@@ -249,17 +249,19 @@ def read_log(log: Path) -> dict[tuple[str, str], dict]:
 LANES = 2  # pools run side by side on a machine of 2 cores: two of one rank, or one of two
 
 
-def sweep(cells: list[tuple[str, str]], out: Path | None = None, quiet: bool = False) -> dict[tuple[str, str], dict]:
+def sweep(cells: list[tuple[str, str]], out: Path | None = None, quiet: bool = False,
+          precheck: bool = True) -> dict[tuple[str, str], dict]:
     """Every cell's record, the cells grouped by world size (LANES // world pools at once); pools started
     again after a failing cell. A family whose unmodified transformers model cannot take a training step on its
-    tiny config is recorded as transformers' failure, without a pool. `out`: the record merged into that file after each pool (a sweep cut short keeps
+    tiny config is recorded as transformers' failure, without a pool (precheck=False: no such check, for cells
+    known to run). `out`: the record merged into that file after each pool (a sweep cut short keeps
     what it measured)."""
     with tempfile.TemporaryDirectory(prefix="tessel-sweep-") as scratch:
         folder, log = Path(scratch), Path(scratch) / "cells.jsonl"
         by_world: dict[tuple[bool, int], list[tuple[str, str]]] = {}  # compile's cells last: they cost the most
         # a family whose tiny config is not tiny, or that transformers itself cannot train, is recorded as such
         # without a pool: its cells would only kill pools
-        unfit = {kind: too_large(path) or transformers_fails(path)
+        unfit = {kind: precheck and (too_large(path) or transformers_fails(path))
                  for kind in dict.fromkeys(k for k, _ in cells) for path in [write_config(kind, folder)]}
         for cell in cells:
             if unfit[cell[0]]:

@@ -55,7 +55,7 @@ def cells() -> list[tuple[str, str]]:
 def swept(cells, record) -> dict[tuple[str, str], dict]:
     """The sampled cells' rows; those the record blames on transformers (or on size) checked in this process."""
     local = [c for c in cells if _checked_here(record.get(f"{c[0]}/{c[1]}"))]
-    rows = sweep([c for c in cells if c not in local], quiet=True)
+    rows = sweep([c for c in cells if c not in local], quiet=True, precheck=False)
     with tempfile.TemporaryDirectory() as folder:
         for kind, axis in local:
             path = write_config(kind, Path(folder))
