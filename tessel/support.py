@@ -67,7 +67,8 @@ SIZES = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hi
          "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 128}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
-DROPOUT = ("dropout", "pdrop", "dropout_rate", "dropout_prob")  # how config keys of dropout probabilities end
+# how the config keys of training's randomness end: dropout probabilities, a router's jitter noise (PhiMoE)
+DROPOUT = ("dropout", "pdrop", "dropout_rate", "dropout_prob", "jitter_noise")
 WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.models.hf), no plan in their config
 
 # The parity sweep's record (tests/hf_matrix/sweep.py, `make hf-matrix`): per cell, the largest loss and weight
@@ -121,7 +122,7 @@ def tiny_config(model_type: str) -> dict:
     except Exception as err:  # transformers' own validation: its reason is the matrix's
         raise ValueError(f"{cls.__name__} refuses the shrunk sizes: {' '.join(str(err).split())}") from None
     doc = json.loads(config.to_json_string(use_diff=False))
-    for key, value in doc.items():  # every dropout off, whatever the family calls it: parity is deterministic
+    for key, value in doc.items():  # every dropout and noise off, whatever the family calls it: parity is exact
         if key.endswith(DROPOUT) and isinstance(value, float):
             doc[key] = 0.0
     for key in TOKEN_IDS:
