@@ -313,6 +313,28 @@ def accepted_cells(families: list[str] | None = None, axes: list[str] | None = N
     return sorted(cells, key=lambda c: (c[1] == "compile", c[0], list(AXES).index(c[1])))
 
 
+COSTLY = ("compile", "2D grid")
+
+
+def sample(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The suite's sample (tests/hf_matrix/test_sweep_sample.py), a rotation deterministic for a given matrix:
+    axis j's cell is its (13 j mod n)-th family (so the axes meet different families), then each family not met
+    yet takes one of its accepted axes, the i-th family its (i mod k)-th (compile and the 2D grid, the costly
+    ones, only where an axis needs them)."""
+    from tessel.support import AXES
+    chosen: list[tuple[str, str]] = []
+    for j, axis in enumerate(AXES):
+        kinds = [kind for kind, a in cells if a == axis]
+        if kinds:
+            chosen.append((kinds[13 * j % len(kinds)], axis))
+    met = {kind for kind, _ in chosen}
+    for i, kind in enumerate(sorted({kind for kind, _ in cells})):
+        if kind not in met:
+            own = [a for k, a in cells if k == kind and a not in COSTLY] or [a for k, a in cells if k == kind]
+            chosen.append((kind, own[i % len(own)]))
+    return chosen
+
+
 def record(rows: dict[tuple[str, str], dict]) -> dict:
     import transformers
     cells = {f"{kind}/{axis}": {k: v for k, v in row.items() if k not in ("model_type", "axis", "rank")}
@@ -337,8 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated model types (default: every family of the matrix)")
     parser.add_argument("--axes", help="comma-separated axes (default: every axis)")
     parser.add_argument("--out", type=Path, default=RECORD)
+    parser.add_argument("--sample", action="store_true", help="only the suite's sample of the cells")
+    parser.add_argument("--missing", action="store_true", help="only cells the record at --out has no row for")
     args = parser.parse_args(argv)
     cells = accepted_cells(args.only.split(",") if args.only else None, args.axes.split(",") if args.axes else None)
+    cells = sample(cells) if args.sample else cells
+    if args.missing and args.out.exists():
+        recorded = json.loads(args.out.read_text())["cells"]
+        cells = [c for c in cells if f"{c[0]}/{c[1]}" not in recorded]
     print(f"{len(cells)} accepted cells", file=sys.stderr)
     rows = sweep(cells, args.out)
     write_record(rows, args.out)

@@ -3,9 +3,7 @@ is accepted on, trained against the unmodified transformers model (tests/hf_matr
 cell's verdict equal to the one the committed record (docs/support_parity.json, `make hf-matrix`) holds, which
 is what `tessel support` prints. A cell the record lacks fails here: the record is stale (run `make hf-matrix`).
 
-The sample is a rotation, deterministic for a given matrix: axis j's cell is its (13 j mod n)-th family (so the
-axes meet different families), then each family not met yet takes one of its accepted axes, the i-th family its
-(i mod k)-th (compile and the 2D grid, the costly ones, only where an axis needs them). Families whose
+The sample (tests.hf_matrix.sweep.sample) is a rotation, deterministic for a given matrix. Families whose
 unmodified transformers model cannot train on the tiny config (or whose tiny config is not tiny) are checked
 for that, in this process, instead of being run.
 """
@@ -18,27 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tessel.support import AXES, parity_record
-from tests.hf_matrix.sweep import (LOSS_TOL, WEIGHT_TOL, accepted_cells, sweep, too_large, transformers_fails,
-                                   write_config)
+from tessel.support import parity_record
+from tests.hf_matrix.sweep import (LOSS_TOL, WEIGHT_TOL, accepted_cells, sample, sweep, too_large,
+                                   transformers_fails, write_config)
 
-COSTLY = ("compile", "2D grid")
 TRANSFORMERS_FAILS = "transformers' own model fails"
-
-
-def sample(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """One cell per axis, then one per family not met yet (see the module's docstring)."""
-    chosen: list[tuple[str, str]] = []
-    for j, axis in enumerate(AXES):
-        kinds = [kind for kind, a in cells if a == axis]
-        if kinds:
-            chosen.append((kinds[13 * j % len(kinds)], axis))
-    met = {kind for kind, _ in chosen}
-    for i, kind in enumerate(sorted({kind for kind, _ in cells})):
-        if kind not in met:
-            own = [a for k, a in cells if k == kind and a not in COSTLY] or [a for k, a in cells if k == kind]
-            chosen.append((kind, own[i % len(own)]))
-    return chosen
 
 
 @pytest.fixture(scope="module")
