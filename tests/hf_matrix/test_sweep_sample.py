@@ -21,6 +21,9 @@ from tests.hf_matrix.sweep import (LOSS_TOL, accepted_cells, sample, sweep, too_
                                    transformers_fails, write_config)
 
 TRANSFORMERS_FAILS = "transformers' own model fails"
+# ~91 cells (one a family): measured 185 s on the 2 shared cores at a load average of ~30, past the suite's
+# 300 s per test at ~50; over this task's 90 s budget either way (see the branch's report)
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
