@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo clean hf-matrix
 
 setup: .venv/.ready
 
@@ -11,6 +11,12 @@ setup: .venv/.ready
 
 test: setup
 	$(PY) -m pytest
+
+# the parity sweep over every cell of the support matrix that tessel's rules accept (minutes to an hour on two
+# cores), its record committed, and docs/support.md regenerated from it
+hf-matrix: setup
+	$(PY) -m tests.hf_matrix.sweep --out docs/support_parity.json
+	$(PY) -m tessel support --out docs/support.md
 
 demo: setup
 	$(PY) -m tessel train recipes/hybrid_demo.toml

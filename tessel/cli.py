@@ -180,6 +180,23 @@ def export(
     typer.echo(f"exported {job.checkpoint} -> {export_hf(job)}")
 
 
+@app.command()
+def support(
+    out: Optional[str] = typer.Option(None, "--out", help="write the markdown here (docs/support.md) instead of "
+                                      "printing it"),
+) -> None:
+    """Which Hugging Face family trains on which axis: the installed transformers' families, tessel's rules
+    and the parity sweep's record, as a markdown table (nothing is spawned; no model is built)."""
+    from tessel.support import support_markdown  # deferred: loads transformers' config classes
+    text = support_markdown()
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text, encoding="utf-8")
+    typer.echo(f"wrote {out}")
+
+
 data_app = typer.Typer(no_args_is_help=True, help="Token data.")
 app.add_typer(data_app, name="data")
 

@@ -49,7 +49,9 @@ KNOWN: dict[str, Traits] = {
     **{kind: LLAMA for kind in ("llama", "mistral", "mixtral", "granite", "granitemoe", "granitemoeshared",
                                 "gemma", "helium", "internlm3", "ministral3", "smollm3", "vaultgemma", "phi3",
                                 "ernie4_5", "iquestcoder", "youtu", "glm4_moe",
-                                "deepseek_v2", "deepseek_v3", "minicpm3")},  # the last three: latent attention
+                                "deepseek_v2", "deepseek_v3", "minicpm3",  # these three: latent attention
+                                # experts under other names (tessel.hf_blocks.EXPERTS, SHARED_EXPERTS, TOP_K)
+                                "aria_text", "glm4_moe_lite")},
     **{kind: QK_HEAD for kind in ("qwen3", "qwen3_moe", "exaone4")},
     **{kind: QK_WIDTH for kind in ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2")},
     "qwen2": Traits(qkv_bias=True, out_bias=False),
@@ -98,7 +100,11 @@ DEFAULTS: dict[str, dict] = {
 HIDDEN = ("hidden_size", "n_embd")
 LAYERS = ("num_hidden_layers", "n_layer")
 HEADS = ("num_attention_heads", "n_head")
-EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K = ("moe_k", "moe_topk", "num_experts_per_tok")  # the generic name last: GENERIC gives it a default
+SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # each of the experts' width
+SHARED_WIDTH = ("shared_expert_intermediate_size", "shared_intermediate_size")  # one shared MLP of this width
+DENSE_LAYERS = ("first_k_dense_replace", "num_dense_layers")  # the first layers' MLPs are dense
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,11 @@ def _first(doc: dict, keys: tuple[str, ...], default=None):
     return next((doc[k] for k in keys if doc.get(k) is not None), default)
 
 
+def _any(doc: dict, keys: tuple[str, ...]) -> int:
+    """The first of `keys` set to a count other than 0 (GENERIC sets the first name to 0), else 0."""
+    return next((doc[k] for k in keys if doc.get(k)), 0)
+
+
 def _flag(doc: dict, switch: str | bool) -> bool:
     return switch if isinstance(switch, bool) else bool(doc.get(switch, False))
 
@@ -279,16 +290,20 @@ def _feed_forward(doc: dict, t: Traits, d: int, layer: int) -> tuple[FeedForward
         return mlp(dense_width), None
     width = int(doc.get("moe_intermediate_size") or dense_width)
     shared, gate = None, 0
-    if doc.get("n_shared_experts"):
-        shared = mlp(width * int(doc["n_shared_experts"]))
-    elif doc.get("shared_expert_intermediate_size"):
-        shared, gate = mlp(int(doc["shared_expert_intermediate_size"])), d
-    top_k = int(doc.get("num_experts_per_tok") or 2)
+    if _any(doc, SHARED_EXPERTS):
+        shared = mlp(width * int(_any(doc, SHARED_EXPERTS)))
+    elif _any(doc, SHARED_WIDTH):
+        shared, gate = mlp(int(_any(doc, SHARED_WIDTH))), d
+    top_k = int(_first(doc, TOP_K, 2))
     return None, Experts(count, top_k, mlp(width), d * count, shared, gate)
 
 
 def _is_moe(doc: dict, layer: int) -> bool:
-    """DeepSeek's first dense layers, Qwen-MoE's sparse step and dense-only layers."""
-    if layer < int(doc.get("first_k_dense_replace") or 0) or layer in (doc.get("mlp_only_layers") or ()):
+    """Each layer's kind where the config lists them (mlp_layer_types: "dense" or "sparse"), else DeepSeek's first
+    dense layers, Qwen-MoE's sparse step and dense-only layers."""
+    kinds = doc.get("mlp_layer_types")
+    if isinstance(kinds, list) and len(kinds) > layer:
+        return kinds[layer] != "dense"
+    if layer < int(_any(doc, DENSE_LAYERS)) or layer in (doc.get("mlp_only_layers") or ()):
         return False
     return (layer + 1) % int(doc.get("decoder_sparse_step") or 1) == 0

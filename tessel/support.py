@@ -7,13 +7,16 @@ defaults with the sizes shrunk (SIZES), and each axis's layout (AXES) is put thr
 train` runs before it spawns anything (tessel.config.build_config: the model's shape, check_layout and the
 Hugging Face checks in it). A cell says:
 
-- "trains": the rules accept it and a parity test covers the family on that axis (TESTED);
-- "accepted, untested": the rules accept it and no test covers it, so no parity is claimed;
+- "trains": the rules accept it and the parity sweep (tests/hf_matrix, `make hf-matrix`) found it matching the
+  unmodified transformers model under the installed transformers (PARITY_RECORD);
+- "accepted, fails parity": the rules accept it and the sweep found it off (the differences, or the error);
+- "accepted, untested": the rules accept it and the sweep has not measured it, so no parity is claimed;
 - "refused": the rules' one line (the same `tessel train` prints), collected under the table;
 - "n/a": expert parallelism of a dense family.
 
 Generated, never written by hand: the rules change, the matrix follows (tests/test_support.py regenerates it
-and fails when docs/support.md is stale). Nothing is spawned and no model is built: the config classes only.
+and fails when docs/support.md is stale). Nothing is spawned and no model is built: the config classes only
+and the sweep's record.
 """
 
 from __future__ import annotations
@@ -57,37 +60,27 @@ SIZES = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hi
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_routed_experts": 4,
          "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
          "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-         "first_k_dense_replace": 1, "sliding_window": 64,
+         "first_k_dense_replace": 1, "sliding_window": 64, "vocab_size_per_layer_input": 128, "index_head_dim": 16,
          # no dropout, as the parity tests train (context parallelism refuses attention dropout)
          "attention_dropout": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          # GPT-2's own names
          "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 128}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+# how the config keys of training's randomness end: dropout probabilities, a router's jitter noise (PhiMoE)
+DROPOUT = ("dropout", "pdrop", "dropout_rate", "dropout_prob", "jitter_noise")
 WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.models.hf), no plan in their config
 
-# Where the suite trains a family on an axis against the unmodified transformers model (losses and weights;
-# one process, or FSDP2 and DDP for ZeRO-3): model type -> axis -> test file. A cell the rules accept that this
-# table does not name is "accepted, untested". tests/test_support.py checks that each file exists, names the
-# model type and sets the axis.
-TP, PP, CP = ("tests/parallel/tensor/test_hf_tensor_parallel.py", "tests/parallel/pipeline/test_hf_pipeline.py",
-              "tests/parallel/context/test_context_parallel.py")
-ZERO3, EP = "tests/parallel/zero/test_hf_models.py", "tests/parallel/expert/test_hf_expert_parallel.py"
-COMPILE, FUSED = "tests/parallel/test_compile.py", "tests/parallel/fused_loss/test_fused_layouts.py"
-GRID, HEADS = "tests/parallel/tensor_nd/test_grid_modes.py", "tests/parallel/fused_loss/test_hf_heads.py"
-TESTED: dict[str, dict[str, str]] = {
-    "llama": {"dp": PP, "ZeRO-3": ZERO3, "recompute": TP, "tp": PP, "tp+SP": TP, "2D grid": GRID, "pp": PP,
-              "cp ring": CP, "cp Ulysses": CP, "compile": COMPILE, "fused loss": FUSED},
-    "gpt2": {"dp": PP, "ZeRO-3": ZERO3, "tp": TP, "tp+SP": TP, "pp": PP, "cp ring": CP, "fused loss": FUSED},
-    "mixtral": {"tp": TP, "tp+SP": TP, "pp": EP, "ep": EP, "cp ring": CP, "cp Ulysses": CP, "compile": COMPILE},
-    "granite": {"fused loss": HEADS},
-    "gemma3_text": {"fused loss": HEADS},
-}
+# The parity sweep's record (tests/hf_matrix/sweep.py, `make hf-matrix`): per cell, the largest loss and weight
+# differences against the unmodified transformers model and pass/fail, with the versions it ran under. A cell the
+# rules accept is "trains" only where this record says it passed under the installed transformers.
+PARITY_RECORD = Path(__file__).resolve().parents[1] / "docs" / "support_parity.json"
 
 
 @dataclass(frozen=True)
 class Cell:
-    status: str  # "trains" | "accepted, untested" | "refused" | "n/a"
-    reason: str = ""  # the rules' one line, for "refused"
+    status: str  # "trains" | "accepted, untested" | "accepted, fails parity" | "refused" | "n/a"
+    reason: str = ""  # the rules' one line, for "refused"; the differences or the error, for "fails parity"
 
 
 @dataclass(frozen=True)
@@ -118,6 +111,10 @@ def tiny_config(model_type: str) -> dict:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     sizes = {k: v for k, v in SIZES.items() if defaults.get(k) is not None}
+    if defaults.get("qk_rope_head_dim") is not None:  # latent attention: head_dim is the rotary part, the class's
+        sizes.pop("head_dim", None)
+    if any(defaults.get(k) for k in EXPERT_COUNTS):  # routed experts whose class leaves the top-k unset
+        sizes["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
     if isinstance(defaults.get("layer_types"), list):  # one per layer: let the class lay out the shrunk count
         sizes["layer_types"] = None
     try:
@@ -125,6 +122,9 @@ def tiny_config(model_type: str) -> dict:
     except Exception as err:  # transformers' own validation: its reason is the matrix's
         raise ValueError(f"{cls.__name__} refuses the shrunk sizes: {' '.join(str(err).split())}") from None
     doc = json.loads(config.to_json_string(use_diff=False))
+    for key, value in doc.items():  # every dropout and noise off, whatever the family calls it: parity is exact
+        if key.endswith(DROPOUT) and isinstance(value, float):
+            doc[key] = 0.0
     for key in TOKEN_IDS:
         if isinstance(doc.get(key), int) and not 0 <= doc[key] < doc.get("vocab_size", 0):
             doc[key] = None
@@ -143,7 +143,28 @@ def refusal(config_json: str, overrides: list[str]) -> str | None:
     return None
 
 
-def family_row(model_type: str, folder: Path) -> Row:
+def parity_record(path: Path = PARITY_RECORD) -> dict[str, dict]:
+    """The sweep's cells ("<model type>/<axis>" -> its row), empty where there is no record or it was measured
+    under another transformers (its verdicts are not this one's)."""
+    import transformers  # deferred: see families
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    return record["cells"] if record.get("transformers") == transformers.__version__ else {}
+
+
+def accepted_cell(measured: dict | None) -> Cell:
+    """An accepted cell as the parity record has it: passed, failed (with what), or not measured."""
+    if measured is None:
+        return Cell("accepted, untested")
+    if measured["status"] == "pass":
+        return Cell("trains")
+    why = measured.get("error") or (f"losses differ by {measured['loss_diff']:.1e}, weights after "
+                                    f"3 steps by {measured['weight_diff']:.1e}")
+    return Cell("accepted, fails parity", why)
+
+
+def family_row(model_type: str, folder: Path, record: dict[str, dict]) -> Row:
     """Every axis of one family, judged by the rules on its tiny config."""
     try:
         doc = tiny_config(model_type)
@@ -164,7 +185,7 @@ def family_row(model_type: str, folder: Path) -> Row:
         if why is not None:
             cells[axis] = Cell("refused", why)
         else:
-            cells[axis] = Cell("trains" if axis in TESTED.get(model_type, {}) else "accepted, untested")
+            cells[axis] = accepted_cell(record.get(f"{model_type}/{axis}"))
     return Row(model_type, cells, "exact" if model_type in KNOWN else "estimate")
 
 
@@ -173,41 +194,40 @@ def _declares_experts(model_type: str) -> bool:
     return bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
 
 
-def matrix() -> list[Row]:
-    """A row per family."""
+def matrix(kinds: list[str] | None = None) -> list[Row]:
+    """A row per family (those of `kinds` only, when given)."""
+    record = parity_record()
     with tempfile.TemporaryDirectory(prefix="tessel-support-") as folder:
-        return [family_row(kind, Path(folder)) for kind in families()]
+        return [family_row(kind, Path(folder), record) for kind in families() if kinds is None or kind in kinds]
 
 
 def markdown(rows: list[Row]) -> str:
     """docs/support.md: the legend, the matrix, the refusals (each family's model type written <type>), the
-    tests behind every "trains" cell."""
+    cells that failed parity."""
     import transformers  # deferred: see families
-    reasons: dict[str, list[str]] = {}
-    for row in rows:
-        for cell in row.cells.values():
-            if cell.status == "refused":
-                key = cell.reason.replace(f"'{row.model_type}'", "'<type>'")
-                if row.model_type not in reasons.setdefault(key, []):
-                    reasons[key].append(row.model_type)
-    number = {reason: i for i, reason in enumerate(reasons, 1)}
-    trains = sum(c.status == "trains" for r in rows for c in r.cells.values())
-    untested = sum(c.status == "accepted, untested" for r in rows for c in r.cells.values())
+    reasons = numbered_reasons(rows)
+    count = {status: sum(c.status == status for r in rows for c in r.cells.values())
+             for status in ("trains", "accepted, fails parity", "accepted, untested")}
     out = [
         "# Hugging Face families x parallel axes",
         "",
-        f"Generated by `tessel support` from transformers {transformers.__version__} and tessel's own rules; do not "
-        "edit (tests/test_support.py fails when this file is stale).",
+        f"Generated by `tessel support` from transformers {transformers.__version__}, tessel's own rules and the "
+        "parity sweep's record (docs/support_parity.json); do not edit (tests/test_support.py fails when this file "
+        "is stale).",
         "",
         f"{len(rows)} families: every model type whose config class declares `base_model_tp_plan` or "
         "`base_model_pp_plan` and that `AutoModelForCausalLM` builds (what `tessel train` builds; encoders, vision "
-        "towers and the text halves of multimodal models are left out), and GPT-2 (tessel's own rules). Each axis's layout (two ranks of it; the 2D grid "
-        "four) on a tiny config from the family's own config class, put through the checks `tessel train` runs "
-        "before it spawns anything:",
+        "towers and the text halves of multimodal models are left out), and GPT-2 (tessel's own rules). Each axis's "
+        "layout (two ranks of it; the 2D grid four) on a tiny config from the family's own config class, put through "
+        "the checks `tessel train` runs before it spawns anything:",
         "",
-        f"- **trains**: accepted, and a parity test covers the family on that axis (the table at the end; {trains} "
+        f"- **trains**: accepted, and the parity sweep (`make hf-matrix`: 5 losses and the weights after 3 steps "
+        f"against the unmodified transformers model) found it matching under this transformers ({count['trains']} "
         "cells);",
-        f"- **accepted, untested**: accepted, and no parity test covers it yet ({untested} cells);",
+        f"- **F*n***: accepted, and the sweep found it off, for reason *n* below ({count['accepted, fails parity']} "
+        "cells);",
+        f"- **accepted, untested**: accepted, and the sweep has not measured it ({count['accepted, untested']} "
+        "cells);",
         "- **R*n***: refused, for reason *n* below (the line `tessel train` prints);",
         "- **n/a**: expert parallelism of a dense family.",
         "",
@@ -219,20 +239,40 @@ def markdown(rows: list[Row]) -> str:
         "|---" * (len(AXES) + 2) + "|",
     ]
     for row in rows:
-        cells = []
-        for axis in AXES:
-            c = row.cells[axis]
-            key = c.reason.replace(f"'{row.model_type}'", "'<type>'")
-            cells.append({"trains": "**trains**", "refused": f"R{number.get(key, '?')}"}.get(c.status, c.status))
+        cells = [_cell_text(row, row.cells[axis], reasons) for axis in AXES]
         out.append(f"| {row.model_type} | " + " | ".join(cells) + f" | {row.planner} |")
-    out += ["", "## Refusals", ""]
-    for reason, kinds in reasons.items():
-        out.append(f"- **R{number[reason]}** ({', '.join(kinds)}): {reason}")
-    out += ["", "## The tests behind \"trains\"", "", "| family | axis | test |", "|---|---|---|"]
-    for kind in sorted(TESTED):
-        for axis, test in TESTED[kind].items():
-            out.append(f"| {kind} | {axis} | `{test}` |")
+    for title, status in (("Refusals", "refused"), ("Parity failures", "accepted, fails parity")):
+        out += ["", f"## {title}", ""]
+        for (kind, reason), (n, families_) in reasons.items():
+            if kind == status:
+                out.append(f"- **{'R' if status == 'refused' else 'F'}{n}** ({', '.join(families_)}): {reason}")
     return "\n".join(out) + "\n"
+
+
+def _reason_key(row: Row, cell: Cell) -> tuple[str, str]:
+    return cell.status, cell.reason.replace(f"'{row.model_type}'", "'<type>'")
+
+
+def numbered_reasons(rows: list[Row]) -> dict[tuple[str, str], tuple[int, list[str]]]:
+    """(status, reason) -> (its number among its status's reasons, the families that meet it), in order."""
+    reasons: dict[tuple[str, str], tuple[int, list[str]]] = {}
+    for row in rows:
+        for cell in row.cells.values():
+            if cell.status in ("refused", "accepted, fails parity"):
+                key = _reason_key(row, cell)
+                if key not in reasons:
+                    reasons[key] = (sum(k[0] == cell.status for k in reasons) + 1, [])
+                if row.model_type not in reasons[key][1]:
+                    reasons[key][1].append(row.model_type)
+    return reasons
+
+
+def _cell_text(row: Row, cell: Cell, reasons: dict) -> str:
+    if cell.status == "trains":
+        return "**trains**"
+    if cell.status in ("refused", "accepted, fails parity"):
+        return f"{'R' if cell.status == 'refused' else 'F'}{reasons[_reason_key(row, cell)][0]}"
+    return cell.status
 
 
 def support_markdown() -> str:
