@@ -34,6 +34,8 @@ import json
 import textwrap
 import warnings
 
+from tessel.hf_layout import cached_meta_model
+
 # keywords an attention module may hand the interface that tessel's function applies or that are None in
 # training (packed-sequence lengths, which tessel never passes); `dropout` is refused by the config's value
 HANDLED = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "is_causal", "attention_mask",
@@ -64,7 +66,7 @@ def _refusal(text: str) -> str | None:
         if problem is not None:
             return problem
         try:
-            model = _meta_model(model_class, config)
+            model = cached_meta_model(text)  # the tp, pp and ep checks' build of the same config
         except Exception as err:  # whatever stops the class building on the meta device, on one line
             return (f"context parallelism reads the model's layers, but {model_class.__name__} does not build from "
                     f"this config (on the meta device: {type(err).__name__}: {' '.join(str(err).split())})")
@@ -93,15 +95,6 @@ def _positions_problem(model_class: type) -> str | None:
         return None
     return (f"context parallelism calls the model with each rank's position_ids, which {model_class.__name__}."
             "forward does not take")
-
-
-def _meta_model(model_class: type, config):
-    import torch  # deferred: loaded by transformers already
-    # the attention tessel builds it with (tessel.models.hf.build.attention_implementation; that module sits
-    # above tessel.config, which imports this one)
-    attention = "sdpa" if model_class._supports_sdpa else "eager"
-    with torch.device("meta"):
-        return model_class._from_config(config, attn_implementation=attention)
 
 
 def _layers_problem(model) -> str | None:
