@@ -1,4 +1,4 @@
-"""The import layers of DESIGN.md, enforced.
+"""The import layers of docs/architecture.md, enforced.
 
 1. import-linter's contracts in pyproject.toml ([tool.importlinter]): models never import
    parallel; the planner imports neither torch nor the trainer, the CLI or calibrate; parallel

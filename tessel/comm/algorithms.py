@@ -480,13 +480,16 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
     return output
 
 
+# torch >= 2.13 names the single-tensor collectives *_single; older ones *_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, group=group)
+    reduce_scatter_single(output, input, group=group)
     return output
 
 
 def native_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    all_gather_single(output, input, group=group)
     return output

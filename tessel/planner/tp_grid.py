@@ -5,7 +5,7 @@ recorded against linear_bytes in tests/parallel/tensor_nd (tessel.parallel.tenso
 What a rank "sends" in one collective of b payload bytes over n ranks, under the bandwidth-optimal
 algorithms (rings, pipelined chains): all-reduce 2(n-1)/n * b; all-gather and reduce-scatter
 (n-1)/n * b of the whole (gathered / reduced) tensor; broadcast and reduce (n-1)/n * b averaged over
-the group (a chain: every rank but one forwards b). These are the factors of DESIGN.md's busbw.
+the group (a chain: every rank but one forwards b). These are the factors of nccl-tests' bus bandwidth (busbw).
 
 Per linear layer Y = X W, fwd + bwd, with X (N, K) the tokens x input features, W (K, M), e bytes per
 element, per rank:

@@ -33,10 +33,12 @@ def no_probe(tmp_path, monkeypatch):
                                                ({"train": {"global_batch": 10**9}}, "activations")])
 def test_enormous_recipes_are_refused_at_once(override, largest):
     cfg = build_config(override)
-    t0 = time.perf_counter()
+    # this process's CPU time, not the wall clock, which a loaded host stretches: building even the smaller
+    # of these models (1.26 G parameters) would take seconds of CPU, the estimate takes milliseconds
+    t0 = time.process_time()
     with pytest.raises(ConfigError) as err:
         check_memory(cfg, ranks_per_node=2)
-    assert time.perf_counter() - t0 < 0.2
+    assert time.process_time() - t0 < 0.5
     msg = str(err.value)
     assert err.value.field == "memory" and "\n" not in msg
     assert msg.startswith("memory: the planner estimates ") and " GiB per rank (" + largest in msg
@@ -140,7 +142,7 @@ def test_layout_config_inverts_config_layout(recipe):
 
 
 def test_the_check_stays_out_of_the_runtime():
-    """The planner never imports torch.distributed, the trainer or the CLI (DESIGN.md's layers)."""
+    """The planner never imports torch.distributed, the trainer or the CLI (the layers of docs/architecture.md)."""
     code = ("import sys, tessel.planner.fit; bad = [m for m in sys.modules if m.startswith("
             "('torch', 'tessel.train', 'tessel.cli'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

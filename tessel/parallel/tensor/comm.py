@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch >= 2.13 names the single-tensor collectives *_single; older ones *_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# module names of their own: tessel.parallel.tensor_nd.traffic records tp's collectives by rebinding these
+from tessel.comm.algorithms import all_gather_single as _all_gather_single
+from tessel.comm.algorithms import reduce_scatter_single as _reduce_scatter_single
 
 
 def group_size(group) -> int:

@@ -67,7 +67,7 @@ def replan_for_world(cfg: Config, world_size: int, rank: int = 0,
     if new is cfg:
         return cfg, None
     report = Replanned("dp-only", previous_attempt(cfg, run_id) if rank == 0 else Previous(0, ""), world_size,
-                       layout_text(new))
+                       described_layout(new))
     if rank == 0:
         print(describe_change(cfg, new), flush=True)
         print("\n".join(report.lines()), flush=True)
@@ -78,7 +78,7 @@ def replan_for_world(cfg: Config, world_size: int, rank: int = 0,
 MEASURE_STEPS = 3  # steady steps of the new layout its measured step time is the median of
 
 
-def layout_text(cfg: Config) -> str:
+def described_layout(cfg: Config) -> str:
     return config_layout(cfg).describe()
 
 
@@ -171,7 +171,7 @@ def previous_attempt(cfg: Config, run_id: str | None) -> Previous:
     except (OSError, CheckpointError):
         found = None
     if found is None:
-        return Previous(cfg.parallel.world_size, layout_text(cfg))
+        return Previous(cfg.parallel.world_size, described_layout(cfg))
     manifest = found[1]
     step = int(manifest["step"])
     old = Previous(int(manifest["world_size"]), manifest_layout(manifest).describe(), step)
