@@ -39,32 +39,17 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out
 
 
-class AllToAllDispatch(torch.autograd.Function):
-    """GShard's dispatch (Lepikhin et al. 2020, Sec. 3.2, Algorithm 2:
-    `dispatched_expert_inputs = AllToAll(...)`): rows of x go to the ranks that
-    hold their experts, in_splits[j] rows to rank j, out_splits[j] rows arrive
-    from rank j. Its gradient is the same exchange with the splits swapped."""
+class AllToAll(torch.autograd.Function):
+    """GShard's all-to-all (Lepikhin et al. 2020, Sec. 3.2, Algorithm 2), both of its uses: the dispatch
+    (`dispatched_expert_inputs = AllToAll(...)`: rows go to the ranks that hold their experts) and the combine
+    (`expert_outputs = AllToAll(...)`: expert outputs travel back to the ranks that own the tokens).
+    in_splits[j] rows go to rank j, out_splits[j] rows arrive from rank j; the gradient is the same exchange
+    with the splits swapped."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-class AllToAllCombine(torch.autograd.Function):
-    """GShard's combine (Lepikhin et al. 2020, Algorithm 2: `expert_outputs =
-    AllToAll(...)` before the gate-weighted einsum): expert outputs travel back
-    to the ranks that own the tokens; the gradient goes the dispatch way."""
-
-    @staticmethod
-    def forward(ctx, y, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(y, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -93,7 +78,7 @@ class AllToAllDispatcher:
         send_splits = s.counts.view(self.ep, self.local).sum(1).tolist()
         recv_counts = recv.view(self.ep, self.local)  # (source rank, local expert)
         recv_splits = recv_counts.sum(1).tolist()
-        arrived = AllToAllDispatch.apply(rows, recv_splits, send_splits, self.group)
+        arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)
         regroup = None
         if self.local > 1:  # arrived rows are ordered (source, expert): regroup as (expert, source)
             local_id = torch.arange(self.local, device=x.device).repeat(self.ep)
@@ -105,7 +90,7 @@ class AllToAllDispatcher:
         s, regroup, send_splits, recv_splits = state
         if regroup is not None:
             y = y.index_select(0, _inverse(regroup))  # back to (source, expert) order
-        back = AllToAllCombine.apply(y, send_splits, recv_splits, self.group)  # (M, C), my sorted rows
+        back = AllToAll.apply(y, send_splits, recv_splits, self.group)  # (M, C), my sorted rows
         return weighted_scatter(back, s)  # (N, C)
 
 
