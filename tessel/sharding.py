@@ -124,10 +124,6 @@ def set_logical_shape(p: torch.Tensor, shape) -> None:
     _set(p, replace(sharding(p), logical_shape=tuple(shape)))
 
 
-def copy_sharding(src: torch.Tensor, dst: torch.Tensor) -> None:
-    _set(dst, sharding(src))
-
-
 def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
     return sharding(p).axes
 

@@ -507,10 +507,6 @@ def full_tensor(t: torch.Tensor, param: torch.Tensor, ctx: TPContext) -> torch.T
     return full
 
 
-def local_param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()))
-
-
 class VocabParallelLoss:
     """loss_fn(logits_shard, targets) for a model whose head is vocab-parallel."""
 

@@ -16,13 +16,19 @@ from tessel.models.gpt import GPT
 from tessel.models.plan import GPT_TP_PLAN
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, full_tensor,
-                                                    local_param_bytes, match_plan)
+                                                    match_plan)
 from tessel.apply import parallelize
 from tessel.sharding import logical_shape
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
 from tests.helpers import tiny_config
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """The bytes of a module's parameters on this rank (a shared parameter once)."""
+    return sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()))
+
 
 STEPS = 3
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
