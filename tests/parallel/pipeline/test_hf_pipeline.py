@@ -129,6 +129,8 @@ def test_pp2_matches_the_single_process_transformers_model(world2, references, n
         _check(rank[name], want)
 
 
+# the first test to ask for world8 waits for its spawn (20 layouts trained and checkpointed): the spawn's own limit
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references, name):
     for rank in world8["ranks"]:
@@ -144,6 +146,7 @@ SAME_CODE = dict(rtol=0, atol=0)
 SHARDED_LOSS = dict(rtol=0, atol=1e-5)
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_dp2_tp2_pp2_checkpoint_exports_to_transformers(world8, name, tmp_path):
     """`tessel export --format hf` of the run's checkpoint (each stage's layers saved under the model's names, tp
