@@ -146,3 +146,61 @@ def write_configs(folder: Path, docs: dict[str, dict]) -> dict[str, str]:
     for name, doc in docs.items():
         (folder / f"{name}.json").write_text(json.dumps(doc))
     return {name: str(folder / f"{name}.json") for name in docs}
+
+
+def whole_weights(model, runner, mesh, sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    """Every parameter whole (gathered over tp) under the model's own names, on every rank: under pp each stage
+    holds its own names (both ends a tied tensor), gathered over the stages."""
+    from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor  # deferred: the parallel layers
+    ctx = TPContext.from_mesh(mesh, sequence_parallel)
+    pp = mesh.size("pp")
+    named = runner.named_parameters() if pp > 1 else dict(model.named_parameters(remove_duplicate=False))
+    weights = {n: full_tensor(q, q, ctx) for n, q in named.items()}
+    if pp > 1:
+        stages = [None] * pp
+        dist.all_gather_object(stages, weights, group=mesh.group("pp"))
+        weights = {n: t for stage in stages for n, t in stage.items()}
+    return weights
+
+
+def train_whole(cfg: Config, probe: torch.Tensor | None = None) -> dict:
+    """Train with cfg through the trainer `tessel train` runs (checkpointing as cfg says), on the current process
+    group (or alone): each step's loss (the global batch's mean), every weight whole (whole_weights), how far the
+    weights moved (one process only) and, given a probe batch, the loss the trained sharded model computes on it."""
+    trainer, model, runner, mesh = build_trainer(cfg)
+    start = {n: q.detach().clone() for n, q in model.named_parameters()} if mesh.world_size == 1 else {}
+    losses = trainer.fit().losses
+    weights = whole_weights(model, runner, mesh, cfg.parallel.sequence_parallel)
+    moved = max(((weights[n] - w).abs().max().item() for n, w in start.items()), default=0.0)
+    out = {"losses": losses, "weights": weights, "moved": moved}
+    if probe is not None:
+        with torch.no_grad():
+            out["probe_loss"] = runner.evaluate(probe[:, :-1], probe[:, 1:]).item()
+    return out
+
+
+# ---- export: `tessel export --format hf` and what transformers then computes -----------------------------
+def export_hf(checkpoint: Path, out: Path, *args: str) -> None:
+    """`tessel export CHECKPOINT --format hf --out OUT [args]`, as a user types it; it must succeed."""
+    import pytest
+    import tessel.cli
+    with pytest.raises(SystemExit) as code:
+        tessel.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out), *args])
+    assert code.value.code == 0
+
+
+def hf_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    """The logits of the model AutoModelForCausalLM.from_pretrained(folder) loads."""
+    from transformers import AutoModelForCausalLM  # deferred: transformers is heavy
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(x).logits
+
+
+def tessel_logits(cfg: Config, checkpoint: Path, x: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's model as tessel computes it: one process, loaded by the trainer's own resume path."""
+    from tessel.train.checkpoint.manager import CheckpointManager
+    trainer, model, _, mesh = build_trainer(cfg, init_seed=99)  # other weights: the load must win
+    CheckpointManager(checkpoint.parent, mesh).load(checkpoint, trainer.state.tensors)
+    with torch.no_grad():
+        return model.eval()(x)

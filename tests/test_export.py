@@ -20,12 +20,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import tessel.cli
 from tessel.models.gpt import cross_entropy
 from tessel.models.weights import read_weights, tied_names
 from tessel.spawn import spawn
-from tessel.train.checkpoint.manager import CheckpointManager
-from tests.helpers import DERIVED, PLANNED, build_trainer, tiny_config
+from tests.helpers import build_trainer, hf_logits, tessel_logits, tiny_config
+from tests.helpers import export_hf as export
 
 GPT_TO_LLAMA = dict(rtol=0, atol=1e-5)  # see the module's docstring
 SAME_CODE = dict(rtol=0, atol=0)
@@ -42,27 +41,6 @@ MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_expert
 # converter that drops any of them fails
 GPT = ["model.tie_embeddings=true", "model.n_kv_head=2", "model.norm_eps=1e-4", "model.rope_theta=500.0"]
 COMMON = ["train.steps=2", "checkpoint.every=2", "fault.heartbeat_s=0"]
-
-
-def export(checkpoint: Path, out: Path, *args: str) -> None:
-    with pytest.raises(SystemExit) as code:
-        tessel.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out), *args])
-    assert code.value.code == 0
-
-
-def hf_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(x).logits
-
-
-def tessel_logits(cfg, checkpoint: Path, x: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's model as tessel computes it: one process, loaded by the trainer's own resume path."""
-    trainer, model, runner, mesh = build_trainer(cfg, init_seed=99)  # other weights: the load must win
-    CheckpointManager(checkpoint.parent, mesh).load(checkpoint, trainer.state.tensors)
-    with torch.no_grad():
-        return model.eval()(x)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -111,7 +89,7 @@ def test_reference_gpt_dp2_tp2_pp2_checkpoint_exports_as_llama(tmp_path):
 # Hugging Face checkpoints of every axis, on 4 ranks: a Llama under dp2 x tp2 with ZeRO-1, dp4 with ZeRO-3's
 # flat shards and pp2 x dp2 with ZeRO-1 (each stage's ZeRO names its parameters as the full model does); a
 # tied GPT-2 under dp2 x tp2 with ZeRO-2 (its fused q|k|v split per head, saved as pieces of the logical
-# tensor); a Mixtral under pp2 x ep2 with ZeRO-1 (experts sharded over ep) (dp2 x tp2 x pp2 below). A
+# tensor); a Mixtral under pp2 x ep2 with ZeRO-1 (experts sharded over ep). A
 # vocabulary of 250 is padded to 252 over tp: the checkpoint holds the 250 logical rows.
 HF_LAYOUTS = {"dp2tp2zero1": (LLAMA, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1"]),
               "dp4zero3": (LLAMA, ["parallel.dp=4", "parallel.zero_stage=3"]),
@@ -138,28 +116,8 @@ def test_hf_sharded_checkpoints_export_under_their_own_names(tmp_path):
                      msg=lambda m: f"{name}: {m}")
 
 
-# dp2 x tp2 x pp2 checkpoints of families of every kind of cut: Llama; Phi-3's fused q|k|v and gate|up, split
-# block by block and saved as pieces of the logical tensors; Qwen3's per-head q/k norms; and families placed from
-# their plans alone (tessel.hf_layout): GLM-4's gathered gate|up and post norms, Cohere 2's parallel block and
-# tied head, Qwen3-MoE's sparse block (whole on every tp rank) after a dense layer
-EXPORTED = {"llama": LLAMA, **{kind: {**PLANNED[kind], "max_position_embeddings": 32} for kind in ("phi3", "qwen3")},
-            **{kind: {**DERIVED[kind], "max_position_embeddings": 32} for kind in ("glm4", "cohere2", "qwen3_moe")}}
-
-
-def test_hf_dp2_tp2_pp2_checkpoints_export_under_their_own_names(tmp_path):
-    """Each stage saves its own layers under the model's names, tp shards as logical rows."""
-    runs = {kind: [f'model.hf_config="{config_file(tmp_path, {**doc, "vocab_size": 250})}"', "parallel.dp=2",
-                   "parallel.tp=2", "parallel.pp=2"] for kind, doc in EXPORTED.items()}
-    sharded = spawn(_train, 8, str(tmp_path), runs, 250, timeout=600)[0]
-    x = batch(250)
-    for kind in EXPORTED:
-        checkpoint = tmp_path / kind / "step_00000002"
-        export(checkpoint, tmp_path / f"hf-{kind}")
-        cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
-        assert_close(hf_logits(tmp_path / f"hf-{kind}", x), tessel_logits(cfg, checkpoint, x), **SAME_CODE,
-                     msg=lambda m: f"{kind}: {m}")
-        assert_close(exported_loss(tmp_path / f"hf-{kind}", 250), torch.tensor(sharded[kind]), **SHARDED_LOSS,
-                     msg=lambda m: f"{kind}: {m}")
+# dp2 x tp2 x pp2 checkpoints of every Hugging Face family tessel places by plan: exported from the very run whose
+# parity with transformers tests/parallel/pipeline/test_hf_pipeline.py checks (one world-8 spawn for both)
 
 
 # ---- one process: every conversion, and the round trip -----------------------------------------

@@ -5,27 +5,26 @@ A stage is transformers' own model with the modules it does not hold removed or 
 model's forward is copied and nothing is traced. The reference is the same model built by
 transformers from the same local config and seed, alone, trained on the same global batches
 with tessel's cross-entropy on its logits. Each layout runs 5 optimizer steps through the
-internal parallelize() the trainer calls; the losses of every step and the final weights
+trainer `tessel train` runs (tests.helpers.train_whole); the losses of every step and the final weights
 (every stage's, gathered whole over tp) are compared. One spawn of 2 ranks (pp2 1F1B for Llama
 with and without full recompute, GPT-2 with its tied head across stages, and the zero-bubble
 schedules ZB-H1, ZBV (Llama) and ZB-H2 (GPT-2), whose split backward runs on the decoder layers) and one of 8 ranks
 (Llama dp2 x tp2 x pp2, the issue's headline layout; Llama and GPT-2 dp2 x tp2 x pp2 with sequence
-parallelism).
+parallelism, and every family of tests.helpers.PLANNED and DERIVED dp2 x tp2(SP) x pp2). Each world-8 run
+checkpoints its last step, which `tessel export --format hf` then writes as a folder transformers loads: the
+export is tested from the very run whose parity is (one world-8 spawn for both).
 """
 
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
+from tessel.models.gpt import cross_entropy
 from tessel.models.hf.families import FAMILIES, pipeline_parts
-from tessel.parallel.norms import clip_grad_norm_
-from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.spawn import spawn
-from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.optim import build_optimizer
-from tests.helpers import DERIVED, PLANNED, build_runner, tiny_config, write_configs
+from tests.helpers import (DERIVED, PLANNED, export_hf, hf_logits, tessel_logits, tiny_config, train_whole,
+                           write_configs)
 
 STEPS = 5
 # dropout 0 (GPT-2 has dropout by default); 4 layers so that pp2 leaves two decoder layers a stage
@@ -67,45 +66,31 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 
 
+# the trainer's own steps at a constant lr (the tolerances' 1e-3); checkpoints off unless a run names a folder
+TRAIN = [f"train.steps={STEPS}", "train.lr=1e-3", "train.min_lr=1e-3", "train.warmup_steps=0", "fault.heartbeat_s=0"]
+
+
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory) -> dict[str, str]:
     return write_configs(tmp_path_factory.mktemp("hf"), CONFIGS)
 
 
-def _run(path: str, overrides: list[str]) -> dict:
-    """5 steps through parallelize(): the global batch's mean loss each step, the weights whole."""
-    cfg = tiny_config(f'model.hf_config="{path}"', *overrides, "train.lr=1e-3")
-    model, runner, mesh = build_runner(cfg)
-    ctx = TPContext.from_mesh(mesh, cfg.parallel.sequence_parallel)
-    params = runner.parameters()
-    opt = build_optimizer(params, cfg.train)
-    tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
-    dp = mesh.size("dp")
-    sampler = BatchSampler(tokens.train, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed,
-                           mesh.coord("dp") if dp > 1 else 0, dp)
-    start = {n: q.detach().clone() for n, q in model.named_parameters()} if mesh.world_size == 1 else {}
-    losses = []
-    for _ in range(STEPS):
-        loss = runner.forward_backward(*sampler.next()).detach().float()
-        if dp > 1:  # each data shard's mean: the global batch's mean is their average
-            dist.all_reduce(loss, group=mesh.group("dp"))
-            loss /= dp
-        losses.append(loss.item())
-        clip_grad_norm_(params, cfg.train.grad_clip, mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    named = runner.named_parameters() if mesh.size("pp") > 1 else dict(model.named_parameters(remove_duplicate=False))
-    weights = {n: full_tensor(q, q, ctx) for n, q in named.items()}
-    if mesh.size("pp") > 1:  # each stage holds its own names (both ends the tied tensor)
-        stages = [None] * mesh.size("pp")
-        dist.all_gather_object(stages, weights, group=mesh.group("pp"))
-        weights = {n: t for stage in stages for n, t in stage.items()}
-    moved = max(((weights[n] - w).abs().max().item() for n, w in start.items()), default=0.0)
-    return {"losses": losses, "weights": weights, "moved": moved}
+def probe(vocab: int) -> torch.Tensor:
+    """The batch the exported models and the sharded ones are scored on."""
+    return torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(7))
 
 
-def _world(paths: dict[str, str], layouts: dict) -> dict:
-    return {name: _run(paths[kind], overrides) for name, (kind, overrides) in layouts.items()}
+def _run(path: str, overrides: list[str], checkpoints: str | None = None) -> dict:
+    """5 steps through the trainer `tessel train` runs: the global batch's mean loss each step, the weights whole;
+    with a folder, the last step's checkpoint there and the trained sharded model's loss on the probe batch."""
+    cfg = tiny_config(f'model.hf_config="{path}"', *overrides, *TRAIN,
+                      *([f'checkpoint.dir="{checkpoints}"', f"checkpoint.every={STEPS}"] if checkpoints else []))
+    return train_whole(cfg, probe(cfg.model.vocab_size) if checkpoints else None)
+
+
+def _world(paths: dict[str, str], layouts: dict, checkpoints: str | None = None) -> dict:
+    return {name: _run(paths[kind], overrides, checkpoints and f"{checkpoints}/{name}")
+            for name, (kind, overrides) in layouts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +104,11 @@ def world2(configs):
 
 
 @pytest.fixture(scope="module")
-def world8(configs):
-    return spawn(_world, 8, configs, WORLD8, timeout=900)
+def world8(configs, tmp_path_factory) -> dict:
+    """Every world-8 layout trained once, checkpointed at its last step: its parity and its export are tested
+    from the same run. {"ranks": each rank's results, "checkpoints": the folder of a folder per layout}."""
+    checkpoints = tmp_path_factory.mktemp("world8")
+    return {"ranks": spawn(_world, 8, configs, WORLD8, str(checkpoints), timeout=900), "checkpoints": checkpoints}
 
 
 def _check(got: dict, want: dict) -> None:
@@ -141,10 +129,37 @@ def test_pp2_matches_the_single_process_transformers_model(world2, references, n
         _check(rank[name], want)
 
 
+# the first test to ask for world8 waits for its spawn (20 layouts trained and checkpointed): the spawn's own limit
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_dp2_tp2_pp2_matches_the_single_process_transformers_model(world8, references, name):
-    for rank in world8:
+    for rank in world8["ranks"]:
         _check(rank[name], references[WORLD8[name][0]])
+
+
+# Tolerances. The exported model computes with the very tensors tessel trained, in the same code (transformers'
+# own forward), so its logits equal those of tessel's one-process model loaded from the checkpoint bit for bit.
+# The sharded run's loss on the probe batch sums the same products in other orders (tp's partial sums, the
+# vocab-parallel softmax): a few ulps of a loss ~5 (measured < 2e-6); a row or a head exported out of place
+# moves it by >1e-2.
+SAME_CODE = dict(rtol=0, atol=0)
+SHARDED_LOSS = dict(rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_dp2_tp2_pp2_checkpoint_exports_to_transformers(world8, name, tmp_path):
+    """`tessel export --format hf` of the run's checkpoint (each stage's layers saved under the model's names, tp
+    shards as logical rows; its config the copy the checkpoint carries): what
+    AutoModelForCausalLM.from_pretrained loads computes tessel's logits and the sharded run's loss."""
+    checkpoint = world8["checkpoints"] / name / f"step_{STEPS:08d}"
+    export_hf(checkpoint, tmp_path / "hf")
+    cfg = tiny_config(f'model.hf_config="{checkpoint / "hf_config.json"}"')
+    x = probe(cfg.model.vocab_size)
+    logits = hf_logits(tmp_path / "hf", x[:, :-1])
+    assert_close(logits, tessel_logits(cfg, checkpoint, x[:, :-1]), **SAME_CODE)
+    loss = cross_entropy(logits, x[:, 1:])
+    assert_close(loss, torch.tensor(world8["ranks"][0][name]["probe_loss"]), **SHARDED_LOSS)
 
 
 def test_a_model_without_pipeline_parts_is_refused_naming_a_module(configs):
