@@ -11,6 +11,7 @@ import typer
 
 from tessel import launch
 from tessel.config import Config, ConfigError, load_config
+from tessel.config_doc import config_markdown
 from tessel.planner.layout import KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
@@ -189,6 +190,25 @@ def support(
     and the parity sweep's record, as a markdown table (nothing is spawned; no model is built)."""
     from tessel.support import support_markdown  # deferred: loads transformers' config classes
     text = support_markdown()
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text, encoding="utf-8")
+    typer.echo(f"wrote {out}")
+
+
+@app.command("config-doc")
+def config_doc(
+    out: Optional[str] = typer.Option(None, "--out", help="write the markdown here (docs/config.md) instead of "
+                                      "printing it"),
+) -> None:
+    """The configuration reference: every recipe section and field, its type, default, choices and description,
+    read from the schema (tessel/config.py)."""
+    _write_or_print(config_markdown(), out)
+
+
+def _write_or_print(text: str, out: Optional[str]) -> None:
     if out is None:
         typer.echo(text, nl=False)
         return
