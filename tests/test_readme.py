@@ -6,6 +6,7 @@ run and its output compared, and the Python excerpt is the tested examples/own_l
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import subprocess
@@ -79,10 +80,11 @@ def test_the_refusal_transcript_is_what_tessel_prints():
 def test_the_quick_start_and_the_plan_commands_run_as_written(tmp_path):
     cwd = scratch(tmp_path)
     quick = command_lines(sections()["Quick start (5 minutes)"])
-    assert quick[0].startswith("tessel train") and quick[-1] == "tessel train planned.toml"
+    assert quick[0].startswith("tessel train") and quick[-1].startswith("tessel train planned.toml")
     outputs = [run_as_written(line, cwd).stdout for line in quick]
-    rows = metrics_rows(cwd / "runs" / "tiny")  # tiny.toml's out_dir, then the planned recipe's (the same)
-    assert len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"]
+    for folder in ("tiny", "planned"):  # tiny.toml's out_dir, then the one the README gives the planned run
+        rows = metrics_rows(cwd / "runs" / folder)
+        assert len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"] - 0.3, folder  # test_cli's bar for tiny
     assert "wrote planned.toml" in outputs[1] and "run summary" in outputs[2]
     plans = command_lines(sections()["Choosing a layout with `tessel plan`"])
     assert len(plans) == 2
@@ -97,4 +99,6 @@ def test_the_own_loop_excerpt_is_the_tested_example_and_its_command_trains(tmp_p
     assert excerpt in (ROOT / "examples" / "own_loop.py").read_text()  # tests/test_api.py runs its `train`
     (line,) = command_lines(text)
     losses = re.search(r"losses: (.*)", run_as_written(line, scratch(tmp_path)).stdout).group(1).split()
-    assert len(losses) == 10 and float(losses[-1]) < float(losses[0])
+    # uniform random tokens over the tiny Llama's 128 ids: nothing to learn, so each step's mean cross-entropy
+    # stays near ln(128) = 4.85 (the first 10 measured 4.85-4.93); its parity is tests/test_api.py's
+    assert len(losses) == 10 and all(abs(float(x) - math.log(128)) < 0.3 for x in losses), losses
