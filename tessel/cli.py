@@ -11,6 +11,8 @@ import typer
 
 from tessel import launch
 from tessel.config import Config, ConfigError, load_config
+from tessel.combinations import combinations_markdown
+from tessel.config_doc import config_markdown
 from tessel.planner.layout import KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
@@ -182,13 +184,32 @@ def export(
 
 @app.command()
 def support(
-    out: Optional[str] = typer.Option(None, "--out", help="write the markdown here (docs/support.md) instead of "
-                                      "printing it"),
+    out: Optional[str] = typer.Option(None, "--out", help="write the markdown here (docs/support.md, or "
+                                      "docs/combinations.md with --strategies) instead of printing it"),
+    strategies: bool = typer.Option(False, "--strategies", help="strategy x strategy: every pair of strategies "
+                                    "through the checks tessel train runs before spawning"),
 ) -> None:
     """Which Hugging Face family trains on which axis: the installed transformers' families, tessel's rules
-    and the parity sweep's record, as a markdown table (nothing is spawned; no model is built)."""
+    and the parity sweep's record, as a markdown table (nothing is spawned; no model is built). With
+    --strategies: which strategy combines with which, from the same checks."""
+    if strategies:
+        _write_or_print(combinations_markdown(), out)
+        return
     from tessel.support import support_markdown  # deferred: loads transformers' config classes
-    text = support_markdown()
+    _write_or_print(support_markdown(), out)
+
+
+@app.command("config-doc")
+def config_doc(
+    out: Optional[str] = typer.Option(None, "--out", help="write the markdown here (docs/config.md) instead of "
+                                      "printing it"),
+) -> None:
+    """The configuration reference: every recipe section and field, its type, default, choices and description,
+    read from the schema (tessel/config.py)."""
+    _write_or_print(config_markdown(), out)
+
+
+def _write_or_print(text: str, out: Optional[str]) -> None:
     if out is None:
         typer.echo(text, nl=False)
         return

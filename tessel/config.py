@@ -60,17 +60,22 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    vocab_size: int = Field(256, ge=2)
-    n_layer: int = Field(2, ge=1)
-    n_head: int = Field(4, ge=1)
+    """The model: the reference GPT's shape and MoE blocks, or a Hugging Face architecture (hf_config)."""
+
+    vocab_size: int = Field(256, ge=2,
+        description="token ids the embedding and the head hold (byte-level data needs 256)")
+    n_layer: int = Field(2, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads (1D tp splits them: divisible by tp)")
     n_kv_head: int | None = Field(None, ge=1, description="grouped-query attention; default n_head")
-    d_model: int = Field(64, ge=1)
+    d_model: int = Field(64, ge=1,
+        description="hidden size (divisible by n_head, with an even head size for rotary embeddings)")
     d_ff: int | None = Field(None, ge=1, description="SwiGLU hidden size; default ~8/3 d_model")
-    max_seq_len: int = Field(128, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
-    tie_embeddings: bool = False
-    init_std: float = Field(0.02, gt=0)
+    max_seq_len: int = Field(128, ge=1,
+        description="longest sequence the model takes (train.seq_len must not exceed it)")
+    rope_theta: float = Field(10000.0, gt=0, description="rotary embeddings' base")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm's epsilon")
+    tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
+    init_std: float = Field(0.02, gt=0, description="standard deviation of the initial weights")
     sliding_window: int | None = Field(None, ge=1, description="attention within a window: each token sees itself and "
                                        "the sliding_window - 1 before it (FlexAttention on a GPU); None: all before it")
     document_separator: int | None = Field(
@@ -78,13 +83,15 @@ class ModelConfig(Strict):
                                 "<|endoftext|>); attention never crosses it (FlexAttention on a GPU). None: one "
                                 "causal attention over the whole sequence")
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
-    n_experts: int = Field(0, ge=0)
-    moe_every: int = Field(1, ge=1)
+    n_experts: int = Field(0, ge=0, description="experts per MoE block; 0: a dense model")
+    moe_every: int = Field(1, ge=1, description="every moe_every-th block is an MoE block (when n_experts > 0)")
     # the reference MoE routes to 1 or 2 experts (model._shapes); a Hugging Face MoE to what its config declares
-    moe_top_k: int = Field(1, ge=1)
-    capacity_factor: float = Field(1.25, gt=0)
-    aux_loss_coef: float = Field(0.01, ge=0)
-    z_loss_coef: float = Field(0.0, ge=0)
+    moe_top_k: int = Field(1, ge=1, description="experts a token is routed to: 1 (Switch) or 2 (GShard)")
+    capacity_factor: float = Field(1.25, gt=0,
+        description="each expert takes at most ceil(tokens/n_experts x capacity_factor) tokens; the rest ride the "
+                    "residual")
+    aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss; 0 disables it")
+    z_loss_coef: float = Field(0.0, ge=0, description="weight of the router z-loss; 0 disables it")
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
     moe_random_routing: bool = Field(False, description="top-2: keep the 2nd expert with probability 2*g2")
     aux_loss_scope: Literal["global", "local"] = Field(
@@ -155,31 +162,38 @@ class ModelConfig(Strict):
 
 
 class ParallelConfig(Strict):
-    dp: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
+    """The layout: the mesh's degrees (world = pp*dp*ep*cp*tp, + ps_servers) and each strategy's knobs."""
+
+    dp: int = Field(1, ge=1, description="data-parallel replicas (the batch splits over dp*ep)")
+    tp: int = Field(1, ge=1,
+        description="tensor-parallel group size (1d: Megatron; a grid's q*q, q*q*d or c*c*c under tp_mode)")
     tp_mode: Literal["1d", "2d", "2.5d", "3d"] = Field(
         "1d", description="tensor parallelism: 1d (Megatron), 2d (SUMMA, tp = q*q), 2.5d (Tesseract, tp = q*q*"
                           "tp_depth), 3d (tp = c*c*c); see tessel.parallel.tensor_nd")
     tp_depth: int = Field(1, ge=1, description="2.5d: the grid's depth d (tp = q*q*d)")
-    pp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    ep: int = Field(1, ge=1, description="expert-parallel shards: each holds n_experts/ep experts (an MoE model)")
     cp: int = Field(1, ge=1, description="context parallelism: each sequence split in chunks over cp ranks")
     cp_mode: Literal["ring", "ulysses"] = Field(
         "ring", description="cp's attention: ring (keys and values passed around, Liu et al. 2023) or ulysses "
                             "(all-to-all to a head split, Jacobs et al. 2023); see tessel.parallel.context")
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(0, ge=0, le=3,
+        description="ZeRO over dp: 1 shards AdamW's state, 2 also the gradients, 3 also the parameters; 0: plain data"
+                    " parallelism")
     zero_param_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="ZeRO: dtype of the parameters the model computes with and all-gathers "
                             "(fp32 master weights and AdamW state stay in the optimizer)")
     zero_reduce_dtype: Literal["fp32", "bf16"] | None = Field(
         None, description="ZeRO: dtype gradients are reduced in; default zero_param_dtype")
     micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
-    sequence_parallel: bool = False
+    sequence_parallel: bool = Field(False,
+        description="under tp: norms and residuals split along the sequence (Korthikanti et al. 2022); needs tp > 1")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "pipedream", "2bw"] = Field(
         "1f1b", description="pipeline schedule; zb-h1 | zb-h2 | zbv split the backward (Qi et al. 2023), zbv "
                             "holds 2 virtual stages per rank in a V (tessel.parallel.pipeline.zero_bubble); "
                             "pipedream | 2bw never flush and update on stale weights (needs allow_async)")
-    virtual_stages: int = Field(1, ge=1)
+    virtual_stages: int = Field(1, ge=1,
+        description="pipeline chunks per rank: > 1 with schedule 'interleaved', 2 with 'zbv'")
     allow_async: bool = Field(False, description="let pipedream and 2bw update on stale weights "
                                                  "(tessel.parallel.pipeline.weight_versions says which)")
     vertical_sync: bool = Field(False, description="pipedream: every stage runs a micro-batch on the weight "
@@ -199,13 +213,17 @@ class ParallelConfig(Strict):
         "none", description="activation recomputation: none; full (every block keeps only its input); "
                             "selective (the attention core, Korthikanti et al. 2022); true = full, false = none")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for data parallelism")
-    dp_algorithm: Literal["native", "ring", "hierarchical"] = "native"
+    dp_algorithm: Literal["native", "ring", "hierarchical"] = Field("native",
+        description="gradient all-reduce: the backend's own (native), or tessel's point-to-point ring or hierarchical"
+                    " (within nodes, then across) (tessel.comm)")
     dp_arch: Literal["allreduce", "ps"] = Field(
         "allreduce", description="data-parallel architecture: gradient all-reduce, or a parameter server")
     ps_mode: Literal["bsp", "asp", "ssp"] = Field("bsp", description="parameter-server consistency")
     ps_staleness: int = Field(0, ge=0, description="ssp: steps a worker may run ahead of the slowest")
     ps_servers: int = Field(1, ge=1, description="server ranks added after the dp worker ranks")
-    rank_order: list[Axis] = Field(default_factory=lambda: list(AXES))
+    rank_order: list[Axis] = Field(default_factory=lambda: list(AXES),
+        description="the mesh's axes from outermost to innermost (a permutation of pp, dp, ep, cp, tp); tp innermost "
+                    "keeps a tp group on one node")
 
     @model_validator(mode="before")
     @classmethod
@@ -233,24 +251,31 @@ class ParallelConfig(Strict):
 
 
 class TrainConfig(Strict):
-    steps: int = Field(100, ge=1)
+    """The optimisation: steps, batch, AdamW and its schedule, precision, evaluation, sampling, speed."""
+
+    steps: int = Field(100, ge=1, description="optimizer steps to train")
     global_batch: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
-    grad_accum: int = Field(1, ge=1)
-    seq_len: int = Field(64, ge=2)
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_accum: int = Field(1, ge=1,
+        description="accumulation chunks per optimizer step (each micro-step a slice of the batch)")
+    seq_len: int = Field(64, ge=2, description="tokens per training sequence")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW), reached after warmup_steps")
+    min_lr: float = Field(3e-4, ge=0, description="learning rate at the last step (cosine decay from lr)")
+    warmup_steps: int = Field(10, ge=0, description="steps of linear warm-up to lr")
+    weight_decay: float = Field(0.1, ge=0,
+        description="AdamW's decoupled weight decay, on matrices only (not norms and biases)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = Field("fp32",
+        description="compute dtype: fp32, or bf16 autocast over fp32 weights")
     seed: int = Field(1234, ge=0, lt=2**63, description="numpy and torch seeds (0 <= seed < 2**63)")
     eval_every: int = Field(50, ge=0, description="0 disables periodic validation")
-    eval_batches: int = Field(4, ge=1)
-    sample_tokens: int = Field(200, ge=0)
+    eval_batches: int = Field(4, ge=1, description="validation batches per evaluation")
+    sample_tokens: int = Field(200, ge=0, description="tokens sampled from sample_prompt at the end; 0: no sample")
     sample_prompt: str = Field("def ", description="the text sampling continues (not empty when sample_tokens > 0)")
-    deterministic: bool = False
+    deterministic: bool = Field(False,
+        description="deterministic algorithms only (and cuBLAS's reproducible workspace on CUDA): a run restarted "
+                    "from a checkpoint repeats the uninterrupted one bit for bit")
     compile: Literal["off", "blocks", "model"] = Field(
         "off", description="torch.compile: 'blocks' compiles each transformer block (regional), 'model' the whole "
                            "model or pipeline stage; 'off' runs eagerly")
@@ -270,9 +295,13 @@ class TrainConfig(Strict):
 
 
 class DataConfig(Strict):
-    source: Literal["stdlib", "bin", "synthetic"] = "stdlib"
+    """Where tokens come from."""
+
+    source: Literal["stdlib", "bin", "synthetic"] = Field("stdlib",
+        description="stdlib: the Python standard library's own .py files; bin: uint16 token files (data.path, "
+                    "nanoGPT's format); synthetic: random tokens")
     path: str | None = Field(None, description="train .bin for source=bin (val: sibling val.bin)")
-    val_fraction: float = Field(0.05, gt=0, lt=1)
+    val_fraction: float = Field(0.05, gt=0, lt=1, description="share of the stdlib corpus held out for validation")
     max_bytes: int = Field(32_000_000, ge=1_000, description="cap on the stdlib corpus")
     tokenizer: str | None = Field(None, description="a tokenizers tokenizer.json, or 'stdlib-bpe-N' (a byte-level "
                                                     "BPE of N ids trained on the stdlib corpus, built on demand); "
@@ -280,10 +309,14 @@ class DataConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    out_dir: str = "runs/tessel"
-    log_every: int = Field(1, ge=1)
-    tensorboard: bool = True
-    progress: bool = True
+    """The run's folder, metrics and experiment trackers."""
+
+    out_dir: str = Field("runs/tessel",
+        description="the run's folder: metrics, TensorBoard events, plots, checkpoints (one run per folder)")
+    log_every: int = Field(1, ge=1, description="write a metrics row every N steps (and the last)")
+    tensorboard: bool = Field(True, description="write TensorBoard events (when logging.trackers is not set)")
+    progress: bool = Field(True,
+        description="rank 0 draws a progress bar (a plain line every 10 steps when not a terminal)")
     peak_flops: float | None = Field(None, gt=0, description="per device; default measured")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
         None, description="experiment trackers fed the metrics rows, the config and the summary; default: "
@@ -311,11 +344,17 @@ class LoggingConfig(Strict):
 
 
 class RuntimeConfig(Strict):
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads_per_rank: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1)
-    nproc_per_node: int | None = Field(None, ge=1)
+    """Processes, devices and the backend; heterogeneous devices."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto",
+        description="process-group backend: auto picks nccl for CUDA ranks, gloo for CPU ones")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto",
+        description="auto: a GPU per rank when the node has one for each of its ranks, else the CPU")
+    threads_per_rank: int = Field(1, ge=1, description="torch threads (and OMP_NUM_THREADS) per rank")
+    nnodes: int = Field(1, ge=1,
+        description="nodes the ranks span; with nproc_per_node it says which ranks share a node")
+    nproc_per_node: int | None = Field(None, ge=1,
+        description="ranks per node (nnodes*nproc_per_node must equal the world size); default: torchrun's")
     topology: str | None = Field(None, description="topology file from `tessel probe` (node grouping)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout")
     elastic: bool = Field(False, description="re-plan dp (and grad_accum) when the world size differs")
@@ -331,6 +370,8 @@ class RuntimeConfig(Strict):
 
 
 class CheckpointConfig(Strict):
+    """Checkpoints: where, how often, how many, and which to resume from."""
+
     dir: str | None = Field(None, description="default: <logging.out_dir>/checkpoints")
     every: int = Field(0, ge=0, description="save every N steps; 0 disables periodic checkpoints")
     keep: int = Field(3, ge=1, description="how many of the newest checkpoints to keep")
@@ -339,11 +380,14 @@ class CheckpointConfig(Strict):
 
 
 class FaultConfig(Strict):
+    """Heartbeat and hangs, non-finite steps and rollbacks, stragglers and slow ranks, re-planning."""
+
     heartbeat_s: float = Field(2.0, ge=0, description="heartbeat period; 0 disables the heartbeat")
     hang_timeout_s: float = Field(60.0, gt=0, description="a rank whose heartbeat stops this long is stalled")
     kill_stalled: bool = Field(True, description="SIGKILL a stalled rank on the same host so the group restarts")
     nan_tolerance: int = Field(3, ge=1, description="roll back after this many non-finite steps in a row")
-    max_rollbacks: int = Field(3, ge=0)
+    max_rollbacks: int = Field(3, ge=0,
+        description="rollbacks to the last checkpoint before a run of non-finite steps ends the run")
     straggler_every: int = Field(10, ge=0, description="compare per-rank forward times every N steps; 0: off")
     straggler_factor: float = Field(2.0, gt=1, description="slower than this x the median is a straggler")
     straggler_min_s: float = Field(0.05, ge=0, description="... and slower by at least this many seconds")

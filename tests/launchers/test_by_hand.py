@@ -1,4 +1,4 @@
-"""The README's two-machine commands, run as written, one per node of the network emulator."""
+"""docs/cluster.md's two-machine commands, run as written, one per node of the network emulator."""
 
 import json
 import os
@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_lines() -> list[str]:
-    """The command lines of the README's 'Two machines by hand' block, one per machine."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of docs/cluster.md's 'Two machines by hand' block, one per machine."""
+    text = (ROOT / "docs" / "cluster.md").read_text()
     block = re.search(r"\*\*Two machines by hand\.\*\*.*?```bash\n(.*?)```", text, re.S)
-    assert block, "README: no 'Two machines by hand' block"
+    assert block, "docs/cluster.md: no 'Two machines by hand' block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 

@@ -1,5 +1,5 @@
 """`tessel launch k8s`: the manifest passes the PyTorchJob and core/v1 schema (tests/launchers/k8s_schema.py),
-its pods run the job's torchrun on the operator's rendezvous variables, and the README shows it as written."""
+its pods run the job's torchrun on the operator's rendezvous variables, and docs/cluster.md shows it as written."""
 
 import re
 import shlex
@@ -17,7 +17,8 @@ from tessel.launchers.k8s import manifest, to_yaml
 from tests.helpers import tiny_config
 from tests.launchers.k8s_schema import validate
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CLUSTER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
+ROOT = CLUSTER_PAGE.parents[1]
 OPERATOR_ENV = {"MASTER_ADDR", "MASTER_PORT"}  # what the Training Operator sets in every pod (envvar.go)
 
 
@@ -88,11 +89,11 @@ def test_an_existing_claim_is_used_and_the_schema_is_not_vacuous():
             validate(broken(edit))
 
 
-def test_readme_shows_the_manifest_the_command_writes(monkeypatch, capsys):
-    text = README.read_text()
+def test_the_cluster_page_shows_the_manifest_the_command_writes(monkeypatch, capsys):
+    text = CLUSTER_PAGE.read_text()
     found = re.search(r"```bash\n(tessel launch k8s [^\n]+)\n```\n\n[^`]*```yaml\n(.*?)```", text, re.S)
-    assert found, "README: no `tessel launch k8s` command followed by its manifest"
-    monkeypatch.chdir(README.parent)  # the README's recipe path is the repository's
+    assert found, "docs/cluster.md: no `tessel launch k8s` command followed by its manifest"
+    monkeypatch.chdir(ROOT)  # the page's recipe path is the repository's
     with pytest.raises(SystemExit) as done:
         tessel.cli.main(shlex.split(found.group(1))[1:])  # the command as written
     assert done.value.code == 0

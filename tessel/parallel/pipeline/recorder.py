@@ -7,7 +7,7 @@ step. The bubble of GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2019,
 2021) is (p-1)/(m+p-1) on equal stages, of interleaved 1F1B (Narayanan et al.
 2021) (p-1)/(v*m+p-1), of ZB-H1 and ZB-H2 (p-1)/(3m+p-1) and of ZBV
 (p-1)/(6m+p-1) (Qi et al. 2023, B = W = F), of an asynchronous pipeline's
-steady step 0; docs/pipeline.md compares the measured one with those. W counts
+steady step 0; docs/pipelines.md compares the measured one with those. W counts
 as compute, as F and B do.
 """
 

@@ -105,7 +105,7 @@ class UnitTimeBuilder:
     stage p-1, stage p-1's is what rank p-2 waits for. At unit times either
     order ends the step at once; where B takes longer than F (this CPU: B about
     1.25 F, W 0.85 F), deepest-first left the turn rank idle for its own
-    gradient while rank p-2 waited for the other (docs/pipeline.md).
+    gradient while rank p-2 waited for the other (docs/pipelines.md).
     """
 
     def __init__(self, p: int, m: int, stages: list[list[int]], limit: int,
