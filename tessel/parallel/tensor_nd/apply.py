@@ -25,6 +25,8 @@ from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, Fu
 from tessel.parallel.tensor_nd.grid import Grid, build_grid, describe_grid
 from tessel.parallel.tensor_nd.summa import (Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa,
                                              TiedHead2D)
+from tessel.parallel.tensor_nd.whole import (HiddenSplit, computes_rms_norm, gather_output, norm_whole, split_input,
+                                             sum_grads)
 
 GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "2d": lambda tp, depth: (round(tp ** 0.5),) * 2,
@@ -83,23 +85,53 @@ def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
 Mode = tuple[Layers, Callable, Callable, Callable]  # layers by style, the loss, sampling logits, the vocab gather
 
 
+def _whole_styles(stream: HiddenSplit, mixed: HiddenSplit, grid_norm: Callable[[nn.Module], nn.Module],
+                  linear: Callable[[nn.Module], nn.Module]) -> Layers:
+    """The styles of a Hugging Face plan that keep a module whole (tessel.parallel.tensor_nd.whole), on a grid
+    whose residual stream is split by `stream` and the output of a column layer by `mixed`."""
+    def norm(m: nn.Module) -> nn.Module:  # the grid's RMSNorm where the module computes one, else the module whole
+        return grid_norm(m) if computes_rms_norm(m) else _done(norm_whole, m, stream)
+
+    def gathered(m: nn.Module) -> nn.Module:  # transformers' colwise_gather_output
+        return _done(gather_output, linear(m), mixed)
+
+    def split(m: nn.Module) -> nn.Module:  # rowwise_split_input
+        return _done(split_input, linear(m), mixed)
+
+    # a per-head module (q/k norms) applies to this rank's heads of its batch chunk: shares over every grid axis;
+    # a module inside a gathered region is the same on every rank of the hidden split: shares over the batch's
+    return {"sequence_norm": norm, "colwise_gather": gathered, "rowwise_split": split,
+            "sum_grads": lambda m: _done(sum_grads, m, mixed.all_groups),
+            "keep": lambda m: _done(sum_grads, m, mixed.batch_groups), "enter": lambda m: m}
+
+
+def _done(hook: Callable, module: nn.Module, *args) -> nn.Module:
+    hook(module, *args)
+    return module
+
+
 def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
     """2D, and 2.5D (SUMMA in each depth layer). "tied_head" takes the embedding's grid layer."""
     s = Summa(grid)
     linear = lambda m: Linear2D(m, s)  # noqa: E731
+    split = HiddenSplit(s.row_group, (s.col_group, s.depth_group))  # hidden chunk j; batch chunk (k, i)
     layers = {"colwise": linear, "rowwise": linear, "vocab_head": linear,
               "vocab_embedding": lambda m: Embedding2D(m, s), "tied_head": lambda emb: TiedHead2D(emb, s),
-              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), "enter": lambda m: m}
+              **_whole_styles(split, split, lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), linear)}
     return layers, Loss2D(s, vocab_size), FullLogits2D(model, s), GatherVocab(s.row_group)
 
 
 def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
     """3D: layers that read the residual stream take its layout to the mixed one, those that write it back."""
     cube = Cube(grid)
+    g = cube.groups
+    stream, mixed = HiddenSplit(g[STREAM[1]], (g[0], g[STREAM[0]])), HiddenSplit(g[MIXED[1]], (g[0], g[MIXED[0]]))
     layers = {"colwise": lambda m: Linear3D(m, cube, STREAM), "vocab_head": lambda m: Linear3D(m, cube, STREAM),
               "rowwise": lambda m: Linear3D(m, cube, MIXED),
               "vocab_embedding": lambda m: Embedding3D(m, cube), "tied_head": lambda emb: TiedHead3D(emb, cube),
-              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)), "enter": lambda m: m}
+              **_whole_styles(stream, mixed, lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)),
+                              lambda m: Linear3D(m, cube, STREAM))}
+    layers["rowwise_split"] = lambda m: _done(split_input, Linear3D(m, cube, MIXED), mixed)
     return layers, Loss3D(cube, vocab_size), FullLogits3D(model, cube), GatherVocab(cube.groups[MIXED[1]])
 
 
@@ -139,13 +171,17 @@ GRID_LAYERS = (Linear2D, Embedding2D, RMSNorm2D, Linear3D, Embedding3D, RMSNorm3
 
 
 def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """{parameter name: the whole logical tensor} (or its gradient) of a grid-split model; collective over tp."""
+    """{parameter name: the whole logical tensor} (or its gradient) of a grid-split model; collective over tp.
+    A parameter outside the grid layers is whole on every rank already (tessel.parallel.tensor_nd.whole)."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, GRID_LAYERS):
-            layer: GridLayer = module
-            t = layer.weight.grad if grads else layer.weight
-            out[f"{name}.weight"] = layer.full(t)
+        for pname, p in module.named_parameters(recurse=False):
+            t = p.grad if grads else p
+            if not isinstance(module, GRID_LAYERS):
+                out[f"{name}.{pname}"] = t.detach().clone()
+            else:
+                layer: GridLayer = module
+                out[f"{name}.{pname}"] = layer.full(t) if pname == "weight" else layer.full_bias(t)
     return out
 
 

@@ -125,7 +125,7 @@ def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
     if grid and mesh.size("pp") == 1 and cfg.model.hf_config is None and cfg.parallel.zero_stage < 3:
         _measure_saved(model, out)
     if mesh.size("pp") == 1:  # the residual stream each block reads: this rank's share of it
-        for block in model.layers if cfg.model.hf_config is None else model.model.layers:
+        for block in model.layers if cfg.model.hf_config is None else model.base_model.layers:
             block.register_forward_pre_hook(lambda m, args: out.__setitem__(
                 "stream_bytes", max(out.get("stream_bytes", 0), args[0].numel() * args[0].element_size())))
     for step in range(STEPS):
