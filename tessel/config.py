@@ -711,6 +711,8 @@ def _check_tp_grid(cfg: Config) -> None:
     refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro, p.pp)
     if refusal is not None:
         raise ConfigError(*refusal)
+    _require(p.ep == 1, "parallel.ep", f"experts split over ep under tp_mode '{p.tp_mode}' are not built yet: "
+             "the grid computes an MoE block whole on every rank (set ep = 1, or tp_mode = '1d')")
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
              f"means nothing under tp_mode '{p.tp_mode}': each rank already holds a batch chunk and a hidden chunk of "
              "every activation, norms included, so nothing is replicated for it to split; set it to false")

@@ -9,7 +9,8 @@ on the meta device (the one the tp, pp, ep and cp checks read) and refused, nami
 where the grid's shapes cannot hold it:
 
 - what 1D cannot place, the grid cannot either (tessel.hf_layout.tp_problem);
-- an MoE block, which 1D computes whole on every tp rank, is not built on a grid;
+- an MoE block is computed whole on every rank of the grid, on the whole micro-batch, as 1D computes it on
+  every tp rank (its experts are not split over ep under a grid: tessel.config refuses ep > 1 there);
 - a layer the plan splits must be a torch Linear ([out, in]; GPT-2's Conv1D is not), its input and output
   features divided by the grid's side; a bias is split in side^2 pieces of its outputs (2D, 2.5D; the cube's
   linear takes none);
@@ -41,9 +42,6 @@ def hf_grid_refusal(doc: dict, mode: str, side: int) -> str | None:
 def _problem(doc_json: str, mode: str, side: int) -> str | None:
     model = cached_meta_model(doc_json)
     rules = rules_from_plan(model, tp_cut(model), PlanNotes())
-    if rules.replicated:
-        return f"an MoE block ({rules.replicated[0]}) is computed whole on every tp rank in 1D; the grid does not " \
-               "build that yet (tp_mode '1d' splits this model)"
     return _embedding_problem(model, rules.embedding) or _linear_problem(model, rules, mode, side)
 
 

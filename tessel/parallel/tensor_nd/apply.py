@@ -25,7 +25,7 @@ from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, Fu
 from tessel.parallel.tensor_nd.grid import Grid, build_grid, describe_grid
 from tessel.parallel.tensor_nd.summa import (Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa,
                                              TiedHead2D)
-from tessel.parallel.tensor_nd.whole import (HiddenSplit, computes_rms_norm, gather_output, norm_whole, split_input,
+from tessel.parallel.tensor_nd.whole import (HiddenSplit, block_whole, computes_rms_norm, gather_output, norm_whole, split_input,
                                              sum_grads)
 
 GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
@@ -102,7 +102,8 @@ def _whole_styles(stream: HiddenSplit, mixed: HiddenSplit, grid_norm: Callable[[
     # a module inside a gathered region is the same on every rank of the hidden split: shares over the batch's
     return {"sequence_norm": norm, "colwise_gather": gathered, "rowwise_split": split,
             "sum_grads": lambda m: _done(sum_grads, m, mixed.all_groups),
-            "keep": lambda m: _done(sum_grads, m, mixed.batch_groups), "enter": lambda m: m}
+            "keep": lambda m: _done(sum_grads, m, mixed.batch_groups), "enter": lambda m: m,
+            "replicate": lambda m: _done(block_whole, m, stream)}
 
 
 def _done(hook: Callable, module: nn.Module, *args) -> nn.Module:
@@ -125,7 +126,8 @@ def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mo
     """3D: layers that read the residual stream take its layout to the mixed one, those that write it back."""
     cube = Cube(grid)
     g = cube.groups
-    stream, mixed = HiddenSplit(g[STREAM[1]], (g[0], g[STREAM[0]])), HiddenSplit(g[MIXED[1]], (g[0], g[MIXED[0]]))
+    # a layout L(s, r): hidden chunk on axis r, batch chunk a*c + coord[s] (inner s, outer axis 0)
+    stream, mixed = HiddenSplit(g[STREAM[1]], (g[STREAM[0]], g[0])), HiddenSplit(g[MIXED[1]], (g[MIXED[0]], g[0]))
     layers = {"colwise": lambda m: Linear3D(m, cube, STREAM), "vocab_head": lambda m: Linear3D(m, cube, STREAM),
               "rowwise": lambda m: Linear3D(m, cube, MIXED),
               "vocab_embedding": lambda m: Embedding3D(m, cube), "tied_head": lambda emb: TiedHead3D(emb, cube),

@@ -12,7 +12,8 @@ that splits it (HiddenSplit), the same way on every rank of that group:
   rowwise_split_input: Phi-3's and GLM-4's fused gate|up, OLMo 2's q/k norms): the output gathered whole over the
   hidden split (backward: this rank's slice, as Megatron's gather), the row layer's input cut back to this rank's
   chunk (backward: all-gathered); every rank of the split then computes the same region on the same tensor;
-- a module each rank applies to its own heads (transformers' replicated_with_grad_allreduce: Qwen3's q/k norms).
+- a module each rank applies to its own heads (transformers' replicated_with_grad_allreduce: Qwen3's q/k norms);
+- an MoE block (block_whole), computed whole on every tp rank as 1D computes it: on the whole micro-batch.
 
 Their weights stay whole on every rank (a few hidden-sized vectors) and unmarked, so the gradient norm counts them
 once: each rank's gradient is its share (its batch chunk, its hidden chunk or heads), so it is all-reduced over
@@ -35,7 +36,8 @@ from tessel.parallel.tensor.regions import on_input
 @dataclass(frozen=True)
 class HiddenSplit:
     """How a grid splits one layout of an activation: the group over the hidden chunks (this rank's chunk is its
-    index there) and the groups over the batch chunks (None entries: a grid axis of size 1)."""
+    index there) and the groups over the batch chunks, inner first (batch chunk = outer * size(inner) + inner;
+    None entries: a grid axis of size 1)."""
     hidden_group: object
     batch_groups: tuple[object, ...]
 
@@ -98,3 +100,26 @@ def split_input(module: nn.Module, split: HiddenSplit) -> None:
     """The module's whole input cut to this rank's hidden chunk (transformers' rowwise_split_input): forward
     slice, backward all-gather (the gradient of the whole is every rank's slice)."""
     on_input(module, lambda x: comm.scatter_last_dim(x, split.hidden_group))
+
+
+def block_whole(block: nn.Module, split: HiddenSplit) -> None:
+    """A block every rank of the grid computes whole on the whole micro-batch (an MoE block, as 1D tensor
+    parallelism computes it on every tp rank: its routing, capacity and router statistics those of the whole
+    micro-batch): its input gathered over the hidden split and the batch chunks (backward: this rank's slice,
+    every rank computing the same from there on), this rank's chunk of its output (backward: all-gathered).
+    Its gradients are then the same on every rank and need no reduction."""
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_seq_to_replica(x, -1, split.hidden_group)
+        for group in split.batch_groups:  # inner first: the batch chunks in their order
+            x = comm.gather_seq_to_replica(x, 0, group)
+        return x
+
+    def mine(out):
+        y = out[0] if isinstance(out, tuple) else out  # a block that returns its router logits beside (Mixtral's)
+        for group in reversed(split.batch_groups):  # outer first
+            y = comm.scatter_seq(y, 0, group)
+        y = comm.scatter_seq(y, -1, split.hidden_group)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    on_input(block, whole)
+    block.register_forward_hook(lambda mod, args, out: mine(out))
