@@ -21,7 +21,8 @@ def test_the_families_the_grid_trains_are_accepted(kind):
 
 def test_what_the_grid_cannot_hold_is_named():
     # GPT-2 has rules of tessel's own, no plan the grid could read
-    assert "GPT2LMHeadModel's config declares no base_model_tp_plan" in hf_grid_refusal(family_defaults("gpt2"), "2d", 2)
+    why = hf_grid_refusal(family_defaults("gpt2"), "2d", 2)
+    assert "GPT2LMHeadModel's config declares no base_model_tp_plan" in why, why
     # the cube's linear layer takes no bias: the first biased projection is named
     why = hf_grid_refusal(PLANNED["gpt_neox"], "3d", 2)
     assert why.startswith("gpt_neox.layers.0.attention.query_key_value has a bias"), why

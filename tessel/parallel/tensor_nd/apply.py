@@ -1,12 +1,15 @@
-"""Apply a 2D / 2.5D / 3D tensor-parallel mode to the reference GPT, from the same plan as 1D.
+"""Apply a 2D / 2.5D / 3D tensor-parallel mode to the reference GPT or a Hugging Face family, from the same plan
+as 1D.
 
-The reference GPT's TP plan (tessel.models.plan, module name -> Megatron style) says what each
-module is; here each style maps to its grid layer instead: a column- or row-parallel linear
-becomes the mode's linear (both sides of a matmul are split on the grid, so the two kinds
-coincide), the vocab embedding and head the mode's, a norm the mode's norm; a head tied to the
-embedding (model.tie_embeddings) multiplies by the embedding's own table. Attention and the
-SwiGLU need no change: the heads and the feed-forward split over the grid's columns, and the
-reference model reads head counts from tensor shapes.
+The TP plan (tessel.models.plan's for the reference GPT; for a Hugging Face family the one tessel.models.hf.tp_plan
+derives from transformers' base_model_tp_plan; module name -> Megatron style) says what each module is; here
+each style maps to its grid layer instead: a column- or row-parallel linear becomes the mode's linear (both
+sides of a matmul are split on the grid, so the two kinds coincide), the vocab embedding and head the mode's, a
+norm the mode's RMSNorm where it computes one; a head tied to the embedding multiplies by the embedding's own
+table. What no grid layer replaces (a norm of another kind, a region whose projections the plan gathers, per-head
+norms, an MoE block) runs as the module itself on the hidden dim made whole (tessel.parallel.tensor_nd.whole).
+Attention and the MLP need no change: the heads and the feed-forward split over the grid's side, and the models
+read head counts from tensor shapes.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, Fu
 from tessel.parallel.tensor_nd.grid import Grid, build_grid, describe_grid
 from tessel.parallel.tensor_nd.summa import (Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa,
                                              TiedHead2D)
-from tessel.parallel.tensor_nd.whole import (HiddenSplit, block_whole, computes_rms_norm, gather_output, norm_whole, split_input,
-                                             sum_grads)
+from tessel.parallel.tensor_nd.whole import (HiddenSplit, block_whole, computes_rms_norm, gather_output, norm_whole,
+                                             split_input, sum_grads)
 
 GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "2d": lambda tp, depth: (round(tp ** 0.5),) * 2,
@@ -143,7 +146,7 @@ MODES = {"2d": _summa_mode, "2.5d": _summa_mode, "3d": _cube_mode}
 def apply_grid_mode(model: nn.Module, plan: dict[str, str], mesh: Mesh, mode: str, depth: int,
                     vocab_size: int, hidden: int) -> GridModel:
     """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups).
-    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face Llama's (tessel.models.hf.tp_plan)."""
+    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face family's (tessel.models.hf.tp_plan)."""
     grid = build_grid(mesh, grid_shape(mode, mesh.size("tp"), depth))
     layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model)
     embeddings = {}  # id of a table -> its grid embedding: a head with the same weight is tied to it

@@ -1,13 +1,13 @@
 """2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against one process, through the trainer's step.
 
-Two spawns: 4 ranks (2D on a 2 x 2 grid, with tied embeddings, a Hugging Face Llama and five other transformers
-families placed from their own plans) and 8 ranks (2.5D
-on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube and tied, dp2 x 2D plain and under ZeRO-1/2/3, pp2 x 2D), each
+Two spawns: 4 ranks (2D on a 2 x 2 grid, with tied embeddings, a Hugging Face Llama and six other transformers
+families placed from their own plans) and 8 ranks (2.5D on 2 x 2 x depth 2, GPT-NeoX's too, 3D on a 2 x 2 x 2
+cube and tied, dp2 x 2D plain and under ZeRO-1/2/3, pp2 x 2D), each
 layout 5 steps of the real trainer path (tests.helpers.build_trainer, tessel.parallelize,
 Trainer.train_step), the loss of each step, the gradients of the first step, the weights after 3 steps,
 gathered whole, and the tokens sampled after the 5, compared with the same run on one process (for the
-Hugging Face families: transformers' unmodified model). The last step's collectives are recorded and compared, call by
-call, with the planner's list for the layout (CostModel.step_calls, tessel.planner.grid_cost).
+Hugging Face families: transformers' unmodified model). The last step's collectives are recorded and compared,
+call by call, with the planner's list for the layout (CostModel.step_calls, tessel.planner.grid_cost).
 """
 
 import collections
@@ -68,8 +68,11 @@ HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "interm
 # (1 + w) norms run whole over the hidden split, attention and final-logit soft-caps, sliding windows, a scaled
 # and tied embedding (gemma2); fused q|k|v and gate|up whose outputs the plan gathers (phi3); biases split in
 # pieces, LayerNorms, attention and MLP in parallel, q|k|v interleaved per head (gpt_neox); a family with no
-# table entry, q/k/v biases and a gathered gate|up (glm4)
-HF_FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox", "glm4")
+# table entry, q/k/v biases and a gathered gate|up (glm4); an MoE block computed whole on every rank, on the whole
+# micro-batch, with its router loss (qwen3_moe)
+HF_FAMILIES = {**{kind: {**PLANNED, **DERIVED}[kind] for kind in ("qwen3", "gemma2", "phi3", "gpt_neox", "glm4")},
+               "qwen3_moe": {**DERIVED["qwen3_moe"], "output_router_logits": True, "router_aux_loss_coef": 0.5}}
+GRID_25D = ["parallel.tp=8", "parallel.tp_mode='2.5d'", "parallel.tp_depth=2"]  # gpt_neox on 2 x 2 x depth 2
 
 
 def _hf(path: str, *overrides: str) -> list[str]:
@@ -249,8 +252,9 @@ def _traffic(mode: str, shape: tuple[int, ...]) -> float:
     return rec.sent
 
 
-def _world8(root: str) -> dict:
+def _world8(root: str, gpt_neox: str) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_8.items()}
+    out["hf_gpt_neox_2.5d"] = _train(_hf(gpt_neox, *GRID_25D), common=())
     out["3d_bf16"] = record_step([*COMMON, *BF16["3d_bf16"]])
     out["traffic"] = {"2.5d": _traffic("2.5d", (2, 2, 2)), "3d": _traffic("3d", (2, 2, 2))}
     # saved on the 3D cube at step 3, resumed as dp2 x 2D
@@ -276,8 +280,8 @@ def _world8(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return spawn(_world8, 8, str(tmp_path_factory.mktemp("cube")), timeout=300)
+def world8(tmp_path_factory, hf_families):
+    return spawn(_world8, 8, str(tmp_path_factory.mktemp("cube")), hf_families["gpt_neox"], timeout=360)
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +294,8 @@ def hf_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf_families(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf_families")
-    for kind in HF_FAMILIES:
-        (root / f"{kind}.json").write_text(json.dumps({**PLANNED, **DERIVED}[kind]))
+    for kind, doc in HF_FAMILIES.items():
+        (root / f"{kind}.json").write_text(json.dumps(doc))
     return {kind: str(root / f"{kind}.json") for kind in HF_FAMILIES}
 
 
@@ -373,7 +377,7 @@ def test_hugging_face_llama_on_a_2x2_grid(world4, reference_hf):
         assert got["param_bytes"] * 4 == reference_hf["param_bytes"]
 
 
-@pytest.mark.parametrize("kind", HF_FAMILIES)
+@pytest.mark.parametrize("kind", list(HF_FAMILIES))
 def test_hugging_face_families_on_a_2x2_grid(world4, reference_families, kind):
     """Each family's transformers model, unmodified but for the modules its plan splits made grid layers and the
     rest run whole over the hidden split (tessel.parallel.tensor_nd.whole): losses, gradients, weights and sampled
@@ -383,6 +387,16 @@ def test_hugging_face_families_on_a_2x2_grid(world4, reference_families, kind):
         got = result[f"hf_{kind}_2d"]
         _compare(got, reference_families[kind])
         assert got["stream_bytes"] * 4 == reference_families[kind]["stream_bytes"]
+
+
+def test_hugging_face_gpt_neox_on_a_2_5d_grid(world8, reference_families):
+    """GPT-NeoX (biases in pieces, LayerNorms whole over the hidden split, its parallel block) on 2 x 2 x depth 2:
+    each depth layer a 2 x 2 grid on its own batch chunks, the weights' gradients summed over depth; the
+    unmodified model's values on one process, the residual stream split 8 ways."""
+    for result in world8:
+        got = result["hf_gpt_neox_2.5d"]
+        _compare(got, reference_families["gpt_neox"])
+        assert got["stream_bytes"] * 8 == reference_families["gpt_neox"]["stream_bytes"]
 
 
 def test_bytes_sent_per_layer_match_theory(world4, world8):
