@@ -46,9 +46,9 @@ def _problem(doc_json: str, mode: str, side: int) -> str | None:
 
 
 def _embedding_problem(model, name: str) -> str | None:
-    import torch.nn as nn  # deferred: the model is built already, torch is loaded
     emb = model.get_submodule(name)
-    plain = type(emb).forward is nn.Embedding.forward
+    forward = type(emb).forward  # torch's own nn.Embedding.forward, read without importing torch
+    plain = (forward.__module__, forward.__qualname__) == ("torch.nn.modules.sparse", "Embedding.forward")
     if not plain and not (type(emb).__name__.endswith("ScaledWordEmbedding") and hasattr(emb, "embed_scale")):
         return f"the grid's embedding splits nn.Embedding and transformers' scaled word embeddings, not {name} " \
                f"({type(emb).__name__}, which computes its own forward)"
