@@ -23,7 +23,7 @@ from tessel.mesh import Mesh
 from tessel.models.build import uses_every_parameter
 from tessel.models.gpt import Block, cross_entropy
 from tessel.models.hf.families import Family, decoder_layers, family_of, pipeline_parts, tp_rules
-from tessel.models.hf.tp_plan import hf_tp_plan
+from tessel.models.hf.tp_plan import PlanNotes, hf_tp_plan, rules_from_plan
 from tessel.hf_shape import read_config
 from tessel.models.hf.moe import RouterLossSpec, router_loss, router_loss_spec, with_router_loss
 from tessel.models.moe import MoE, moe_layers, with_aux_losses
@@ -105,12 +105,14 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
 
 def _apply_grid_mode(plan: Plan, mesh: Mesh, cfg: Config) -> Plan:
     """tp_mode 2d / 2.5d / 3d (tessel.parallel.tensor_nd): the model's TP plan (the reference GPT's, or a Hugging
-    Face Llama's), its modules made grid layers."""
+    Face family's, derived from transformers' plan as it is declared), its modules made grid layers."""
     p, m = cfg.parallel, cfg.model
     if m.hf_config is None:
         styles = gpt_tp_plan([], m.n_layer)
     else:
-        styles = hf_tp_plan(plan.model, tp_rules(plan.model, _family(cfg))).styles
+        # without the family's notes: they split a fused projection by heads over 1D's ranks (Phi-3's), where the
+        # grid takes the plan's own gathered output (its blocks' checkpoint layout on a grid is not built)
+        styles = hf_tp_plan(plan.model, rules_from_plan(plan.model, PlanNotes())).styles
         refuse_own_loss(plan.model)  # its loss on the grid's logits would be wrong
     done = apply_grid_mode(plan.model, styles, mesh, p.tp_mode, p.tp_depth, m.vocab_size, m.d_model)
     plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab

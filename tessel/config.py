@@ -22,6 +22,7 @@ from tessel.axes import AXES, Axis, full_order
 from tessel.errors import ConfigError
 from tessel.hf_check import hf_config_problem
 from tessel.hf_context import hf_cp_refusal
+from tessel.hf_grid import hf_grid_refusal
 from tessel.hf_ep_plan import hf_ep_refusal
 from tessel.hf_head import hf_fused_loss_refusal
 from tessel.hf_layout import pp_problem, tp_problem
@@ -726,28 +727,18 @@ def tp_grid_refusal(m: ModelConfig, mode: str, tp: int, depth: int, micro_batch:
     if micro_batch % chunks:
         return "train.global_batch", (f"each rank's micro-batch ({micro_batch}) must be divisible by "
                                       f"the {chunks} batch chunks of tp_mode '{mode}'")
-    if m.n_experts:
+    if m.n_experts and m.hf_config is None:
         return "parallel.tp_mode", f"'{mode}' splits dense models only (no MoE) so far"
-    if m.hf_config is not None and _grid_hf_problem(m.hf_config):
-        return "model.hf_config", f"tp_mode '{mode}': {_grid_hf_problem(m.hf_config)}"
+    if m.hf_config is not None:
+        why = hf_grid_refusal(read_config(m.hf_config), mode, side)
+        if why is not None:
+            return "model.hf_config", f"tp_mode '{mode}': model_type {read_config(m.hf_config)['model_type']!r}: {why}"
     if m.hf_config is not None and pp > 1:
         return "parallel.pp", (f"a Hugging Face model under tp_mode '{mode}' and a pipeline is not tested yet; "
                                "set pp = 1")
     if m.tie_embeddings and pp > 1:
         return "model.tie_embeddings", (f"a head tied to the embedding under tp_mode '{mode}' and a pipeline is not "
                                         "built yet (the last stage's copy of the table); untie them or set pp = 1")
-    return None
-
-
-@functools.lru_cache(maxsize=16)
-def _grid_hf_problem(hf_config: str) -> str | None:
-    """Why a Hugging Face architecture cannot be split on a grid, or None: the Llama family's own model
-    (tessel.parallel.tensor_nd maps its plan), without biases (the grid's linear layers take none)."""
-    doc = read_config(hf_config)
-    if doc["model_type"] != "llama":
-        return f"splits the reference GPT and Hugging Face Llama so far, not a '{doc['model_type']}' model"
-    if doc.get("attention_bias") or doc.get("mlp_bias"):
-        return "splits bias-free linear layers; this Llama config has attention_bias or mlp_bias"
     return None
 
 
@@ -764,6 +755,8 @@ def _check_tp_grid(cfg: Config) -> None:
     refusal = tp_grid_refusal(m, p.tp_mode, p.tp, p.tp_depth, micro, p.pp)
     if refusal is not None:
         raise ConfigError(*refusal)
+    _require(p.ep == 1, "parallel.ep", f"experts split over ep under tp_mode '{p.tp_mode}' are not built yet: "
+             "the grid computes an MoE block whole on every rank (set ep = 1, or tp_mode = '1d')")
     _require(not p.sequence_parallel, "parallel.sequence_parallel",
              f"means nothing under tp_mode '{p.tp_mode}': each rank already holds a batch chunk and a hidden chunk of "
              "every activation, norms included, so nothing is replicated for it to split; set it to false")

@@ -262,17 +262,23 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
     parallelism); inside a region whose column layers gather their outputs, a module every rank computes on
     the same whole tensor (kept whole); inside any region, a module whose weights are scalars (Apertus' xIELU
     activation: elementwise, the same on every rank's columns), whose gradients each rank has a part of
-    ("sum_grads", as transformers' replicated_with_grad_allreduce). Anything else is refused by name."""
+    ("sum_grads", as transformers' replicated_with_grad_allreduce). Anything else is refused by name. A norm
+    without weights outside every region (OLMo's LayerNorm) is listed with the norms: nothing to do in 1D, and a
+    tp grid, whose residual stream is split by hidden chunks, runs it over the whole hidden dim."""
     regions: dict[str, list[str]] = {}
     for p, s in linear.items():
         if s in COLUMN:
             regions.setdefault(_parent(p), []).append(s)
     norms, kept, summed = {}, {}, {}
     for name, module in model.get_submodule(blocks).named_modules(prefix=blocks):
-        if not _has_weights(module) or _named(name, (*linear, *replicated)):
+        if _named(name, (*linear, *replicated)):
             continue
         pattern = f"{blocks}.*.{name[len(blocks) + 1:].partition('.')[2]}"
         region = next((r for r in regions if _named(name, (r,))), None)
+        if not _has_weights(module):  # a norm without weights (OLMo's LayerNorm) is a norm still: a tp grid, whose
+            if region is None and _is_norm(module) and name != blocks:  # stream is split by hidden, runs it whole
+                norms[pattern] = None
+            continue
         if region is not None and fnmatch.fnmatchcase(name, region):  # the module around the projections itself
             own = ", ".join(n for n, _ in module.named_parameters(recurse=False))
             raise ValueError(f"tensor parallelism cannot place '{name}' ({type(module).__name__}): it holds weights "

@@ -148,6 +148,8 @@ def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
     the model's (tp_grid_refusal: the grid's sizes, what its side divides, each micro-batch over the grid's
     batch chunks) and the compositions it refuses (sequence parallelism, ZeRO-3 with a pipeline, experts: ep = 1)."""
     c, seq = cm.spec.cfg, cm.spec.seq_len
+    if cm.spec.n_experts:  # the grid's pricing (grid_cost) knows dense blocks; an MoE block it computes whole is not
+        return []
     out = []
     for mode, tp, depth in grid_sizes(world):
         for pp in (p for p in divisors(world // tp) if p <= c.n_layer):

@@ -1,12 +1,15 @@
-"""Apply a 2D / 2.5D / 3D tensor-parallel mode to the reference GPT, from the same plan as 1D.
+"""Apply a 2D / 2.5D / 3D tensor-parallel mode to the reference GPT or a Hugging Face family, from the same plan
+as 1D.
 
-The reference GPT's TP plan (tessel.models.plan, module name -> Megatron style) says what each
-module is; here each style maps to its grid layer instead: a column- or row-parallel linear
-becomes the mode's linear (both sides of a matmul are split on the grid, so the two kinds
-coincide), the vocab embedding and head the mode's, a norm the mode's norm; a head tied to the
-embedding (model.tie_embeddings) multiplies by the embedding's own table. Attention and the
-SwiGLU need no change: the heads and the feed-forward split over the grid's columns, and the
-reference model reads head counts from tensor shapes.
+The TP plan (tessel.models.plan's for the reference GPT; for a Hugging Face family the one tessel.models.hf.tp_plan
+derives from transformers' base_model_tp_plan; module name -> Megatron style) says what each module is; here
+each style maps to its grid layer instead: a column- or row-parallel linear becomes the mode's linear (both
+sides of a matmul are split on the grid, so the two kinds coincide), the vocab embedding and head the mode's, a
+norm the mode's RMSNorm where it computes one; a head tied to the embedding multiplies by the embedding's own
+table. What no grid layer replaces (a norm of another kind, a region whose projections the plan gathers, per-head
+norms, an MoE block) runs as the module itself on the hidden dim made whole (tessel.parallel.tensor_nd.whole).
+Attention and the MLP need no change: the heads and the feed-forward split over the grid's side, and the models
+read head counts from tensor shapes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, Fu
 from tessel.parallel.tensor_nd.grid import Grid, build_grid, describe_grid
 from tessel.parallel.tensor_nd.summa import (Embedding2D, FullLogits2D, Linear2D, Loss2D, RMSNorm2D, Summa,
                                              TiedHead2D)
+from tessel.parallel.tensor_nd.whole import (HiddenSplit, block_whole, computes_rms_norm, gather_output, norm_whole,
+                                             split_input, sum_grads)
 
 GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "2d": lambda tp, depth: (round(tp ** 0.5),) * 2,
@@ -83,23 +88,55 @@ def activation_shards(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
 Mode = tuple[Layers, Callable, Callable, Callable]  # layers by style, the loss, sampling logits, the vocab gather
 
 
+def _whole_styles(stream: HiddenSplit, mixed: HiddenSplit, grid_norm: Callable[[nn.Module], nn.Module],
+                  linear: Callable[[nn.Module], nn.Module]) -> Layers:
+    """The styles of a Hugging Face plan that keep a module whole (tessel.parallel.tensor_nd.whole), on a grid
+    whose residual stream is split by `stream` and the output of a column layer by `mixed`."""
+    def norm(m: nn.Module) -> nn.Module:  # the grid's RMSNorm where the module computes one, else the module whole
+        return grid_norm(m) if computes_rms_norm(m) else _done(norm_whole, m, stream)
+
+    def gathered(m: nn.Module) -> nn.Module:  # transformers' colwise_gather_output
+        return _done(gather_output, linear(m), mixed)
+
+    def split(m: nn.Module) -> nn.Module:  # rowwise_split_input
+        return _done(split_input, linear(m), mixed)
+
+    # a per-head module (q/k norms) applies to this rank's heads of its batch chunk: shares over every grid axis;
+    # a module inside a gathered region is the same on every rank of the hidden split: shares over the batch's
+    return {"sequence_norm": norm, "colwise_gather": gathered, "rowwise_split": split,
+            "sum_grads": lambda m: _done(sum_grads, m, mixed.all_groups),
+            "keep": lambda m: _done(sum_grads, m, mixed.batch_groups), "enter": lambda m: m,
+            "replicate": lambda m: _done(block_whole, m, stream)}
+
+
+def _done(hook: Callable, module: nn.Module, *args) -> nn.Module:
+    hook(module, *args)
+    return module
+
+
 def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
     """2D, and 2.5D (SUMMA in each depth layer). "tied_head" takes the embedding's grid layer."""
     s = Summa(grid)
     linear = lambda m: Linear2D(m, s)  # noqa: E731
+    split = HiddenSplit(s.row_group, (s.col_group, s.depth_group))  # hidden chunk j; batch chunk (k, i)
     layers = {"colwise": linear, "rowwise": linear, "vocab_head": linear,
               "vocab_embedding": lambda m: Embedding2D(m, s), "tied_head": lambda emb: TiedHead2D(emb, s),
-              "sequence_norm": lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), "enter": lambda m: m}
+              **_whole_styles(split, split, lambda m: RMSNorm2D(m, s, hidden, norm_eps(m)), linear)}
     return layers, Loss2D(s, vocab_size), FullLogits2D(model, s), GatherVocab(s.row_group)
 
 
 def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
     """3D: layers that read the residual stream take its layout to the mixed one, those that write it back."""
     cube = Cube(grid)
+    g = cube.groups
+    # a layout L(s, r): hidden chunk on axis r, batch chunk a*c + coord[s] (inner s, outer axis 0)
+    stream, mixed = HiddenSplit(g[STREAM[1]], (g[STREAM[0]], g[0])), HiddenSplit(g[MIXED[1]], (g[MIXED[0]], g[0]))
     layers = {"colwise": lambda m: Linear3D(m, cube, STREAM), "vocab_head": lambda m: Linear3D(m, cube, STREAM),
               "rowwise": lambda m: Linear3D(m, cube, MIXED),
               "vocab_embedding": lambda m: Embedding3D(m, cube), "tied_head": lambda emb: TiedHead3D(emb, cube),
-              "sequence_norm": lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)), "enter": lambda m: m}
+              **_whole_styles(stream, mixed, lambda m: RMSNorm3D(m, cube, hidden, norm_eps(m)),
+                              lambda m: Linear3D(m, cube, STREAM))}
+    layers["rowwise_split"] = lambda m: _done(split_input, Linear3D(m, cube, MIXED), mixed)
     return layers, Loss3D(cube, vocab_size), FullLogits3D(model, cube), GatherVocab(cube.groups[MIXED[1]])
 
 
@@ -109,7 +146,7 @@ MODES = {"2d": _summa_mode, "2.5d": _summa_mode, "3d": _cube_mode}
 def apply_grid_mode(model: nn.Module, plan: dict[str, str], mesh: Mesh, mode: str, depth: int,
                     vocab_size: int, hidden: int) -> GridModel:
     """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups).
-    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face Llama's (tessel.models.hf.tp_plan)."""
+    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face family's (tessel.models.hf.tp_plan)."""
     grid = build_grid(mesh, grid_shape(mode, mesh.size("tp"), depth))
     layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model)
     embeddings = {}  # id of a table -> its grid embedding: a head with the same weight is tied to it
@@ -139,13 +176,17 @@ GRID_LAYERS = (Linear2D, Embedding2D, RMSNorm2D, Linear3D, Embedding3D, RMSNorm3
 
 
 def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """{parameter name: the whole logical tensor} (or its gradient) of a grid-split model; collective over tp."""
+    """{parameter name: the whole logical tensor} (or its gradient) of a grid-split model; collective over tp.
+    A parameter outside the grid layers is whole on every rank already (tessel.parallel.tensor_nd.whole)."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, GRID_LAYERS):
-            layer: GridLayer = module
-            t = layer.weight.grad if grads else layer.weight
-            out[f"{name}.weight"] = layer.full(t)
+        for pname, p in module.named_parameters(recurse=False):
+            t = p.grad if grads else p
+            if not isinstance(module, GRID_LAYERS):
+                out[f"{name}.{pname}"] = t.detach().clone()
+            else:
+                layer: GridLayer = module
+                out[f"{name}.{pname}"] = layer.full(t) if pname == "weight" else layer.full_bias(t)
     return out
 
 

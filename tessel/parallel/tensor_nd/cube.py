@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
 from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
-from tessel.parallel.tensor_nd.summa import MeanOverColumn, SumOverRow
+from tessel.parallel.tensor_nd.summa import MeanOverColumn, SumOverRow, embed_scale_of, scaled
 from tessel.sharding import mark_sharded, set_placement
 
 STREAM = (2, 1)  # the residual stream's layout L(s, r)
@@ -82,7 +82,7 @@ class Linear3D(nn.Module):
     def __init__(self, linear: nn.Linear, cube: Cube, layout: tuple[int, int]):
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("3D linear layers take no bias (the reference GPT has none)")
+            raise ValueError("3D linear layers take no bias (not built yet; 2D and 2.5D split them)")
         self.cube, self.layout = cube, layout
         s, r = layout
         c, at = cube.c, cube.coords
@@ -125,10 +125,12 @@ class Embedding3D(nn.Module):
         super().__init__()
         self.cube, self.padding_idx = cube, emb.padding_idx  # a padding row gets no gradient
         self.weight = _param(_hidden_piece(emb.weight, cube), cube, emb.weight, HIDDEN_ORDER, (1, 1, 1))  # (V, H/c^3)
+        self.register_buffer("embed_scale", embed_scale_of(emb), persistent=False)  # Gemma's sqrt(hidden)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mine = idx.chunk(self.cube.c ** 2, dim=0)[self.cube.batch_chunk(STREAM)]
-        return F.embedding(mine, _gather_hidden(self.weight, self.cube), self.padding_idx)  # (B/c^2, T, H/c)
+        rows = F.embedding(mine, _gather_hidden(self.weight, self.cube), self.padding_idx)  # (B/c^2, T, H/c)
+        return scaled(rows, self.embed_scale)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return _full_hidden(t, self.cube)

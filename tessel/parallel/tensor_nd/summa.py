@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor.tensor_parallel import VocabParallelCrossEntropy
+from tessel.parallel.tensor.tensor_parallel import _embed_scale as embed_scale_of
 from tessel.parallel.tensor_nd.grid import Grid, GridPlacement, to_compute_dtype
 from tessel.sharding import mark_replica, mark_sharded, set_placement
 
@@ -213,6 +214,11 @@ def _param(data: torch.Tensor, s: Summa, full: torch.Tensor, by_i: int, by_j: in
     return p
 
 
+def scaled(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Looked-up rows times a scaled word embedding's factor, as transformers' ScaledWordEmbedding.forward."""
+    return rows if scale is None else rows * scale.to(rows.dtype)
+
+
 def hidden_piece(full: torch.Tensor, s: Summa, dim: int = -1) -> torch.Tensor:
     """Piece j*q + i of q^2 along `dim` (the embedding's and norms' split)."""
     return full.chunk(s.q, dim=dim)[s.j].chunk(s.q, dim=dim)[s.i]
@@ -231,24 +237,31 @@ def gather_pieces(t: torch.Tensor, s: Summa, dim: int = -1) -> torch.Tensor:
 
 
 class Linear2D(nn.Module):
-    """nn.Linear (no bias) on the grid: rank (i, j) keeps weight[out chunk j, in chunk i]."""
+    """nn.Linear on the grid: rank (i, j) keeps weight[out chunk j, in chunk i]. A bias (Hugging Face families'
+    q/k/v, GPT-NeoX's every projection) is split like a norm's weight, in q^2 pieces of the output features,
+    and gathered down the column for output chunk j (backward: reduce-scatter, which sums the batch chunks)."""
 
     def __init__(self, linear: nn.Linear, s: Summa):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("2D linear layers take no bias (the reference GPT has none)")
         self.s = s
         self.in_features, self.out_features = linear.in_features, linear.out_features
         block = linear.weight.chunk(s.q, 0)[s.j].chunk(s.q, 1)[s.i]  # [out/q, in/q]
         self.weight = _param(block, s, linear.weight, 1, 0)
+        self.bias = None if linear.bias is None else \
+            _param(hidden_piece(linear.bias, s), s, linear.bias, 0, 0, j_outer=True)  # (out/q^2,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d, w = to_compute_dtype(x.flatten(0, -2)), to_compute_dtype(self.s.shared(self.weight).t())
         y = SummaMatmul.apply(x2d, w, self.s)  # (N, out/q)
+        if self.bias is not None:
+            y = y + to_compute_dtype(gather_column(self.s.shared(self.bias), 0, self.s.col_group))  # (out/q,)
         return y.view(*x.shape[:-1], -1)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return gather_block(t, self.s)
+
+    def full_bias(self, t: torch.Tensor) -> torch.Tensor:
+        return gather_pieces(t, self.s, 0)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, grid={self.s.q}x{self.s.q}, "
@@ -263,11 +276,13 @@ class Embedding2D(nn.Module):
         super().__init__()
         self.s, self.padding_idx = s, emb.padding_idx  # a padding row gets no gradient (Hugging Face Llama's)
         self.weight = _param(hidden_piece(emb.weight, s), s, emb.weight, 1, 1, j_outer=True)  # (V, H/q^2)
+        # transformers' scaled word embeddings (Gemma's sqrt(hidden)): its factor, under its own buffer name
+        self.register_buffer("embed_scale", embed_scale_of(emb), persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         table = gather_column(self.s.shared(self.weight), -1, self.s.col_group)  # (V, H/q)
         mine = idx.chunk(self.s.batch_chunks, dim=0)[self.s.batch_chunk]  # (B/q, T)
-        return F.embedding(mine, table, self.padding_idx)  # (B/q, T, H/q)
+        return scaled(F.embedding(mine, table, self.padding_idx), self.embed_scale)  # (B/q, T, H/q)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return gather_pieces(t, self.s, -1)

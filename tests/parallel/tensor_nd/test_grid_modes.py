@@ -1,12 +1,13 @@
 """2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against one process, through the trainer's step.
 
-Two spawns: 4 ranks (2D on a 2 x 2 grid, with tied embeddings, and a Hugging Face Llama) and 8 ranks (2.5D
-on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube and tied, dp2 x 2D plain and under ZeRO-1/2/3, pp2 x 2D), each
+Two spawns: 4 ranks (2D on a 2 x 2 grid, with tied embeddings, a Hugging Face Llama and six other transformers
+families placed from their own plans) and 8 ranks (2.5D on 2 x 2 x depth 2, 3D on a 2 x 2 x 2 cube and tied,
+dp2 x 2D plain and under ZeRO-1/2/3, pp2 x 2D), each
 layout 5 steps of the real trainer path (tests.helpers.build_trainer, tessel.parallelize,
 Trainer.train_step), the loss of each step, the gradients of the first step, the weights after 3 steps,
 gathered whole, and the tokens sampled after the 5, compared with the same run on one process (for the
-Llama: transformers' unmodified model). The last step's collectives are recorded and compared, call by
-call, with the planner's list for the layout (CostModel.step_calls, tessel.planner.grid_cost).
+Hugging Face families: transformers' unmodified model). The last step's collectives are recorded and compared,
+call by call, with the planner's list for the layout (CostModel.step_calls, tessel.planner.grid_cost).
 """
 
 import collections
@@ -34,7 +35,7 @@ from tessel.planner.tp_grid import linear_bytes
 from tessel.sharding import placement
 from tessel.spawn import spawn
 from tessel.train.checkpoint.read import read_model_tensors, read_tensors
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import DERIVED, PLANNED, build_trainer, tiny_config
 from tests.planner.test_traffic_matches_runtime import Recorder, record_step
 
 STEPS = 5
@@ -60,6 +61,17 @@ TIED = ["model.tie_embeddings=true"]  # the one-process reference of the *_tied 
 HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}
+
+
+# transformers' families on the 2 x 2 grid, placed from their own plans (tests.helpers' tiny configs), each for a
+# piece the grid places beyond the Llama's: per-head q/k norms, their gradients summed over the grid (qwen3);
+# (1 + w) norms run whole over the hidden split, attention and final-logit soft-caps, sliding windows, a scaled
+# and tied embedding (gemma2); fused q|k|v and gate|up whose outputs the plan gathers (phi3); biases split in
+# pieces, LayerNorms, attention and MLP in parallel, q|k|v interleaved per head (gpt_neox); a family with no
+# table entry, q/k/v biases and a gathered gate|up (glm4); an MoE block computed whole on every rank, on the whole
+# micro-batch, with its router loss (qwen3_moe)
+HF_FAMILIES = {**{kind: {**PLANNED, **DERIVED}[kind] for kind in ("qwen3", "gemma2", "phi3", "gpt_neox", "glm4")},
+               "qwen3_moe": {**DERIVED["qwen3_moe"], "output_router_logits": True, "router_aux_loss_coef": 0.5}}
 
 
 def _hf(path: str, *overrides: str) -> list[str]:
@@ -125,7 +137,7 @@ def _train(overrides: list[str], common: tuple[str, ...] = COMMON) -> dict:
     if grid and mesh.size("pp") == 1 and cfg.model.hf_config is None and cfg.parallel.zero_stage < 3:
         _measure_saved(model, out)
     if mesh.size("pp") == 1:  # the residual stream each block reads: this rank's share of it
-        for block in model.layers if cfg.model.hf_config is None else model.model.layers:
+        for block in model.layers if cfg.model.hf_config is None else model.base_model.layers:
             block.register_forward_pre_hook(lambda m, args: out.__setitem__(
                 "stream_bytes", max(out.get("stream_bytes", 0), args[0].numel() * args[0].element_size())))
     for step in range(STEPS):
@@ -204,9 +216,10 @@ BF16 = {"2d_bf16": [*LAYOUTS_4["2d"], "train.precision='bf16'"], "3d_bf16": ["pa
                                                                            "train.precision='bf16'"]}
 
 
-def _world4(root: str, hf_config: str) -> dict:
+def _world4(root: str, hf_config: str, families: dict[str, str]) -> dict:
     out = {name: _train(o) for name, o in LAYOUTS_4.items()}
     out["hf_llama_2d"] = _train(_hf(hf_config, *LAYOUTS_4["2d"]), common=())
+    out.update({f"hf_{kind}_2d": _train(_hf(path, *LAYOUTS_4["2d"]), common=()) for kind, path in families.items()})
     out["2d_bf16"] = record_step([*COMMON, *BF16["2d_bf16"]])
     out["traffic"] = {"2d": _traffic("2d", (2, 2))}
     # saved in 2D at step 3, resumed in 1D (tp4): the logical tensors, whatever the layout
@@ -277,8 +290,16 @@ def hf_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, hf_llama):
-    return spawn(_world4, 4, str(tmp_path_factory.mktemp("grid")), hf_llama, timeout=240)
+def hf_families(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf_families")
+    for kind, doc in HF_FAMILIES.items():
+        (root / f"{kind}.json").write_text(json.dumps(doc))
+    return {kind: str(root / f"{kind}.json") for kind in HF_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, hf_llama, hf_families):
+    return spawn(_world4, 4, str(tmp_path_factory.mktemp("grid")), hf_llama, hf_families, timeout=360)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +315,11 @@ def reference_tied():
 @pytest.fixture(scope="module")
 def reference_hf(hf_llama):
     return _train(_hf(hf_llama), common=())  # transformers' model as it built it, on one process
+
+
+@pytest.fixture(scope="module")
+def reference_families(hf_families):
+    return {kind: _train(_hf(path), common=()) for kind, path in hf_families.items()}  # transformers' own, 1 process
 
 
 def _check_stream(got: dict, ref: dict, layout: str) -> None:
@@ -347,6 +373,18 @@ def test_hugging_face_llama_on_a_2x2_grid(world4, reference_hf):
         _compare(got, reference_hf)
         assert got["stream_bytes"] * 4 == reference_hf["stream_bytes"]
         assert got["param_bytes"] * 4 == reference_hf["param_bytes"]
+
+
+@pytest.mark.parametrize("kind", list(HF_FAMILIES))
+def test_hugging_face_families_on_a_2x2_grid(world4, reference_families, kind):
+    """Each family's transformers model, unmodified but for the modules its plan splits made grid layers and the
+    rest run whole over the hidden split (tessel.parallel.tensor_nd.whole): losses, gradients, weights and sampled
+    tokens of the unmodified model on one process (the tolerances above: the grid's sums in another order, and
+    the whole norms computed as the model computes them); the residual stream split 4 ways."""
+    for result in world4:
+        got = result[f"hf_{kind}_2d"]
+        _compare(got, reference_families[kind])
+        assert got["stream_bytes"] * 4 == reference_families[kind]["stream_bytes"]
 
 
 def test_bytes_sent_per_layer_match_theory(world4, world8):
