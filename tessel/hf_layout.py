@@ -310,8 +310,10 @@ def _before_the_split(model, name: str, region: str, linear: dict[str, str]) -> 
     at = next(i for i in range(1, len(parts)) if fnmatch.fnmatchcase(".".join(parts[:i]), region))
     if at >= len(parts):
         return False  # the region module itself
-    split = frozenset(p.rpartition(".")[2] for p, s in linear.items() if s in COLUMN and _parent(p) == region)
-    return parts[at] in before_split(model.get_submodule(".".join(parts[:at])), split)
+    children = {p.rpartition(".")[2]: s for p, s in linear.items() if _parent(p) == region}
+    split = frozenset(c for c, s in children.items() if s in COLUMN)
+    rows = frozenset(c for c, s in children.items() if s.startswith("rowwise"))
+    return parts[at] in before_split(model.get_submodule(".".join(parts[:at])), split, rows)
 
 
 def _outside(pattern: str, linear: dict[str, str]) -> str:

@@ -13,7 +13,9 @@ The region's forward is read with ast, flow-insensitively: a value is split when
 a submodule the plan splits, of any method of the region (a helper whose body is not read), or from a split
 value (a tensor a split value is copied into, too); the forward's own arguments (hidden states, position
 embeddings, mask, cache) are whole on every rank. A module is before the split when every call of it in forward
-takes whole values only; one forward never calls itself (a helper method does) is not proven so.
+takes whole values only, and the region returns nothing computed from such modules alone (a gate on the
+whole input multiplying the output: every rank would hold its whole gradient, which summing would count tp
+times); one forward never calls itself (a helper method does) is not proven so.
 
 Duck-typed like tessel.hf_layout (no torch, no tessel.models): it reads classes and their source only.
 """
@@ -26,19 +28,21 @@ import inspect
 import textwrap
 
 
-def before_split(region, split: frozenset[str]) -> frozenset[str]:
+def before_split(region, split: frozenset[str], rows: frozenset[str]) -> frozenset[str]:
     """The names of the region's child modules that its forward calls on whole values only (every call), where
-    `split` names the children the plan splits (column-parallel)."""
+    `split` names the children the plan splits by columns and `rows` those it splits by rows (whose outputs are
+    whole again, all-reduced)."""
     children = frozenset(name for name, _ in region.named_children())
-    return _before_split(type(region), children, split)
+    return _before_split(type(region), children, split, rows)
 
 
 @functools.cache
-def _before_split(cls: type, children: frozenset[str], split: frozenset[str]) -> frozenset[str]:
+def _before_split(cls: type, children: frozenset[str], split: frozenset[str],
+                  rows: frozenset[str]) -> frozenset[str]:
     forward = _forward_tree(cls)
     if forward is None or not split & children:
         return frozenset()  # nothing read, or nothing this region's forward splits
-    reader = _Reader(children, split)
+    reader = _Reader(children, split, rows)
     reader.block(forward.body, definite=True)
     if reader.escapes:
         return frozenset()  # a whole module's output leaves the region whole: its gradient is not split
@@ -53,8 +57,8 @@ class _Reader:
     whether a value derived from such a child leaves the region without meeting a split one (`escapes`: every
     rank would then hold its whole gradient, and summing over tp would count it tp times)."""
 
-    def __init__(self, children: frozenset[str], split: frozenset[str]):
-        self.children, self.whole_calls = children, children - split
+    def __init__(self, children: frozenset[str], split: frozenset[str], rows: frozenset[str]):
+        self.split, self.rows, self.whole_calls = split, rows, children - split - rows
         self.sets: dict[str, set[str]] = {"maybe": set(), "sure": set(), "derived": set()}
         self.calls: dict[str, list[bool]] = {}
         self.escapes = False
@@ -97,8 +101,10 @@ class _Reader:
         name = _self_call(expr)
         if name in self.whole_calls:
             return kind == "derived" or any(self.has(kind, a) for a in _args(expr))
-        if name in self.children:  # a layer the plan splits
+        if name in self.split:  # a column-parallel layer: this rank's heads
             return kind != "derived"
+        if name in self.rows:  # a row-parallel layer: its output all-reduced, whole and fresh
+            return False
         if name is not None:  # a method of the region, not read: it may split, and passes on what it is given
             return kind == "maybe" or any(self.has(kind, a) for a in _args(expr))
         return any(self.has(kind, child) for child in ast.iter_child_nodes(expr))
