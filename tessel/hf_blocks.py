@@ -164,6 +164,12 @@ class Attention:
     def params(self) -> int:
         return self.matrix_params + self.vectors
 
+    @property
+    def tp_whole_params(self) -> int:
+        """What every tp rank holds whole: a latent attention's low-rank down projections (side "") and its norms
+        and biases (tessel.hf_layout runs them before the split by heads, on every rank)."""
+        return sum(i * o for i, o, side in self.projections if not side) + (self.vectors if self.latent else 0)
+
     def gemms(self, tp: int) -> tuple[tuple[int, int], ...]:
         """(out, in) of each projection on one of tp ranks that split the heads."""
         return tuple((o // tp if side == "out" else o, i // tp if side == "in" else i)

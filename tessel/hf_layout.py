@@ -20,9 +20,16 @@ import functools
 import json
 from dataclasses import dataclass
 
+from tessel.hf_lineage import inherited_entries
+from tessel.hf_region_inputs import before_split
+
 # transformers' styles (base_model_tp_plan) -> tessel's
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
-             "rowwise_split_input": "rowwise_split", "replicated_with_grad_allreduce": "sum_grads"}
+             "rowwise_split_input": "rowwise_split", "replicated_with_grad_allreduce": "sum_grads",
+             # latent attention's kv down projection (and shared rope key): whole on every rank, on the region's
+             # whole input; every rank's heads hold a share of its output's gradient (its kv_b_proj's and its
+             # rope key's alike, under tessel's one f at the region's entry), so all of its gradients are summed
+             "mla_kv_a_proj": "sum_grads"}
 COLUMN = ("colwise", "colwise_qkv", "colwise_packed", "colwise_gather")  # their enclosing module enters the region
 GATHERED = ("colwise_gather",)  # column styles whose output the module around them sees whole
 LINEAR_CLASSES = ("Linear", "Conv1D")  # what a row or column style splits (by class name, any subclass)
@@ -163,6 +170,7 @@ def plan_styles(model, notes: PlanNotes, replicated: tuple[str, ...] = ()) -> di
     keys that name only modules inside `replicated` ones, or no module of this model (an optional module its
     config leaves out), are left out. ValueError naming a style tessel does not map, or a note the plan lacks."""
     theirs = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    theirs |= inherited_entries(model, theirs)  # what it says of the modules their classes derive from
     unknown = [key for key, _ in notes.linear if key not in theirs]
     if unknown:
         raise ValueError(f"the family's notes refine {unknown}, which {type(model).__name__}'s base_model_tp_plan "
@@ -261,7 +269,8 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
     name. Outside the regions of column-parallel layers, a norm (it runs on sequence shards under sequence
     parallelism); inside a region whose column layers gather their outputs, a module every rank computes on
     the same whole tensor (kept whole); inside any region, a module whose weights are scalars (Apertus' xIELU
-    activation: elementwise, the same on every rank's columns), whose gradients each rank has a part of
+    activation: elementwise, the same on every rank's columns), or one the region's forward runs before any split
+    (latent attention's q_a_proj and its norms: _before_the_split), whose gradients each rank has a part of
     ("sum_grads", as transformers' replicated_with_grad_allreduce). Anything else is refused by name. A norm
     without weights outside every region (OLMo's LayerNorm) is listed with the norms: nothing to do in 1D, and a
     tp grid, whose residual stream is split by hidden chunks, runs it over the whole hidden dim."""
@@ -288,13 +297,29 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
             norms[pattern] = None
         elif region is not None and all(s in GATHERED for s in regions[region]):
             kept[pattern] = None
-        elif region is not None and all(p.numel() == 1 for p in module.parameters(recurse=False)):
+        elif region is not None and (all(p.numel() == 1 for p in module.parameters(recurse=False))
+                                     or _before_the_split(model, name, region, linear)):
             summed[pattern] = "sum_grads"
         else:
             where = _outside(pattern, linear) if region is None else \
                 f"inside {region}, whose projections the plan splits by heads, and the plan does not name it"
             raise ValueError(f"tensor parallelism cannot place '{name}' ({type(module).__name__}): {where}")
     return tuple(norms), tuple(kept), summed
+
+
+def _before_the_split(model, name: str, region: str, linear: dict[str, str]) -> bool:
+    """Whether the module `name` lies in a child of its region that the region's forward runs on whole values
+    only, before any column-parallel layer splits them (tessel.hf_region_inputs: latent attention's low-rank
+    down projections and their norms): every rank computes it whole, each holding its own heads' share of its
+    gradients."""
+    parts = name.split(".")
+    at = next(i for i in range(1, len(parts)) if fnmatch.fnmatchcase(".".join(parts[:i]), region))
+    if at >= len(parts):
+        return False  # the region module itself
+    children = {p.rpartition(".")[2]: s for p, s in linear.items() if _parent(p) == region}
+    split = frozenset(c for c, s in children.items() if s in COLUMN)
+    rows = frozenset(c for c, s in children.items() if s.startswith("rowwise"))
+    return parts[at] in before_split(model.get_submodule(".".join(parts[:at])), split, rows)
 
 
 def _outside(pattern: str, linear: dict[str, str]) -> str:

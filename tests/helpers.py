@@ -78,6 +78,22 @@ DERIVED = {
 }
 
 
+# Multi-head latent attention (tessel.hf_region_inputs, tessel.hf_lineage): low-rank q and kv down projections
+# and their norms computed whole on every tp rank, q_b_proj (q_proj without a q rank) and kv_b_proj split by heads;
+# a dense first layer, then an MoE with a shared expert. 4 heads and 4 kv heads (the keys kv_b_proj makes are one
+# per head), so that tp2 gives each rank 2 whole heads.
+MLA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "bos_token_id": 1,
+       "eos_token_id": 2, "pad_token_id": 0, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+       "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1, "n_routed_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1}
+LATENT = {
+    # its plan names no module of its attention: the split comes from DeepSeek-V2's, the class it derives from
+    "deepseek_v3": {**MLA, "model_type": "deepseek_v3", "n_group": 1, "topk_group": 1},
+    "deepseek_v2": {**MLA, "model_type": "deepseek_v2", "q_lora_rank": None},  # q_proj, no low-rank q
+}
+
+
 def tiny_config(*overrides: str, out_dir: str | None = None) -> Config:
     # a private directory per run: concurrent test sessions must not share metrics files
     out_dir = out_dir or tempfile.mkdtemp(prefix="tessel-test-")

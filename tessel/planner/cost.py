@@ -594,12 +594,13 @@ class CostModel:
 
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
         """(dense, expert) parameters held by one device before ZeRO."""
-        dense = expert = 0.0
+        dense = expert = whole = 0.0
         for k in chunks:
             for i in all_chunks[k]:
                 d, e = self.layer_params[i]
                 dense += d
                 expert += e
+                whole += self.spec.layer_tp_whole_params(i)
         if 0 in chunks:
             dense += self.spec.embedding_params
         if len(all_chunks) - 1 in chunks:
@@ -607,7 +608,7 @@ class CostModel:
             if self.spec.cfg.tie_embeddings and 0 not in chunks:  # the last stage's copy of the tied embedding
                 dense += self.spec.cfg.vocab_size * self.spec.cfg.d_model
         shards = grid_cost.weight_shards(lay)  # tp, or a grid's pieces (2.5D's depth layers hold copies)
-        return dense / shards, expert / (shards * lay.ep)
+        return (dense - whole) / shards + whole, expert / (shards * lay.ep)
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
         """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):

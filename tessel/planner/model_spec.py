@@ -123,6 +123,10 @@ class ModelSpec:
         """(dense, expert) parameters of one block; norms, the router and shared experts count as dense."""
         return self.blocks[layer].params
 
+    def layer_tp_whole_params(self, layer: int) -> int:
+        """The part of layer_params' dense count every tp rank holds whole (latent attention's down projections)."""
+        return self.blocks[layer].attention.tp_whole_params
+
     @property
     def embedding_params(self) -> int:
         """Token embeddings, and learned position embeddings where the family has them."""

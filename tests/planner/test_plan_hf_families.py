@@ -119,3 +119,22 @@ def test_plan_out_writes_a_recipe_tessel_train_loads(tmp_path):
     cfg = load_config(out)  # what `tessel train planned.toml` runs first: every rule, exit 2 on any
     assert cfg.parallel.world_size == 4 and report["recipe"] == str(out)
     assert json.loads(json.dumps(report["plans"]))[0]["layout"]["tp"] == cfg.parallel.tp
+
+
+def test_latent_attention_down_projections_are_priced_whole_on_every_tp_rank(tmp_path):
+    """tessel runs DeepSeek-V3's q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp rank (before the
+    split by heads, tessel.hf_region_inputs): the planner counts them once per rank, the rest of the dense
+    weights split over tp."""
+    spec = from_config(build_config(_recipe(tmp_path, DeepseekV3Config(), seq_len=4096, global_batch=512)).model,
+                       4096, 512)
+    whole = 7168 * 1536 + 7168 * (512 + 64) + 1536 + 512  # q_a_proj, kv_a_proj_with_mqa, q_a/kv_a_layernorm
+    assert spec.layer_tp_whole_params(0) == whole
+    model = CostModel(spec, get_cluster("a100", 64), "bf16")
+    params = {tp: model.estimate(Layout(dp=64 // tp, tp=tp, zero=0, mb=1, ga=8, recompute="full")).memory["params"]
+              for tp in (1, 2)}
+    dense = sum(spec.layer_params(i)[0] for i in range(spec.cfg.n_layer)) + spec.embedding_params + spec.head_params
+    latent = whole * spec.cfg.n_layer
+    experts = sum(spec.layer_params(i)[1] for i in range(spec.cfg.n_layer))
+    # fp32 parameters: the dense part halves but for the latent projections (the experts' count follows the
+    # planner's tp split of them, which this test does not judge)
+    assert params[1] - params[2] == pytest.approx(4 * (dense - latent + experts) / 2)

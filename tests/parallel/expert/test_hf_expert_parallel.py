@@ -90,6 +90,8 @@ LAYOUTS = {2: {("mixtral", "ep2"): ["parallel.ep=2"], ("mixtral", "pp2_gpipe"): 
                ("qwen3_moe", "tp2_ep2"): ["parallel.tp=2", "parallel.ep=2"],
                ("qwen3_moe", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
                ("deepseek_v3", "pp2_ep2_gpipe"): [*GPIPE, "parallel.ep=2"],
+               # latent attention split by heads (its down projections whole), the MoE block whole over tp
+               ("deepseek_v3", "tp2_ep2"): ["parallel.tp=2", "parallel.ep=2"],
                **{(f, "dp2_ep2"): ["parallel.dp=2", "parallel.ep=2"] for f in OTHERS},
                # ZeRO shards each expert over the dp ranks that hold it (tessel.mesh.EXPERT_AXES), the rest over
                # dp x ep; ZeRO-3 gathers the experts' shards around the all-to-all, recompute runs it again

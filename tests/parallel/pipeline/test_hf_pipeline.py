@@ -23,8 +23,8 @@ from torch.testing import assert_close
 from tessel.models.gpt import cross_entropy
 from tessel.models.hf.families import FAMILIES, pipeline_parts
 from tessel.spawn import spawn
-from tests.helpers import (DERIVED, PLANNED, export_hf, hf_logits, tessel_logits, tiny_config, train_whole,
-                           write_configs)
+from tests.helpers import (DERIVED, LATENT, PLANNED, export_hf, hf_logits, tessel_logits, tiny_config,
+                           train_whole, write_configs)
 
 STEPS = 5
 # dropout 0 (GPT-2 has dropout by default); 4 layers so that pp2 leaves two decoder layers a stage
@@ -34,7 +34,7 @@ CONFIGS = {
               "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0},
-} | PLANNED | DERIVED  # cut by their own pipeline plans (tessel.hf_layout), one decoder layer a stage
+} | PLANNED | DERIVED | {"deepseek_v3": LATENT["deepseek_v3"]}  # cut by their own pipeline plans (tessel.hf_layout)
 PP2 = ["parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="1f1b"']
 WORLD2 = {
     "llama_pp2": ("llama", PP2),
@@ -53,7 +53,9 @@ WORLD8 = {"llama_dp2_tp2_pp2": ("llama", ["parallel.dp=2", "parallel.tp=2", *PP2
           "llama_dp2_tp2sp_pp2": ("llama", ["parallel.dp=2", *SP, *PP2]),
           "gpt2_dp2_tp2sp_pp2": ("gpt2", ["parallel.dp=2", *SP, *PP2])} | {
     # stages hand sequence shards over at the decoder layers (tessel.parallel.pipeline.handover)
-    f"{kind}_dp2_tp2sp_pp2": (kind, ["parallel.dp=2", *SP, *PP2]) for kind in (*PLANNED, *DERIVED)}
+    f"{kind}_dp2_tp2sp_pp2": (kind, ["parallel.dp=2", *SP, *PP2]) for kind in (*PLANNED, *DERIVED)} | {
+    # latent attention split by heads, its down projections whole; a dense first stage, an MoE second
+    "deepseek_v3_dp2_tp2_pp2": ("deepseek_v3", ["parallel.dp=2", "parallel.tp=2", *PP2])}
 # fp32 throughout. A pipeline runs each micro-batch's forward and backward as one process does;
 # what changes the order of sums is the split of the batch into micro-batches (gradients summed
 # per micro-batch, then added), the data-parallel all-reduce and tensor parallelism's partial

@@ -28,7 +28,7 @@ from tessel.spawn import spawn
 from tessel.train.checkpoint.packed import packed_slice
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import DERIVED, PLANNED, build_runner, tiny_config
+from tests.helpers import DERIVED, LATENT, PLANNED, build_runner, tiny_config
 
 STEPS = 5
 # tiny configs, dropout 0 (GPT-2 has dropout by default). Llama: grouped-query attention (4 heads,
@@ -53,7 +53,7 @@ CONFIGS = {
     "opt": {"model_type": "opt", "vocab_size": 128, "hidden_size": 32, "ffn_dim": 64, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64},
 }
-CONFIGS |= PLANNED | DERIVED  # the families placed from transformers' own plans (tests/helpers.py)
+CONFIGS |= PLANNED | DERIVED | LATENT  # the families placed from transformers' own plans (tests/helpers.py)
 # name -> (config, overrides); every one runs on two ranks, its reference on one process
 LAYOUTS = {
     "llama_tp2_sp_recompute": ("llama", ["parallel.tp=2", "parallel.sequence_parallel=true",
@@ -64,7 +64,9 @@ LAYOUTS = {
     "mixtral_tp2_sp": ("mixtral", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 } | {f"{kind}_tp2{sp}": (kind, ["parallel.tp=2", *(["parallel.sequence_parallel=true"] if sp else [])])
      for kind in PLANNED for sp in ("", "_sp")} | {
-    f"{kind}_tp2_sp": (kind, ["parallel.tp=2", "parallel.sequence_parallel=true"]) for kind in DERIVED}
+    f"{kind}_tp2_sp": (kind, ["parallel.tp=2", "parallel.sequence_parallel=true"]) for kind in DERIVED} | {
+    f"{kind}_tp2{sp}": (kind, ["parallel.tp=2", *(["parallel.sequence_parallel=true"] if sp else [])])
+    for kind in LATENT for sp in ("", "_sp")}
 # fp32 throughout; the same argument as tests/parallel/tensor/test_tensor_parallel.py. Tensor
 # parallelism sums partial products in another order than one process (all-reduced per-rank
 # partial matmuls, split softmax sums), so results differ by fp32 rounding: measured loss
@@ -165,7 +167,13 @@ SPLIT = {
                    "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight"),
 }
 # a family whose layers differ: layer -> what tp splits in it (Qwen3-MoE's dense first layer, its sparse second)
-LAYER_SPLIT = {"qwen3_moe": {0: LLAMA_SPLIT, 1: SPLIT["mixtral"]}}
+DENSE_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+# latent attention: q (q_b_proj after the low-rank q_a_proj, or q_proj) and kv_b_proj by heads, o_proj by rows;
+# q_a_proj, kv_a_proj_with_mqa and their norms whole
+MLA_SPLIT = {kind: tuple(f"self_attn.{p}.weight" for p in (q, "kv_b_proj", "o_proj"))
+             for kind, q in (("deepseek_v3", "q_b_proj"), ("deepseek_v2", "q_proj"))}
+LAYER_SPLIT = {"qwen3_moe": {0: LLAMA_SPLIT, 1: SPLIT["mixtral"]},
+               **{kind: {0: (*attn, *DENSE_MLP), 1: attn} for kind, attn in MLA_SPLIT.items()}}
 # the base model's prefix, the layers' list, the embedding
 NAMES = {"gpt2": ("transformer", "transformer.h", "transformer.wte"),
          "gpt_neox": ("gpt_neox", "gpt_neox.layers", "gpt_neox.embed_in")}
@@ -211,7 +219,7 @@ def _styles(configs, kind: str) -> dict[str, str]:
     return styles
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2", *PLANNED, *DERIVED])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral", "gpt2", *PLANNED, *DERIVED, *LATENT])
 def test_every_weight_of_each_family_is_placed(configs, kind):
     styles = _styles(configs, kind)
     if kind == "gpt2":
@@ -228,7 +236,7 @@ def test_every_weight_of_each_family_is_placed(configs, kind):
     norms = {n.rpartition(".")[2] for n, s in styles.items() if s == "sequence_norm" and n.startswith(f"{layers}.1.")}
     assert norms == LAYER_NORMS.get(kind, {"input_layernorm", "post_attention_layernorm"})
     attn = f"{layers}.0.{'attention' if kind == 'gpt_neox' else 'self_attn'}"
-    moe = kind in ("mixtral", "qwen3_moe")  # the sparse MoE block, found from the experts the plans name
+    moe = kind in ("mixtral", "qwen3_moe", *LATENT)  # the sparse MoE block, found from the experts the plans name
     assert styles[attn] == "enter" and styles[f"{layers}.1.mlp"] == ("replicate" if moe else "enter")
     if kind in ("qwen3", "gemma3_text", "exaone4", "qwen3_moe"):  # per-head norms on each rank's own heads: gradients summed over tp
         assert styles[f"{attn}.q_norm"] == styles[f"{attn}.k_norm"] == "sum_grads"
@@ -238,6 +246,11 @@ def test_every_weight_of_each_family_is_placed(configs, kind):
     if kind == "phi3":  # its plan gathers the fused projections; the family's notes split them block by block
         assert styles[f"{attn}.qkv_proj"] == styles[f"{layers}.0.mlp.gate_up_proj"] == "colwise_packed"
         assert styles[f"{attn}.o_proj"] == "rowwise"
+    if kind in LATENT:  # the low-rank down projections and their norms run whole, before the split by heads
+        whole = ("kv_a_proj_with_mqa", "kv_a_layernorm", *(("q_a_proj", "q_a_layernorm") if kind == "deepseek_v3" else ()))
+        assert {styles[f"{attn}.{m}"] for m in whole} == {"sum_grads"}
+        q = "q_b_proj" if kind == "deepseek_v3" else "q_proj"
+        assert styles[f"{attn}.{q}"] == styles[f"{attn}.kv_b_proj"] == "colwise" and styles[f"{attn}.o_proj"] == "rowwise"
     if moe:  # transformers' packed_colwise / moe_tp_experts entries are inside the replicated block
         assert not any(n.startswith("model.layers.1.mlp.") for n in styles)
 
@@ -267,7 +280,7 @@ def test_a_module_no_rule_places_is_named(configs):
 
 
 def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
-    for kind in ("llama", "mixtral", "gpt2", *PLANNED, *DERIVED):
+    for kind in ("llama", "mixtral", "gpt2", *PLANNED, *DERIVED, *LATENT):
         assert _cfg(configs[kind], "parallel.tp=2").parallel.tp == 2
     # Cohere's optional q/k norms hold a weight per head (2-D), which its plan does not split: the derivation
     # refuses them by name
@@ -293,16 +306,13 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
 # families the derivation from their plans refuses (tessel.hf_layout), on their config class's defaults shrunk:
 # model type -> what the refusal must name
 REFUSED = {
-    "deepseek_v2": r"asks 'mla_kv_a_proj' of 'model.layers.\*.self_attn.kv_a_proj_with_mqa'",  # latent attention
-    # DeepSeek-V3's plan names no projection of its latent attention: the first one nothing places
-    "deepseek_v3": r"cannot place 'model.layers.0.self_attn.q_a_proj' \(Linear\): outside the attention and the MLP: "
-                   r"base_model_tp_plan names no module of model.layers.\*.self_attn",
     "minimax": r"cannot place 'model.layers.\d.self_attn.norm' \(MiniMaxRMSNorm\): inside model.layers.\*.self_attn",
     "gpt_oss": "GptOssForCausalLM's config declares no base_model_tp_plan",
-    # no pipeline plan: the structure gives the embedding, the layers, the final norm and the head, and its plan
-    # splits only its experts
-    "granitemoe": r"cannot place 'model.layers.0.self_attn.q_proj' \(Linear\): outside the attention and the MLP: "
-                  r"base_model_tp_plan names no module of model.layers.\*.self_attn",
+    # its plan names no module of its attention, nor does the plan of any family its attention derives from
+    "kimi_linear": r"cannot place 'model.layers.0.self_attn.q_proj' \(Linear\): outside the attention and the MLP: "
+                   r"base_model_tp_plan names no module of model.layers.\*.self_attn",
+    # latent attention inside a list of attentions (two a layer), whose modules the plan names under it
+    "longcat_flash": r"cannot place 'model.layers.0.self_attn.0.q_a_proj' \(Linear\): it holds weights of its own",
 }
 
 
@@ -314,6 +324,50 @@ def test_the_derivation_refuses_what_the_plans_do_not_place(kind):
     why = hf_tp_refusal(family_defaults(kind))
     assert why is not None and re.search(REFUSED[kind], why), why
     assert why.startswith(f"model_type '{kind}': ")
+
+
+def test_a_module_runs_whole_in_a_split_region_only_before_the_split():
+    """tessel.hf_region_inputs reads a region's forward: a module the plan does not name runs whole on every rank
+    (its gradients summed over tp) only where every call of it takes whole values and nothing made from it alone
+    leaves the region; a norm after the split, or a gate on the whole input multiplying the output, is not."""
+    from tessel.hf_region_inputs import before_split
+
+    class Latent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_a, self.norm, self.q_b = nn.Linear(8, 4), nn.LayerNorm(4), nn.Linear(4, 8)
+            self.o_proj, self.gate = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, hidden_states):
+            return self.o_proj(self.q_b(self.norm(self.q_a(hidden_states))))
+
+    class After(Latent):
+        def forward(self, hidden_states):
+            q = self.q_b(self.q_a(hidden_states))
+            return self.o_proj(self.norm(q))
+
+    class Gated(Latent):
+        def forward(self, hidden_states):
+            out = self.o_proj(self.q_b(self.norm(self.q_a(hidden_states))))
+            return out * self.gate(hidden_states)
+
+    split, rows = frozenset({"q_b"}), frozenset({"o_proj"})
+    assert before_split(Latent(), split, rows) == {"q_a", "norm"}
+    assert before_split(After(), split, rows) == {"q_a"}
+    assert before_split(Gated(), split, rows) == frozenset()
+
+
+def test_an_attention_its_plan_is_silent_on_takes_its_parent_familys_entries():
+    """DeepSeek-V3's plan names no module of its attention; transformers' modular source derives the class from
+    DeepSeek-V2's, whose plan splits it: those entries, and nothing of the MLP (its own plan names it)."""
+    from tessel.hf_layout import meta_model
+    from tessel.hf_lineage import inherited_entries
+    from transformers import DeepseekV2Config
+    model = meta_model(LATENT["deepseek_v3"])
+    want = {k: s for k, s in DeepseekV2Config.base_model_tp_plan.items() if k.startswith("layers.*.self_attn.")}
+    assert inherited_entries(model, dict(model.config.base_model_tp_plan)) == want
+    llama = meta_model(CONFIGS["llama"])
+    assert inherited_entries(llama, dict(llama.config.base_model_tp_plan)) == {}
 
 
 def test_without_a_pipeline_plan_tp_reads_the_cut_off_the_structure():
