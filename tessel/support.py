@@ -110,11 +110,14 @@ def tiny_config(model_type: str) -> dict:
     logging.set_verbosity_error()  # warnings on shrunk rope scalings and the like concern no rule here
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    sizes = {k: v for k, v in SIZES.items() if defaults.get(k) is not None}
+    # a size the class stores under its own name (its attribute_map: ERNIE-4.5-MoE's moe_num_experts and moe_k
+    # for num_experts and num_experts_per_tok) is shrunk under that name, unless SIZES names that key itself
+    named = {k: real for k, real in (getattr(cls, "attribute_map", None) or {}).items() if real not in SIZES}
+    sizes = {named.get(k, k): v for k, v in SIZES.items() if defaults.get(named.get(k, k)) is not None}
     if defaults.get("qk_rope_head_dim") is not None:  # latent attention: head_dim is the rotary part, the class's
         sizes.pop("head_dim", None)
-    if any(defaults.get(k) for k in EXPERT_COUNTS):  # routed experts whose class leaves the top-k unset
-        sizes["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
+    if any(defaults.get(named.get(k, k)) for k in EXPERT_COUNTS):  # routed experts, the top-k maybe unset
+        sizes[named.get("num_experts_per_tok", "num_experts_per_tok")] = SIZES["num_experts_per_tok"]
     if isinstance(defaults.get("layer_types"), list):  # one per layer: let the class lay out the shrunk count
         sizes["layer_types"] = None
     try:
@@ -128,7 +131,19 @@ def tiny_config(model_type: str) -> dict:
     for key in TOKEN_IDS:
         if isinstance(doc.get(key), int) and not 0 <= doc[key] < doc.get("vocab_size", 0):
             doc[key] = None
+    _shrink_overrides(doc)
     return doc
+
+
+def _shrink_overrides(doc: dict) -> None:
+    """Sizes a config overrides per layer (Gemma 4's per_layer_config: {layer: {"head_dim": 512}}, its full
+    attention layers' width from an __init__ keyword the config never stores) take the shrunk model's own: a
+    512-wide head at attention scaling 1 makes scores of std ~22, a softmax so sharp that fp32 rounding alone
+    moves the reference's loss by 2.6e-3 in 5 steps (against its own fp64 run)."""
+    for value in doc.values():
+        for layer in value.values() if isinstance(value, dict) else ():
+            if isinstance(layer, dict):
+                layer.update({k: doc[k] for k in layer if k in SIZES and doc.get(k) is not None})
 
 
 def refusal(config_json: str, overrides: list[str]) -> str | None:

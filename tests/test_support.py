@@ -42,3 +42,14 @@ def test_a_record_of_another_transformers_says_nothing(tmp_path):
     old.write_text(json.dumps({"transformers": "0.0.1", "cells": {"llama/dp": {"status": "pass"}}}))
     assert parity_record(old) == {}
     assert parity_record(tmp_path / "missing.json") == {}
+
+
+def test_tiny_config_shrinks_sizes_under_the_config_classes_own_names():
+    from tessel.support import SIZES, tiny_config
+    # ERNIE-4.5-MoE stores num_experts and num_experts_per_tok as moe_num_experts and moe_k (its attribute_map):
+    # left at 64 experts top-6, its router's 6th and 7th scores tied within one fp32 ulp, a choice rounding made
+    ernie = tiny_config("ernie4_5_moe")
+    assert (ernie["moe_num_experts"], ernie["moe_k"]) == (SIZES["num_experts"], SIZES["num_experts_per_tok"])
+    # Gemma 4's full-attention layers' head_dim lives in per_layer_config (512 from global_head_dim): shrunk too
+    gemma4 = tiny_config("gemma4_text")
+    assert {layer["head_dim"] for layer in gemma4["per_layer_config"].values()} == {SIZES["head_dim"]}

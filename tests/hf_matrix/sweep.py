@@ -5,8 +5,9 @@ A cell: the family's tiny config (tessel.support.tiny_config), the recipe `tesse
 the axis's overrides (tessel.support.AXES), built and stepped as `tessel train` does (the model tessel builds,
 parallelize()'s runner, the Trainer's steps: its sampler, clipping, optimizer), against transformers' own model
 from the same seed on the whole batches, scored by its own loss (model(input_ids, labels=y, shift_labels=y)),
-with tessel's optimizer and clipping. Compared: the 5 losses, and every weight after 3 steps (tessel's whole
-tensors under transformers' names: tessel.api.ParallelJob.full_state_dict, whatever the layout split).
+with tessel's optimizer (AdamW's eps at ADAM_EPS in both runs) and clipping. Compared: the 5 losses, and every
+weight after 3 steps (tessel's whole tensors under transformers' names: tessel.api.ParallelJob.full_state_dict,
+whatever the layout split).
 
 Cells run in pools of ranks grouped by world size (1, 2, or 4 for the 2D grid): one spawn loops over many
 cells. A cell that raises or hangs ends its pool (after CELL_TIMEOUT_S) with its error recorded; the pool is
@@ -72,6 +73,25 @@ WEIGHT_TOL = 1e-4
 # AdamW's normalized steps carries their rounding relative to its size; 1e-4 of it is 1/10 of one step
 WEIGHT_RTOL = 1e-4
 MOVED = 1e-4  # the reference's weights must move more than this, or weight parity would say nothing
+# AdamW's eps, in both runs (tessel's optimizer and the reference's): 1e-6, not torch's 1e-8. AdamW moves an
+# entry by lr * g / (|g| + eps), so an entry whose gradient is below eps moves by a fraction of lr decided by its
+# rounding: fp32 rounds a gradient summed over the batch at ~1e-7 of its tensor's scale (1e-2: ~2e-9), and under
+# eps = 1e-8 a gradient of -1.8e-9 (the reference) against +2.5e-9 (tessel under cp, Beam's layer-1 v_proj) moved
+# one weight by 3.6e-4 after one step, which changed step 2's gradients by 2e-3 and flipped the sign of a
+# 1e-6 embedding gradient (a whole step, 1.4e-3) and a router's choices at step 3 (loss 3.4e-4). That chain is
+# the reference's own: transformers' model run in fp64 against itself in fp32 differs as much (Beam: loss
+# 3.4e-4, weights 1.5e-3; Apertus 2.8e-5, 4.5e-4), and by 4.8e-7 and 3e-5 under eps = 1e-6. At 1e-6 a rounding
+# difference of 5e-9 moves a weight by at most lr * 5e-9 / 1e-6 = 5e-6 (1/20 of WEIGHT_TOL), while a gradient a
+# defect changes (the models' gradients are 1e-5..1e-1: a lost reduction halves them) still moves its weight by
+# ~lr. Parity is a property of the gradients; eps is no part of any layout.
+ADAM_EPS = 1e-6
+
+
+def set_eps(optimizer: torch.optim.Optimizer) -> None:
+    """ADAM_EPS on every parameter group (tessel's AdamW, ZeRO's, the reference's)."""
+    for group in optimizer.param_groups:
+        assert "eps" in group, f"{type(optimizer).__name__} takes no eps: the sweep's argument does not hold"
+        group["eps"] = ADAM_EPS
 
 
 def cell_overrides(axis: str, out_dir: str) -> list[str]:
@@ -106,6 +126,7 @@ def run_tessel(path: str, axis: str, out_dir: str) -> dict:
     from tests.helpers import build_trainer
     cfg = cell_config(path, axis, out_dir)
     trainer, model, runner, mesh = build_trainer(cfg)
+    set_eps(trainer.state.optimizer)
     losses, weights = [], {}
     for step in range(STEPS):
         losses.append(float(trainer.train_step(step)["loss"]))
@@ -127,6 +148,7 @@ def run_transformers(path: str, axis: str, out_dir: str) -> dict:
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
     opt = build_optimizer(params, cfg.train)
+    set_eps(opt)
     tokens = load_tokens(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
     sampler = BatchSampler(tokens.train, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
     losses, weights = [], {}
