@@ -377,7 +377,7 @@ class CostModel:
                      experts=local_experts, cp=lay.cp,
                      expert_rows=max(1, round(tokens * lay.ep * spec.moe_top_k / spec.n_experts)) if moe else 0,
                      router=spec.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss,
-                     shared_ffn=spec.shared_ffn // lay.tp if moe else 0, attn_gemms=latent)
+                     shared_ffn=spec.shared_ffn if moe else 0, attn_gemms=latent)
 
     # -- communication -----------------------------------------------------------
     def links(self, lay: Layout) -> dict[str, Link]:
@@ -608,7 +608,8 @@ class CostModel:
             if self.spec.cfg.tie_embeddings and 0 not in chunks:  # the last stage's copy of the tied embedding
                 dense += self.spec.cfg.vocab_size * self.spec.cfg.d_model
         shards = grid_cost.weight_shards(lay)  # tp, or a grid's pieces (2.5D's depth layers hold copies)
-        return (dense - whole) / shards + whole, expert / (shards * lay.ep)
+        # routed experts are split over ep only: an MoE block runs whole on every tp rank (layer_tp_whole_params)
+        return (dense - whole) / shards + whole, expert / lay.ep
 
     def state_memory(self, dense: float, expert: float, lay: Layout) -> dict[str, float]:
         """Parameters, gradients and optimizer state of one device (tessel.planner.memory.zero_state_bytes):

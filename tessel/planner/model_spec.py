@@ -124,8 +124,11 @@ class ModelSpec:
         return self.blocks[layer].params
 
     def layer_tp_whole_params(self, layer: int) -> int:
-        """The part of layer_params' dense count every tp rank holds whole (latent attention's down projections)."""
-        return self.blocks[layer].attention.tp_whole_params
+        """The part of layer_params' dense count every tp rank holds whole: latent attention's down projections,
+        and an MoE block's router and shared experts (the block runs whole on every tp rank: the reference GPT's
+        plan replicates it, and tessel computes a Hugging Face sparse block whole, tessel.hf_layout)."""
+        block = self.blocks[layer]
+        return block.attention.tp_whole_params + (block.experts.dense_params if block.experts else 0)
 
     @property
     def embedding_params(self) -> int:

@@ -133,8 +133,10 @@ def test_latent_attention_down_projections_are_priced_whole_on_every_tp_rank(tmp
     params = {tp: model.estimate(Layout(dp=64 // tp, tp=tp, zero=0, mb=1, ga=8, recompute="full")).memory["params"]
               for tp in (1, 2)}
     dense = sum(spec.layer_params(i)[0] for i in range(spec.cfg.n_layer)) + spec.embedding_params + spec.head_params
-    latent = whole * spec.cfg.n_layer
-    experts = sum(spec.layer_params(i)[1] for i in range(spec.cfg.n_layer))
-    # fp32 parameters: the dense part halves but for the latent projections (the experts' count follows the
-    # planner's tp split of them, which this test does not judge)
-    assert params[1] - params[2] == pytest.approx(4 * (dense - latent + experts) / 2)
+    # the latent projections of every layer, and each MoE block's router and shared experts (the block runs whole
+    # on every tp rank, as tessel's layouts run it)
+    kept = sum(spec.layer_tp_whole_params(i) for i in range(spec.cfg.n_layer))
+    assert kept > whole * spec.cfg.n_layer  # the MoE blocks' router and shared experts are among them
+    # fp32 parameters: the dense part halves but for what every rank keeps whole; the routed experts, split over
+    # ep only, do not change with tp
+    assert params[1] - params[2] == pytest.approx(4 * (dense - kept) / 2)
