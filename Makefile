@@ -9,8 +9,9 @@ setup: .venv/.ready
 	bash scripts/setup.sh
 	touch $@
 
+# the 15 slowest tests close the log (CI's too: .ci/run runs this), so a test that grows is seen
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 # the parity sweep over every cell of the support matrix that tessel's rules accept (minutes to an hour on two
 # cores), its record committed, and docs/support.md regenerated from it

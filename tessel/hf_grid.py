@@ -14,6 +14,7 @@ where the grid's shapes cannot hold it:
 - a layer the plan splits must be a torch Linear ([out, in]; GPT-2's Conv1D is not), its input and output
   features divided by the grid's side; a bias is split in side^2 pieces of its outputs (2D, 2.5D; the cube's
   linear takes none);
+- a projection 1D runs whole before the split by heads (latent attention's down projections) has no grid layer;
 - the token embedding must be nn.Embedding or transformers' scaled word embedding.
 
 The hidden size, heads, kv heads, feed-forward and vocabulary against the side are tessel.config's
@@ -42,7 +43,8 @@ def hf_grid_refusal(doc: dict, mode: str, side: int) -> str | None:
 def _problem(doc_json: str, mode: str, side: int) -> str | None:
     model = cached_meta_model(doc_json)
     rules = rules_from_plan(model, tp_cut(model), PlanNotes())
-    return _embedding_problem(model, rules.embedding) or _linear_problem(model, rules, mode, side)
+    return (_embedding_problem(model, rules.embedding) or _whole_linear_problem(model, rules)
+            or _linear_problem(model, rules, mode, side))
 
 
 def _embedding_problem(model, name: str) -> str | None:
@@ -52,6 +54,18 @@ def _embedding_problem(model, name: str) -> str | None:
     if not plain and not (type(emb).__name__.endswith("ScaledWordEmbedding") and hasattr(emb, "embed_scale")):
         return f"the grid's embedding splits nn.Embedding and transformers' scaled word embeddings, not {name} " \
                f"({type(emb).__name__}, which computes its own forward)"
+    return None
+
+
+def _whole_linear_problem(model, rules) -> str | None:
+    """A projection 1D runs whole on every rank before its region's split by heads (multi-head latent attention's
+    down projections: tessel.hf_layout's sum_grads on a Linear): the grid's residual stream is split in hidden
+    chunks, and the grid has no layer that runs a projection whole on the gathered stream."""
+    whole = [p for p, style in rules.linear if style == "sum_grads"]
+    for name, module in model.named_modules():
+        if any(fnmatch.fnmatchcase(name, p) for p in whole) and "Linear" in [c.__name__ for c in type(module).__mro__]:
+            return (f"the grid cannot place {name}: a projection 1D tensor parallelism runs whole before the split "
+                    f"by heads (latent attention), which the grid's hidden split does not hold; use tp_mode '1d'")
     return None
 
 

@@ -8,7 +8,7 @@ import pytest
 from tessel.hf_grid import hf_grid_refusal
 from tessel.support import AXES, refusal
 from tessel.support import tiny_config as family_defaults
-from tests.helpers import DERIVED, PLANNED
+from tests.helpers import DERIVED, LATENT, PLANNED
 
 # the families the grid's parity test trains (tests/parallel/tensor_nd/test_grid_modes.py)
 ON_THE_GRID = ("qwen3", "gemma2", "phi3", "gpt_neox", "glm4")
@@ -33,6 +33,11 @@ def test_what_the_grid_cannot_hold_is_named():
     # a side that does not divide a layer's input (3 x 3 grid, hidden 32)
     assert hf_grid_refusal(PLANNED["qwen3"], "2d", 3) == ("model.layers.0.self_attn.q_proj.in_features (32) must be "
                                                           "divisible by the grid's side 3")
+    # latent attention's down projections run whole before the split by heads under 1D; the grid has no such
+    # layer (it crashed on the hidden-split stream before this rule)
+    for kind in LATENT:
+        why = hf_grid_refusal(LATENT[kind], "2d", 2)
+        assert why.startswith("the grid cannot place model.layers.0.self_attn.") and "latent attention" in why, why
 
 
 def test_tessel_train_refuses_with_the_rule_in_one_line(tmp_path):

@@ -348,10 +348,12 @@ COSTLY = ("compile", "2D grid")
 
 
 def sample(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The suite's sample (tests/hf_matrix/test_sweep_sample.py), a rotation deterministic for a given matrix:
-    axis j's cell is its (13 j mod n)-th family (so the axes meet different families), then each family not met
-    yet takes one of its accepted axes, the i-th family its (i mod k)-th (compile and the 2D grid, the costly
-    ones, only where an axis needs them)."""
+    """The suite's sample (tests/hf_matrix/test_sweep_sample.py): the cheapest that covers every axis and every
+    family, one cell a family (the fewest possible), deterministic for a given matrix. Axis j's cell is its
+    (13 j mod n)-th family (so the axes meet different families); each family not met yet takes its cheapest
+    accepted axis: fewest ranks first (a cell of w ranks runs w copies of the model, and the sweep runs two
+    one-rank cells side by side), compile and the 2D grid last, the i-th family the (i mod k)-th of its k
+    cheapest (so the families alternate between those axes)."""
     from tessel.support import AXES
     chosen: list[tuple[str, str]] = []
     for j, axis in enumerate(AXES):
@@ -361,9 +363,17 @@ def sample(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
     met = {kind for kind, _ in chosen}
     for i, kind in enumerate(sorted({kind for kind, _ in cells})):
         if kind not in met:
-            own = [a for k, a in cells if k == kind and a not in COSTLY] or [a for k, a in cells if k == kind]
+            own = _cheapest(kind, [a for k, a in cells if k == kind])
             chosen.append((kind, own[i % len(own)]))
     return chosen
+
+
+def _cheapest(kind: str, axes: list[str]) -> list[str]:
+    """Those of the family's `axes` that cost least to sweep: by ranks (the world size of the cell's recipe, as
+    sweep() groups it), then not COSTLY."""
+    with tempfile.TemporaryDirectory() as folder:
+        cost = {axis: (world_of(kind, axis, Path(folder)), axis in COSTLY) for axis in axes}
+    return [axis for axis in axes if cost[axis] == min(cost.values())]
 
 
 def record(rows: dict[tuple[str, str], dict]) -> dict:

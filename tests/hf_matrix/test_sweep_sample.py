@@ -3,7 +3,9 @@ is accepted on, trained against the unmodified transformers model (tests/hf_matr
 cell's verdict equal to the one the committed record (docs/support_parity.json, `make hf-matrix`) holds, which
 is what `tessel support` prints. A cell the record lacks fails here: the record is stale (run `make hf-matrix`).
 
-The sample (tests.hf_matrix.sweep.sample) is a rotation, deterministic for a given matrix. Families whose
+The sample (tests.hf_matrix.sweep.sample) is the cheapest covering one, deterministic for a given matrix: one
+cell per family (the fewest that cover them all), each axis once on a rotating family, every other family on
+its cheapest axis (one rank: recompute or the fused loss). The full matrix is `make hf-matrix`. Families whose
 unmodified transformers model cannot train on the tiny config (or whose tiny config is not tiny) are checked
 for that, in this process, instead of being run.
 """
@@ -21,8 +23,8 @@ from tests.hf_matrix.sweep import (LOSS_TOL, accepted_cells, sample, sweep, too_
                                    transformers_fails, write_config)
 
 TRANSFORMERS_FAILS = "transformers' own model fails"
-# ~91 cells (one a family): measured 185 s on the 2 shared cores at a load average of ~30, past the suite's
-# 300 s per test at ~50; over this task's 90 s budget either way (see the branch's report)
+# 87 cells (one a family), 77 of them on one rank: under the suite's 300 s per test on a busy host, but the
+# whole sample is one fixture, so it keeps a margin
 pytestmark = pytest.mark.timeout(900)
 
 
