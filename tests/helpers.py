@@ -15,6 +15,7 @@ from tessel.config import Config, build_config, to_toml
 from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tessel.apply import parallelize
+from tessel.sharding import shard_dims
 from tessel.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,3 +221,13 @@ def tessel_logits(cfg: Config, checkpoint: Path, x: torch.Tensor) -> torch.Tenso
     CheckpointManager(checkpoint.parent, mesh).load(checkpoint, trainer.state.tensors)
     with torch.no_grad():
         return model.eval()(x)
+
+
+def whole_over_ep(t: torch.Tensor, p: torch.Tensor, mesh) -> torch.Tensor:
+    """The whole tensor of a parameter sharded over ep (experts along dim 0)."""
+    dim = shard_dims(p).get("ep")
+    if dim is None or mesh.size("ep") == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(mesh.size("ep"))]
+    dist.all_gather(parts, t.detach().contiguous(), group=mesh.group("ep"))
+    return torch.cat(parts, dim=dim)

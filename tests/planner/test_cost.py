@@ -4,29 +4,18 @@ import math
 
 import pytest
 
-from tessel.config import ConfigError, ModelConfig
+from tessel.config import ConfigError
 from tessel.models.gpt import GPT, count_params, flops_per_token
-from tessel.planner.cluster import Cluster, Link, get_cluster, link_for
+from tessel.planner.cluster import Link, get_cluster, link_for
 from tessel.planner.cost import (Calibration, CostModel, all_gather_time, all_reduce_time, all_to_all_time,
                                  chunk_layers, p2p_time, peak_chunks_in_flight)
 from tessel.planner.layout import Layout, parse_layout
 from tessel.planner.memory import head_activation_bytes, layer_activation_bytes, recompute_layer_bytes, zero_shards
 from tessel.planner.model_spec import from_config, preset
 from tessel.planner.schedule import bubble_fraction, peak_in_flight, stage_ops
+from tests.planner.cases import TINY, flat_cluster, tiny_spec
 
-TINY = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=32, max_seq_len=32)
 LINK = Link(1e9, 1e-5)
-
-
-def tiny_spec(layers=2, seq=16):
-    return from_config(TINY.model_copy(update={"n_layer": layers}), seq, 8)
-
-
-def flat_cluster(devices=8, flops=1e9, overlap=0.0, bw=1e9, lat=0.0):
-    # one node, round numbers, so every expected value below is arithmetic
-    link = Link(bw, lat)
-    return Cluster("test", 1, devices, {"fp32": flops, "bf16": flops}, 2**40, link, link,
-                   mem_bandwidth=1e9, overlap=overlap)
 
 
 def test_collective_times_by_hand():

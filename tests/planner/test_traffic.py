@@ -8,7 +8,7 @@ from tessel.planner.cost import Calibration, CostModel, all_reduce_time, sent_by
 from tessel.planner.layout import Layout
 from tessel.planner.traffic import (Call, bookkeeping_calls, bucket_sizes, dp_step_calls, ep_block_calls,
                                     fit_alpha_beta, merged, pp_calls, tp_block_calls, tp_edge_calls, trainer_calls)
-from tests.planner.test_cost import flat_cluster, tiny_spec
+from tests.planner.cases import flat_cluster, tiny_spec
 
 MiB = 2**20
 

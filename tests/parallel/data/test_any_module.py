@@ -28,7 +28,7 @@ from tessel.mesh import make_mesh
 from tessel.parallel.data.data_parallel import data_parallel
 from tessel.spawn import spawn
 from tests.parallel.zero.modules import Branchy, TinyResNet, image_batch, vector_batch
-from tests.parallel.zero.test_any_module import HYPER, groups_of
+from tests.parallel.zero.references import HYPER, groups_of
 
 STEPS = 3
 

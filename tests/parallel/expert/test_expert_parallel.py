@@ -10,12 +10,10 @@ the same number as the mean over ranks, and so are the gradients.
 """
 
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel.sharding import shard_dims
 from tessel.spawn import spawn
-from tests.helpers import build_trainer, tiny_config
+from tests.helpers import build_trainer, tiny_config, whole_over_ep
 
 # the reference routes each rank's shard as one accumulation chunk: per-rank (local) balancing
 # statistics (the global scope has its own test, test_global_balance.py)
@@ -44,25 +42,15 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 WEIGHT_TOL = dict(rtol=1e-4, atol=2e-5)
 
 
-def _full(t: torch.Tensor, p: torch.Tensor, mesh) -> torch.Tensor:
-    """The whole tensor of a parameter sharded over ep (experts along dim 0)."""
-    dim = shard_dims(p).get("ep")
-    if dim is None or mesh.size("ep") == 1:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(mesh.size("ep"))]
-    dist.all_gather(parts, t.detach().contiguous(), group=mesh.group("ep"))
-    return torch.cat(parts, dim=dim)
-
-
 def _train(overrides) -> dict:
     cfg = tiny_config(*overrides)
     trainer, model, _, mesh = build_trainer(cfg)
     named = list(model.named_parameters())
     grads = []  # after reduction and clipping, as the optimizer sees them
     trainer.optimizer.register_step_pre_hook(
-        lambda *_: grads.append({n: _full(q.grad, q, mesh) for n, q in named}))
+        lambda *_: grads.append({n: whole_over_ep(q.grad, q, mesh) for n, q in named}))
     rows = [trainer.train_step(step) for step in range(cfg.train.steps)]
-    return {"rows": rows, "grads": grads, "state": {n: _full(q, q, mesh) for n, q in named}}
+    return {"rows": rows, "grads": grads, "state": {n: whole_over_ep(q, q, mesh) for n, q in named}}
 
 
 def _run_cases(cases) -> dict:

@@ -21,8 +21,7 @@ import torch
 from torch.testing import assert_close
 
 from tessel.spawn import spawn
-from tests.helpers import build_trainer, tiny_config
-from tests.parallel.expert.test_expert_parallel import _full
+from tests.helpers import build_trainer, tiny_config, whole_over_ep
 
 STEPS = 5
 MOE = ["model.n_experts=4", "model.moe_every=1", "model.moe_top_k=2", "model.capacity_factor=4.0",
@@ -68,7 +67,7 @@ def _train(overrides, reorder=None) -> dict:
         trainer.sampler.next = _reordered(trainer.sampler, *reorder)
     rows = [trainer.train_step(step) for step in range(STEPS)]
     params = runner.named_parameters() if mesh.size("pp") > 1 else dict(model.named_parameters())
-    return {"rows": rows, "state": {n: _full(p, p, mesh) for n, p in params.items()}}
+    return {"rows": rows, "state": {n: whole_over_ep(p, p, mesh) for n, p in params.items()}}
 
 
 def _run(cases: dict) -> dict:

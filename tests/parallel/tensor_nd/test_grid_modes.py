@@ -36,7 +36,7 @@ from tessel.sharding import placement
 from tessel.spawn import spawn
 from tessel.train.checkpoint.read import read_model_tensors, read_tensors
 from tests.helpers import DERIVED, PLANNED, build_trainer, tiny_config
-from tests.planner.test_traffic_matches_runtime import Recorder, record_step
+from tests.planner.recorder import Recorder, record_step
 
 STEPS = 5
 COMMON = ("model.vocab_size=128", "model.d_model=32", "model.n_head=4", "model.n_layer=2",

@@ -32,52 +32,9 @@ from tessel.parallel.zero.flat import find_units, size_based_units
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.spawn import spawn
 from tests.parallel.zero.modules import Branchy, TinyResNet, image_batch, vector_batch
+from tests.parallel.zero.references import BF16, HYPER, ddp, fp32_weights, fsdp, groups_of, zero
 
-HYPER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 STEPS = 3
-BF16 = torch.bfloat16
-
-
-def groups_of(module: nn.Module) -> list[dict]:
-    """AdamW groups over the trainable parameters: decay on matrices only."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": HYPER["weight_decay"]},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def _ddp(net: nn.Module, **kw):
-    from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(net, **kw)
-    return model, torch.optim.AdamW(groups_of(net), lr=HYPER["lr"], betas=HYPER["betas"])
-
-
-def _fsdp(net: nn.Module, units, mixed: bool):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(net, mesh=mesh, mp_policy=policy)
-    return net, torch.optim.AdamW(groups_of(net), lr=HYPER["lr"], betas=HYPER["betas"])
-
-
-def _zero(net: nn.Module, stage: int, mixed: bool = False, **kw):
-    dtypes = dict(param_dtype=BF16, reduce_dtype=torch.float32) if mixed else {}
-    return zero_parallel(net, make_mesh({"dp": dist.get_world_size()}), stage, groups_of(net), **HYPER,
-                         bucket_mb=1e-4, **dtypes, **kw)
-
-
-def _fp32_weights(kind: str, net: nn.Module, model, opt) -> dict[str, torch.Tensor]:
-    """The fp32 weights (ZeRO: its masters; FSDP2: its sharded fp32 parameters, whole) and buffers."""
-    if kind.startswith("zero"):
-        out = {k.removeprefix("model/"): v for k, v in opt.checkpoint_tensors().items() if k.startswith("model/")}
-        with model.gathered():
-            out.update({k: v.detach().clone() for k, v in net.state_dict().items() if k not in out})
-        return out
-    if kind.startswith("fsdp"):
-        return {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
 def _stepped(kind: str, net: nn.Module, opt) -> dict[str, bool]:
@@ -99,7 +56,7 @@ def _train(kind: str, net: nn.Module, model, opt, batch, use_extra: bool) -> dic
             grads_none = {n: p.grad is None for n, p in net.named_parameters() if p.requires_grad}
         opt.step()
         opt.zero_grad()
-    return {"weights": _fp32_weights(kind, net, model, opt), "stepped": _stepped(kind, net, opt),
+    return {"weights": fp32_weights(kind, net, model, opt), "stepped": _stepped(kind, net, opt),
             "grads_none": grads_none}
 
 
@@ -110,7 +67,7 @@ def _branchy_runs() -> dict:
     for kind in ("ddp", "zero1", "zero2", "zero3"):
         torch.manual_seed(rank)
         net = Branchy()
-        model, opt = _ddp(net, find_unused_parameters=True) if kind == "ddp" else _zero(net, int(kind[-1]))
+        model, opt = ddp(net, find_unused_parameters=True) if kind == "ddp" else zero(net, int(kind[-1]))
         out[kind] = _train(kind, net, model, opt, vector_batch, use_extra=rank == 0)
         if kind == "zero3":
             out["outside_gathered"] = _read_outside_gathered(net)
@@ -142,7 +99,7 @@ def _bf16_runs() -> dict:
     for kind in ("fsdp", "zero1", "zero2", "zero3"):
         torch.manual_seed(0)
         net = Branchy()
-        model, opt = _fsdp(net, list(net.blocks), mixed=True) if kind == "fsdp" else _zero(net, int(kind[-1]), True)
+        model, opt = fsdp(net, list(net.blocks), mixed=True) if kind == "fsdp" else zero(net, int(kind[-1]), True)
         out[kind] = _train(kind, net, model, opt, vector_batch, use_extra=False)
         if kind != "fsdp":
             out[kind]["frozen_dtype"] = net.frozen.weight.dtype
@@ -157,9 +114,9 @@ def _resnet_runs() -> dict:
         torch.manual_seed(rank)
         net = TinyResNet()
         if kind == "ddp":
-            model, opt = _ddp(net, broadcast_buffers=True)
+            model, opt = ddp(net, broadcast_buffers=True)
         else:
-            model, opt = _zero(net, int(kind[-1]), broadcast_buffers=True)
+            model, opt = zero(net, int(kind[-1]), broadcast_buffers=True)
         if kind == "zero3":
             out["units"] = [u is b for u, b in zip(model.placement.unit_modules, net.blocks())]
             out["gathered_in_blocks"] = _count_gathered(model, net)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tessel.spawn import spawn
 from tests.parallel.zero.modules import tiny_gpt2, tiny_llama, token_batch
-from tests.parallel.zero.test_any_module import _ddp, _fp32_weights, _fsdp, _zero
+from tests.parallel.zero.references import ddp, fp32_weights, fsdp, zero
 
 STEPS = 3
 
@@ -39,7 +39,7 @@ def _train(kind: str, net, model, opt) -> dict:
         losses.append(out.loss.item())
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "output_type": output_type, "weights": _fp32_weights(kind, net, model, opt)}
+    return {"losses": losses, "output_type": output_type, "weights": fp32_weights(kind, net, model, opt)}
 
 
 def _outside_gathered(net) -> dict:
@@ -56,8 +56,8 @@ def _runs(save_dir: str) -> dict:
     for kind in ("fsdp", "zero3", "fsdp-bf16", "zero3-bf16"):
         net = tiny_llama()
         mixed = kind.endswith("bf16")
-        model, opt = (_fsdp(net, list(net.model.layers), mixed) if kind.startswith("fsdp")
-                      else _zero(net, 3, mixed))
+        model, opt = (fsdp(net, list(net.model.layers), mixed) if kind.startswith("fsdp")
+                      else zero(net, 3, mixed))
         out["llama", kind] = _train(kind, net, model, opt)
         if kind == "zero3":
             out["outside"] = _outside_gathered(net)
@@ -65,7 +65,7 @@ def _runs(save_dir: str) -> dict:
             net.save_pretrained(save_dir, is_main_process=dist.get_rank() == 0)
     for kind in ("ddp", "zero3"):
         net = tiny_gpt2()
-        model, opt = _ddp(net) if kind == "ddp" else _zero(net, 3)
+        model, opt = ddp(net) if kind == "ddp" else zero(net, 3)
         out["gpt2", kind] = _train(kind, net, model, opt)
     return out
 
