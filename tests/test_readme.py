@@ -7,6 +7,7 @@ run and its output compared, and the Python excerpt is the tested examples/own_l
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -41,12 +42,25 @@ def command_lines(text: str) -> list[str]:
     return [line for line in lines if line]
 
 
-def run_as_written(line: str, cwd: Path) -> subprocess.CompletedProcess:
+def run_as_written(line: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     program, *args = shlex.split(line)
-    proc = subprocess.run(PROGRAMS[program] + args, cwd=cwd, env=cli_env(), capture_output=True, text=True,
+    proc = subprocess.run(PROGRAMS[program] + args, cwd=cwd, env=cli_env(**env), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"`{line}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def private_cache(tmp_path: Path) -> dict[str, str]:
+    """A TESSEL_CACHE of the test's own that shares the corpora and tokenizers already built, but not the planner's
+    folder: `tessel plan --cluster this` writes its probe of this machine there, and the planner of later tests
+    (tessel.replan's world_cluster) would price this machine's links from it."""
+    shared = Path(os.environ.get("TESSEL_CACHE") or Path.home() / ".cache" / "tessel")
+    own = tmp_path / "cache"
+    own.mkdir()
+    for entry in shared.iterdir() if shared.is_dir() else ():
+        if entry.name != "planner":
+            (own / entry.name).symlink_to(entry)
+    return {"TESSEL_CACHE": str(own)}
 
 
 def scratch(tmp_path: Path) -> Path:
@@ -85,7 +99,8 @@ def test_the_quick_start_commands_run_as_written(tmp_path):
     cwd = scratch(tmp_path)
     quick = command_lines(sections()["Quick start (5 minutes)"])
     assert quick[0].startswith("tessel train") and quick[-1].startswith("tessel train planned.toml")
-    outputs = [run_as_written(line, cwd).stdout for line in quick]
+    cache = private_cache(tmp_path)
+    outputs = [run_as_written(line, cwd, **cache).stdout for line in quick]
     for folder in ("tiny", "planned"):  # tiny.toml's out_dir, then the one the README gives the planned run
         rows = metrics_rows(cwd / "runs" / folder)
         assert len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"] - 0.3, folder  # test_cli's bar for tiny

@@ -26,6 +26,14 @@ STEPS = 8
 LOST_AT = 5  # node 1 is lost at the start of step 5; the newest checkpoint is step 4's
 
 
+@pytest.fixture
+def no_probe(tmp_path, monkeypatch):
+    """An empty cache: world_cluster prices this machine's links from a cached probe where one exists (written by
+    any `tessel plan --cluster this`, the README's quick start's among them), which would change what the
+    planner chooses here."""
+    monkeypatch.setenv("TESSEL_CACHE", str(tmp_path))
+
+
 def _stopped(markers: Path) -> bool:
     return any(markers.glob(".fault-*"))
 
@@ -80,7 +88,7 @@ def _ranks(nodes: list[int], flops: float = 1e10) -> list[dict]:
     return [{"node": k, "kind": "cpu", "fp32": flops, "bf16": flops, "memory": budget} for k in nodes]
 
 
-def test_world_cluster_reads_nodes_links_and_the_slowest_device():
+def test_world_cluster_reads_nodes_links_and_the_slowest_device(no_probe):
     gbit = [[0, 40, 1, 1], [40, 0, 1, 1], [1, 1, 0, 40], [1, 1, 40, 0]]
     lat = [[0, 10, 100, 100], [10, 0, 100, 100], [100, 100, 0, 10], [100, 100, 10, 0]]
     ranks = _ranks([0, 0, 1, 1])
@@ -91,7 +99,7 @@ def test_world_cluster_reads_nodes_links_and_the_slowest_device():
     assert c.peak_flops["fp32"] == 5e9 and c.memory == 8 * 2**30
 
 
-def test_choose_keeps_what_may_not_change_and_refits_the_rest():
+def test_choose_keeps_what_may_not_change_and_refits_the_rest(no_probe):
     cfg = tiny_config("parallel.dp=2", "parallel.tp=2", "train.seed=7", "train.global_batch=8")
     one = [[0, 40], [40, 0]]
     cluster = world_cluster(_ranks([0, 0]), one, [[0, 10], [10, 0]])
@@ -103,7 +111,7 @@ def test_choose_keeps_what_may_not_change_and_refits_the_rest():
     assert report.lines()[0] == "[tessel replan] full: world 4 -> 2"
 
 
-def test_choose_prices_each_rank_at_its_own_speed():
+def test_choose_prices_each_rank_at_its_own_speed(no_probe):
     cfg = tiny_config("parallel.dp=2", "parallel.tp=2", "train.global_batch=8")
 
     def chosen(speeds: tuple[float, ...]):
@@ -127,7 +135,7 @@ def test_choose_prices_each_rank_at_its_own_speed():
     assert chosen((2.0, 2.0))[2].predicted_s < report.predicted_s < alike_report.predicted_s
 
 
-def test_rank_speeds_declared_or_by_kind():
+def test_rank_speeds_declared_or_by_kind(no_probe):
     cpu = _ranks([0, 0])
     gpus = [dict(cpu[0], kind="old gpu", fp32=1e12), dict(cpu[1], kind="new gpu", fp32=3e12)]
 
