@@ -63,7 +63,7 @@ def _whole_linear_problem(model, rules) -> str | None:
     chunks, and the grid has no layer that runs a projection whole on the gathered stream."""
     whole = [p for p, style in rules.linear if style == "sum_grads"]
     for name, module in model.named_modules():
-        if any(fnmatch.fnmatchcase(name, p) for p in whole) and "Linear" in [c.__name__ for c in type(module).__mro__]:
+        if any(fnmatch.fnmatchcase(name, p) for p in whole) and _is_torch_linear(module):
             return (f"the grid cannot place {name}: a projection 1D tensor parallelism runs whole before the split "
                     f"by heads (latent attention), which the grid's hidden split does not hold; use tp_mode '1d'")
     return None
@@ -75,7 +75,7 @@ def _linear_problem(model, rules, mode: str, side: int) -> str | None:
     for name, module in model.named_modules():
         if not any(fnmatch.fnmatchcase(name, p) for p in split):
             continue
-        if "Linear" not in [c.__name__ for c in type(module).__mro__]:
+        if not _is_torch_linear(module):
             return f"the grid splits torch Linear layers ([out, in] weights), not {name} ({type(module).__name__})"
         for dim, size in (("in_features", module.in_features), ("out_features", module.out_features)):
             if size % side:
@@ -86,3 +86,8 @@ def _linear_problem(model, rules, mode: str, side: int) -> str | None:
             return f"{name}.out_features ({module.out_features}) must be divisible by {side ** 2}: the grid " \
                    f"splits its bias in {side ** 2} pieces"
     return None
+
+
+def _is_torch_linear(module) -> bool:
+    """A torch Linear or a subclass ([out, in] weights; GPT-2's Conv1D is not), read without importing torch."""
+    return "Linear" in [c.__name__ for c in type(module).__mro__]
