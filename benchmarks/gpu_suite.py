@@ -86,7 +86,7 @@ def predicted_step(fields: dict, seq: int, batch: int, preset: str, compiled: bo
     from tessel.planner.model_spec import from_config
     spec = from_config(ModelConfig(**fields, max_seq_len=seq), seq, batch)
     cm = CostModel(spec, get_cluster(preset, 1), "bf16", compiled=compiled, fused_loss=fused_loss)
-    return cm.estimate(Layout(mb=batch)).step_s
+    return cm.estimate(Layout(micro_batch=batch)).step_s
 
 
 def planned_gemms(models: dict, preset: str) -> list:
@@ -100,10 +100,10 @@ def planned_gemms(models: dict, preset: str) -> list:
     out = []
     for fields, seq, batch in models.values():
         out += CostModel(from_config(ModelConfig(**fields, max_seq_len=seq), seq, batch), cl, "bf16").gemms(
-            Layout(mb=batch))
+            Layout(micro_batch=batch))
     if models is SUITE:
         for name in TP8_SHAPES:
-            out += CostModel(model_preset(name), cl, "bf16").gemms(Layout(tp=8, mb=1))
+            out += CostModel(model_preset(name), cl, "bf16").gemms(Layout(tp=8, micro_batch=1))
     return list(dict.fromkeys(out))
 
 
@@ -387,7 +387,7 @@ def print_predictions(preset: str) -> None:
     for name, (fields, seq, batch) in SUITE.items():
         spec = from_config(ModelConfig(**fields, max_seq_len=seq), seq, batch)
         for run, (compiled, fused) in PRICED.items():
-            e = CostModel(spec, cl, "bf16", compiled=compiled, fused_loss=fused).estimate(Layout(mb=batch))
+            e = CostModel(spec, cl, "bf16", compiled=compiled, fused_loss=fused).estimate(Layout(micro_batch=batch))
             print(f"{name:<11} {run:<20} {e.step_s * 1e3:9.1f} {e.tokens_per_s:10.0f} {e.mfu:6.3f} "
                   f"{e.memory_total / 2**30:6.1f}")
 

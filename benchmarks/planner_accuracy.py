@@ -100,7 +100,7 @@ def run_trainer(cfg, workdir: Path, name: str) -> dict:
 def calibrate(base, refresh: bool):
     t0 = time.time()
     cluster = probe_this(WORLD, refresh=refresh)
-    sizes = sorted({parse_layout(text, GLOBAL_BATCH).mb for text in CASES})
+    sizes = sorted({parse_layout(text, GLOBAL_BATCH).micro_batch for text in CASES})
     cal = profile_model(base.model, base.train.seq_len, WORLD, sizes, "fp32", refresh=refresh)
     fits = ", ".join(f"{k} {a * 1e6:.0f} us + {1 / b / 1e6 if b else float('inf'):.0f} MB/s"
                      for k, (a, b) in sorted(cluster.collectives.items()))

@@ -78,7 +78,7 @@ def _predicted(name: str, p: int, m: int, args) -> list[tuple[float, float]]:
     lay = config_layout(cfg)
     cm = CostModel(spec, get_cluster("a100", p), "fp32")
     v = SCHEDULES[name]
-    block = layer_activation_bytes(spec, lay.mb * args.seq, 1, False, "fp32")
+    block = layer_activation_bytes(spec, lay.micro_batch * args.seq, 1, False, "fp32")
     blocks_per_chunk = args.layers / (p * v)
     rows = []
     for r in range(p):

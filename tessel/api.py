@@ -60,7 +60,8 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: LayoutSpec = None, *, prec
                 compile: str = "off", fused_loss: bool = False) -> "ParallelJob":
     """Cut a transformers causal LM over `mesh` by `layout`; the job a training loop drives.
 
-    layout: 'zero=1,sp=true' (the keys of `tessel plan --layout`), a dict of them, or a Layout; an axis it
+    layout: 'zero_stage=1,sequence_parallel=true' (the keys of `tessel plan --layout`, the recipe's parallel
+    names, or their short aliases: 'zero=1,sp=true'), a dict of them, or a Layout; an axis it
     leaves out takes the mesh's size, one it names must equal it. `model` is used as it is (no copy, no
     rebuild): its layers are replaced by their shards, and its forward answers with the logits tensor
     (B, T, V) instead of a ModelOutput, as everywhere in tessel (under fused_loss, with what enters its head:
@@ -114,11 +115,11 @@ def resolve_layout(layout: LayoutSpec, mesh: Mesh) -> Layout:
             given, named = parse_layout(text), set(parse_fix(text))
         except ConfigError as err:
             raise ConfigError("layout", err.message) from None
-        if "mb" in named:
-            raise ConfigError("layout", "mb: step() is given this rank's rows, split into ga*m micro-batches; "
-                                        "leave mb out")
-        if "m" not in named and mesh.size("pp") > 1:
-            given = replace(given, m=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
+        if "micro_batch" in named:
+            raise ConfigError("layout", "micro_batch: step() is given this rank's rows, split into "
+                                        "grad_accum*micro_batches micro-batches; leave micro_batch out")
+        if "micro_batches" not in named and mesh.size("pp") > 1:
+            given = replace(given, micro_batches=mesh.size("pp"))  # a micro-batch per stage: every stage busy at once
     if mesh.size("cp") > 1:  # step() is handed whole rows; cp ranks would each need their chunks of them
         raise ConfigError("layout", "cp > 1 trains through `tessel train` (its sampler hands each cp rank its "
                                     "chunks); tessel.parallelize takes meshes without a cp axis so far")
@@ -138,7 +139,7 @@ def job_config(model: nn.Module, layout: Layout, mesh: Mesh, train: dict) -> Con
     max_seq_len = model_shape(hf_config)["max_seq_len"]
     raw = {"model": {"hf_config": str(hf_config)},
            "parallel": {**layout.parallel_fields(), "rank_order": list(mesh.order)},
-           "train": {"global_batch": layout.batch_shards * layout.chunks, "grad_accum": layout.ga,
+           "train": {"global_batch": layout.batch_shards * layout.chunks, "grad_accum": layout.grad_accum,
                      "seq_len": max_seq_len - max_seq_len % layout.tp, **train,
                      "eval_every": 0, "sample_tokens": 0},
            "data": {"source": "synthetic"}}

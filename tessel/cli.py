@@ -13,7 +13,7 @@ from tessel import launch
 from tessel.config import Config, ConfigError, load_config
 from tessel.combinations import combinations_markdown
 from tessel.config_doc import config_markdown
-from tessel.planner.layout import KEY_HELP
+from tessel.planner.layout import ALIASES, KEY_HELP
 from tessel.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
 
@@ -84,8 +84,9 @@ _PLAN_OPTS = dict(
     model=typer.Option(None, "--model", help="model preset, e.g. gpt3-175b (default: the recipe's model)"),
     global_batch=typer.Option(None, "--global-batch", help="sequences per step (default recipe/preset)"),
     precision=typer.Option(None, "--precision", help="fp32 | bf16"),
-    layout=typer.Option(None, "--layout", help="evaluate one layout: dp=2,tp=2,pp=2,mb=1,zero=1,v=2,... Keys: "
-                        + "; ".join(f"{k}: {v}" for k, v in KEY_HELP.items())),
+    layout=typer.Option(None, "--layout", help="evaluate one layout: dp=2,tp=2,pp=2,micro_batch=1,zero_stage=1,... "
+                        "Keys: " + "; ".join(f"{k}: {v}" for k, v in KEY_HELP.items())
+                        + ". Aliases: " + ", ".join(f"{a}={k}" for a, k in ALIASES.items())),
     as_json=typer.Option(False, "--json", help="print machine-readable results"),
     refresh=typer.Option(False, "--refresh", help="re-measure this machine instead of using the cache"),
 )
@@ -205,7 +206,7 @@ def config_doc(
                                       "printing it"),
 ) -> None:
     """The configuration reference: every recipe section and field, its type, default, choices and description,
-    read from the schema (tessel/config.py)."""
+    read from the schema (tessel/config/schema.py)."""
     _write_or_print(config_markdown(), out)
 
 

@@ -325,7 +325,7 @@ def step_terms(est: Estimate) -> list[str]:
                f"{est.link_bound_s:.4g} s)")
     out += [f"{link} busy {v:.4g} s per step ({100 * v / total:.1f}% of the step)" for link, v in est.links.items()]
     if est.layout.pp > 1:
-        out.append(f"pipeline flush {est.flush_s:.4g} s x {est.layout.ga} (priced by the {est.priced_by}), "
+        out.append(f"pipeline flush {est.flush_s:.4g} s x {est.layout.grad_accum} (priced by the {est.priced_by}), "
                    f"bubble {100 * est.bubble:.1f}%, p2p message {1e3 * est.p2p_s:.3g} ms")
     out += [f"{axis} sends {v / 1e9:.3g} GB per device per step" for axis, v in est.comm_bytes.items() if v > 0]
     out.append("memory per device: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in est.memory.items()

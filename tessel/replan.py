@@ -215,7 +215,7 @@ def choose(cfg: Config, world: int, cluster: Cluster, cal, old: Previous) -> tup
     spec = from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch)
     cm = CostModel(spec, cluster, cfg.train.precision, cal, cfg.parallel.bucket_mb, cfg.parallel.zero_reduce_dtype,
                    compiled=cfg.train.compile != "off", fused_loss=cfg.train.fused_loss)
-    fixed = {"param_dtype": "bf16"} if cfg.parallel.zero_param_dtype == "bf16" else None
+    fixed = {"zero_param_dtype": "bf16"} if cfg.parallel.zero_param_dtype == "bf16" else None
     result = search(cm, world, cfg.train.global_batch, fixed)
     base = replan_base(cfg)
     if cluster.speeds and cfg.runtime.device_speeds is None:  # measured: the runtime splits by the same
@@ -244,7 +244,7 @@ def choose(cfg: Config, world: int, cluster: Cluster, cal, old: Previous) -> tup
 def _as_planned(base: Config, est: Estimate) -> tuple[Config, float, None] | None:
     """est's layout as a config, at the planner's price (devices alike); None where tessel.config refuses it."""
     lay = est.layout
-    if lay.pp > 1 or lay.ep > 1 or lay.zero > 1:  # a recipe's dp split by speed, where the layout cannot split
+    if lay.pp > 1 or lay.ep > 1 or lay.zero_stage > 1:  # a recipe's dp split by speed, where the layout cannot split
         base = base.model_copy(deep=True)
         base.parallel.dp_split = "even"
     try:
@@ -265,7 +265,7 @@ def _on_devices(base: Config, est: Estimate, cluster: Cluster, world: int) -> tu
     memory = [m * 2**30 for m in memory] if memory and len(memory) == world else [cluster.memory] * world
     order = even.parallel.rank_order
     capacity = (layer_capacity(even, min_per_coord(memory, lay.axis_sizes, order, "pp"), cluster.baseline_memory)
-                if lay.pp > 1 and lay.v == 1 else None)
+                if lay.pp > 1 and lay.virtual_stages == 1 else None)
     try:
         prices = priced(est, list(cluster.speeds), base.model.n_layer, capacity, order)
     except ConfigError:  # the stages' memory cannot hold the blocks
@@ -319,7 +319,7 @@ def _dp_only(cfg: Config, world: int, cm: CostModel) -> tuple[str | None, float 
     if not cm.cluster.speeds:
         return lay.describe(), est.step_s
     prices = priced(est, list(cm.cluster.speeds), cfg.model.n_layer, order=kept.parallel.rank_order)
-    by_speed = kept.parallel.dp_split == "speed" and lay.pp == 1 and lay.ep == 1 and lay.zero <= 1
+    by_speed = kept.parallel.dp_split == "speed" and lay.pp == 1 and lay.ep == 1 and lay.zero_stage <= 1
     return _describe(kept), prices.uneven_s if by_speed else prices.even_s
 
 

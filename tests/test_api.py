@@ -147,7 +147,7 @@ def test_bad_layouts_name_what_is_wrong():
     cases = [
         (alone_mesh, "dp=2", "layout: dp=2 but the mesh has dp=1"),
         (alone_mesh, "dp=1,wide=2", "layout: unknown key 'wide'"),
-        (alone_mesh, "mb=2", "layout: mb: step() is given this rank's rows"),
+        (alone_mesh, "mb=2", "layout: micro_batch: step() is given this rank's rows"),
         (alone_mesh, 42, "layout: expected a string"),
         (Mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 3}), "", "parallel.tp: model.n_head (4) is not divisible by tp (3)"),
         (Mesh({"pp": 3, "dp": 1, "ep": 1, "tp": 1}), "", "parallel.pp: model.n_layer (2) is fewer than the pipeline"),

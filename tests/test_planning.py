@@ -31,7 +31,7 @@ def test_plan_json_fields_and_recipe_out(tmp_path):
     steps = [p["step_s"] for p in plans]
     assert steps == sorted(steps)
     for p in plans:
-        assert {"dp", "tp", "pp", "ep", "zero", "mb"} <= set(p["layout"])
+        assert {"dp", "tp", "pp", "ep", "zero_stage", "micro_batch"} <= set(p["layout"])
         assert p["tokens_per_s"] > 0 and p["model_flops_per_device"] > 0
         assert {"params", "grads", "optimizer", "activations"} <= set(p["memory_mib"])
     cfg = load_config(out)  # the written recipe is one `tessel train` accepts

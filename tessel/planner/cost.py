@@ -244,7 +244,7 @@ class Estimate:
         """This estimate with one pipeline flush taking `flush_s` (the event simulator's replay of the
         runtime's schedule, tessel.planner.search.simulate_top): the critical path moves by grad_accum
         times the difference, the link bound stays, and every rate follows the new step."""
-        delta = self.layout.ga * (flush_s - self.flush_s)
+        delta = self.layout.grad_accum * (flush_s - self.flush_s)
         path = self.path_s + delta
         step = max(path, self.link_bound_s)
         scale = self.step_s / step
@@ -340,7 +340,8 @@ class CostModel:
         grid = grid_cost.layout_grid(lay)
         key = (grid, tokens, self._param_bytes(lay), first, last)
         if key not in self._block_memo:  # (block, edges) seconds: thousands of layouts share a few
-            shape = grid_cost.rank_shape(grid, self._shape(replace(lay, tp=1, sp=False, tp_mode="1d"), tokens, False))
+            whole = replace(lay, tp=1, sequence_parallel=False, tp_mode="1d")
+            shape = grid_cost.rank_shape(grid, self._shape(whole, tokens, False))
             edges = grid_cost.edge_seconds(shape, grid, self.spec.cfg.vocab_size, self.cluster, self._dtype(),
                                            first, last) if first or last else (0.0, 0.0)
             self._block_memo[key] = grid_cost.block_seconds(shape, grid, self.cluster, self._dtype()), edges
@@ -354,7 +355,7 @@ class CostModel:
 
     def gemms(self, lay: Layout) -> list[Gemm]:
         """The distinct GEMMs of a dense block and the head on one tp rank of a 1d layout, forward and backward."""
-        tokens = local_tokens(lay.mb * self.spec.seq_len, lay.cp)
+        tokens = local_tokens(lay.micro_batch * self.spec.seq_len, lay.cp)
         return step_gemms(self._shape(lay, tokens, False), math.ceil(self.spec.cfg.vocab_size / lay.tp))
 
     def _block(self, shape: Shape) -> tuple[float, float, float]:
@@ -371,7 +372,7 @@ class CostModel:
         return Shape(tokens=tokens, seq=spec.seq_len, d_model=c.d_model, heads=c.n_head // lay.tp,
                      kv_heads=max(1, c.kv_heads // lay.tp), head_dim=spec.head_dim,
                      ffn=spec.expert_ffn if moe else c.ffn_dim // lay.tp, mlp_matrices=spec.mlp_matrices,
-                     sp_tokens=tokens // lay.tp if lay.sp else tokens, act=act,
+                     sp_tokens=tokens // lay.tp if lay.sequence_parallel else tokens, act=act,
                      resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
                      experts=local_experts, cp=lay.cp,
@@ -450,8 +451,8 @@ class CostModel:
                           last: bool) -> tuple[float, float, dict, Cost]:
         """_chunk_comm and the links its collectives hold."""
         n_moe = sum(self.moe_flags[i] for i in layers)
-        key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sp, lay.recompute == "full", tokens,
-               lay.dp, lay.pp, lay.tp_mode, lay.tp_depth)
+        key = (len(layers) - n_moe, n_moe, first, last, lay.tp, lay.ep, lay.sequence_parallel, lay.recompute == "full",
+               tokens, lay.dp, lay.pp, lay.tp_mode, lay.tp_depth)
         if key not in self._comm_memo:  # thousands of layouts share a few chunk shapes
             grid = grid_cost.layout_grid(lay)
             self._comm_memo[key] = (self._grid_chunk_comm(grid, len(layers), first, last, lay, tokens) if grid
@@ -529,8 +530,9 @@ class CostModel:
 
     def _p2p_bytes(self, lay: Layout) -> float:
         """One pipeline message: a micro-batch's activation (sequence-sharded under SP)."""
-        split = lay.sp or lay.tp_mode != "1d"  # a grid splits the activation over all of its ranks
-        return lay.mb * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1) / lay.cp
+        split = lay.sequence_parallel or lay.tp_mode != "1d"  # a grid splits the activation over all of its ranks
+        return (lay.micro_batch * self.spec.seq_len * self.spec.cfg.d_model * self.act_bytes / (lay.tp if split else 1)
+                / lay.cp)
 
     # -- context parallelism (tessel.planner.context) ------------------------------------
     def _widths(self, lay: Layout) -> tuple[int, int]:
@@ -578,19 +580,19 @@ class CostModel:
             return 0.0
         q, kv = self._widths(lay)
         c = self.spec.cfg
-        freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, lay.tp, lay.sp, self.precision)
+        freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, lay.tp, lay.sequence_parallel, self.precision)
         return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if self.precision == "bf16" else 4) - freed)
 
     # -- memory ----------------------------------------------------------------------
     def _param_bytes(self, lay: Layout) -> int:
         """Bytes of a stored parameter: bf16 where ZeRO stores them so (the runtime allows it with ZeRO
         and without a pipeline, tessel.config), fp32 otherwise."""
-        return 2 if lay.param_dtype == "bf16" and lay.zero >= 1 and lay.pp == 1 else 4
+        return 2 if lay.zero_param_dtype == "bf16" and lay.zero_stage >= 1 and lay.pp == 1 else 4
 
     def _reduce_bytes(self, lay: Layout) -> int:
         if self._param_bytes(lay) == 4 and self.reduce_dtype in (None, "fp32"):
             return 4
-        return 2 if (self.reduce_dtype or lay.param_dtype) == "bf16" and lay.zero >= 1 and lay.pp == 1 else 4
+        return 2 if (self.reduce_dtype or lay.zero_param_dtype) == "bf16" and lay.zero_stage >= 1 and lay.pp == 1 else 4
 
     def _stage_params(self, chunks: list[int], lay: Layout, all_chunks: list[list[int]]) -> tuple[float, float]:
         """(dense, expert) parameters held by one device before ZeRO."""
@@ -616,8 +618,8 @@ class CostModel:
         dense parameters sharded over dp x ep (x cp), experts over dp (x cp)."""
         pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
         whole = lay.pp > 1  # gradients accumulate whole over the micro-batches, reduce-scattered after the flush
-        d = zero_state_bytes(dense, lay.zero, lay.token_shards, pb, rb, whole)
-        e = zero_state_bytes(expert, lay.zero, lay.dp * lay.cp, pb, rb, whole)
+        d = zero_state_bytes(dense, lay.zero_stage, lay.token_shards, pb, rb, whole)
+        e = zero_state_bytes(expert, lay.zero_stage, lay.dp * lay.cp, pb, rb, whole)
         return {k: d[k] + e[k] for k in d}
 
     def _memory(self, stage: int, chunks: list[int], lay: Layout, all_chunks, tokens: int) -> dict[str, float]:
@@ -627,19 +629,20 @@ class CostModel:
         if grid is not None:  # dense blocks only: every one keeps the same (cp > 1 is refused with a grid)
             per_layer = [grid_cost.layer_activation_bytes(self.spec, tokens, grid, self.precision)]
         else:
-            per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+            per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sequence_parallel, self.precision,
+                                                self.moe_flags[i])
                          - self._ring_saving(lay, tokens) for k in chunks for i in all_chunks[k]] or [0.0]
         one_layer, biggest = sum(per_layer) / len(per_layer), max(per_layer)  # mean over this device's blocks
         fused = self.cluster.fused_attention
         if not fused:  # the T x T probabilities of every head
             scores = unfused_attention_bytes(self.spec, tokens, lay.tp, self.precision)
             one_layer, biggest = one_layer + scores, biggest + scores
-        in_flight = peak_chunks_in_flight(lay.schedule, lay.pp, lay.m, stage, lay.v)
+        in_flight = peak_chunks_in_flight(lay.schedule, lay.pp, lay.micro_batches, stage, lay.virtual_stages)
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         core = attention_core_bytes(self.spec, tokens, lay.tp, self.precision, fused)
         if lay.recompute == "full":
             kept = in_flight * layers_per_chunk * recompute_layer_bytes(self.spec, tokens, lay.tp,
-                                                                        lay.sp or grid is not None)
+                                                                        lay.sequence_parallel or grid is not None)
             kept += biggest  # one block rebuilt at a time
         elif lay.recompute == "selective":
             kept = in_flight * layers_per_chunk * (one_layer - core) + core  # one core rebuilt at a time
@@ -657,11 +660,11 @@ class CostModel:
             mem.update(self._split_and_stash(stage, chunks, lay, all_chunks, tokens, dense + expert))
         transient = 0.0
         pb = self._param_bytes(lay)
-        if lay.zero >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
+        if lay.zero_stage >= 3 and lay.pp > 1:  # under a pipeline the whole stage is gathered for the step
             transient = pb * (dense + expert)
-        elif lay.zero >= 3:  # the gathered weights of the block being computed and the prefetched next
+        elif lay.zero_stage >= 3:  # the gathered weights of the block being computed and the prefetched next
             transient = 2 * pb / 4 * self._largest_block_bytes(grid_cost.weight_shards(lay))
-        elif lay.zero == 2:  # one bucket in flight, never more than the gradients it holds
+        elif lay.zero_stage == 2:  # one bucket in flight, never more than the gradients it holds
             transient = min(self.bucket_bytes, self._reduce_bytes(lay) * (dense + expert))
         mem["buffers"] = transient + self._collective_workspace(lay, 4 * (dense + expert))
         mem["baseline"] = self.cluster.baseline_memory
@@ -673,7 +676,7 @@ class CostModel:
         """A split backward's captured gradients, held from B to W (tessel.planner.schedule), and an
         asynchronous pipeline's stashed weight versions (fp32 copies of the stage's parameters)."""
         c = self.spec.cfg
-        held = held_micro_batches(lay.schedule, lay.pp, lay.m, stage, lay.v)[0]
+        held = held_micro_batches(lay.schedule, lay.pp, lay.micro_batches, stage, lay.virtual_stages)[0]
         layers_per_chunk = sum(len(all_chunks[k]) for k in chunks) / len(chunks)
         one = captured_gradient_bytes(c.d_model, c.kv_heads * self.spec.head_dim, c.ffn_dim, tokens, lay.tp,
                                       self.act_bytes)
@@ -682,7 +685,8 @@ class CostModel:
             one += tokens * c.vocab_size * self.act_bytes / lay.tp / layers_per_chunk
         # what the captured gradients add at the moment the stage holds most (not at their own peak)
         act = layers_per_chunk * self._mean_layer_bytes(chunks, all_chunks, lay, tokens)
-        joint = held_bytes(lay.schedule, lay.pp, lay.m, stage, lay.v, act, layers_per_chunk * one)
+        joint = held_bytes(lay.schedule, lay.pp, lay.micro_batches, stage, lay.virtual_stages, act,
+                           layers_per_chunk * one)
         out = {"captured_grads": joint - held * act}
         versions = stashed_versions(lay.schedule, held)
         if versions:
@@ -690,7 +694,8 @@ class CostModel:
         return out
 
     def _mean_layer_bytes(self, chunks: list[int], all_chunks, lay: Layout, tokens: int) -> float:
-        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sp, self.precision, self.moe_flags[i])
+        per_layer = [layer_activation_bytes(self.spec, tokens, lay.tp, lay.sequence_parallel, self.precision,
+                                            self.moe_flags[i])
                      for k in chunks for i in all_chunks[k]] or [0.0]
         return sum(per_layer) / len(per_layer)
 
@@ -722,10 +727,10 @@ class CostModel:
         if not w or lay.token_shards == 1:
             return 0.0
         bucket = min(self.bucket_bytes, param_bytes)
-        if lay.zero in (1, 2):
-            per_bucket = w.get("reduce_scatter" if lay.zero == 2 else "all_reduce", 0.0)
+        if lay.zero_stage in (1, 2):
+            per_bucket = w.get("reduce_scatter" if lay.zero_stage == 2 else "all_reduce", 0.0)
             return w.get("all_gather", 0.0) * param_bytes + per_bucket * bucket
-        if lay.zero >= 3:
+        if lay.zero_stage >= 3:
             block = self._largest_block_bytes(grid_cost.weight_shards(lay))
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
@@ -733,15 +738,15 @@ class CostModel:
     # -- the whole step ----------------------------------------------------------------
     def stage_memory(self, lay: Layout, stage: int) -> dict[str, float]:
         """Bytes on pipeline rank `stage` (estimate() keeps the first and last stage's, or all when v > 1)."""
-        all_chunks = chunk_layers(self.spec.cfg.n_layer, lay.pp, lay.v)
-        return self._memory(stage, device_chunks(lay.schedule, lay.pp, lay.v, stage), lay, all_chunks,
-                            local_tokens(lay.mb * self.spec.seq_len, lay.cp))
+        all_chunks = chunk_layers(self.spec.cfg.n_layer, lay.pp, lay.virtual_stages)
+        return self._memory(stage, device_chunks(lay.schedule, lay.pp, lay.virtual_stages, stage), lay, all_chunks,
+                            local_tokens(lay.micro_batch * self.spec.seq_len, lay.cp))
 
     def estimate(self, lay: Layout) -> Estimate:
         spec, c = self.spec, self.spec.cfg
-        tokens = local_tokens(lay.mb * spec.seq_len, lay.cp)  # one rank's share of a micro-batch
+        tokens = local_tokens(lay.micro_batch * spec.seq_len, lay.cp)  # one rank's share of a micro-batch
         geo = self.groups(lay)
-        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
+        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.virtual_stages)
         last_chunk = len(all_chunks) - 1
         p2p_bytes = self._p2p_bytes(lay)
         p2p = self.cost("p2p", p2p_bytes, geo["pp"]) if lay.pp > 1 else NONE
@@ -750,7 +755,7 @@ class CostModel:
         t_tp_ep = t_rc = t_cp = 0.0
         busy = NONE  # the links one device's collectives hold over the step (the busiest stage's)
         for s in range(lay.pp):
-            chunks = device_chunks(lay.schedule, lay.pp, lay.v, s)
+            chunks = device_chunks(lay.schedule, lay.pp, lay.virtual_stages, s)
             row, held = [], NONE
             for k in chunks:
                 f, b, rc = self._chunk_compute(all_chunks[k], k == last_chunk, lay, tokens, first=k == 0)
@@ -774,37 +779,37 @@ class CostModel:
             busy = max(busy, held, key=lambda x: max(x.nvlink_s, x.nic_s))
             chunk_times.append(row)
             stage_busy.append(sum(f + b for f, b in row))
-            if s in (0, lay.pp - 1) or lay.v > 1:
+            if s in (0, lay.pp - 1) or lay.virtual_stages > 1:
                 mems[s] = self._memory(s, chunks, lay, all_chunks, tokens)
         memory = max(mems.values(), key=lambda mm: mm["total"])
-        t_pipe = pipeline_time(stage_busy, lay.m, lay.v, p2p.seconds)
+        t_pipe = pipeline_time(stage_busy, lay.micro_batches, lay.virtual_stages, p2p.seconds)
         if lay.schedule in NEW_SCHEDULES:
             t_pipe = flush_time(lay.schedule, stage_busy, [sum(f for f, _ in row) for row in chunk_times],
-                                lay.m, lay.v, p2p.seconds)
-        compute_busy = max(stage_busy) * lay.m
+                                lay.micro_batches, lay.virtual_stages, p2p.seconds)
+        compute_busy = max(stage_busy) * lay.micro_batches
         bubble = 1 - compute_busy / t_pipe if t_pipe > 0 else 0.0
         dp_exposed, dp_total, dp_bytes, dp_links, dp_split = self._dp_time(lay, geo, chunk_times, memory)
         opt = self._optimizer_time(memory, lay)
         book, book_links = self._bookkeeping_time(lay, geo)
         busy = busy + dp_links + book_links
         fixed = opt + self.cal.step_overhead_s  # no communication overlaps these
-        path = lay.ga * t_pipe + dp_exposed + fixed + book
+        path = lay.grad_accum * t_pipe + dp_exposed + fixed + book
         # links are shared: everything a device sends or receives queues on its NVLink and its NIC
         link_bound = max(busy.nvlink_s, busy.nic_s) + fixed
         t_step = max(path, link_bound)
-        busy_compute = max(stage_busy) * lay.m * lay.ga
+        busy_compute = max(stage_busy) * lay.micro_batches * lay.grad_accum
         global_tokens = lay.global_batch * spec.seq_len
         model_flops = self.model_flops_tok * global_tokens / t_step / lay.world
         hw_flops = (self.model_flops_tok + self._recompute_flops_per_token(lay)) * global_tokens / t_step / lay.world
         peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
+        pp_comm = 2 * (lay.pp * lay.virtual_stages - 1) * p2p.seconds * lay.grad_accum if lay.pp > 1 else 0.0
         time = {"compute": busy_compute - t_tp_ep - t_rc - t_cp,
                 "recompute": t_rc, "tp+ep comm": t_tp_ep, "cp comm": t_cp,
-                "pp comm": 2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga if lay.pp > 1 else 0.0,
-                "bubble": lay.ga * (t_pipe - compute_busy) - (2 * (lay.pp * lay.v - 1) * p2p.seconds * lay.ga
-                                                             if lay.pp > 1 else 0.0),
+                "pp comm": pp_comm,
+                "bubble": lay.grad_accum * (t_pipe - compute_busy) - pp_comm,
                 "dp comm (exposed)": dp_exposed, "optimizer": opt,
                 "overhead": self.cal.step_overhead_s + book, "link-bound wait": t_step - path}
-        comm_sent["pp"] = 2 * p2p_bytes * lay.chunks * lay.v if lay.pp > 1 else 0.0
+        comm_sent["pp"] = 2 * p2p_bytes * lay.chunks * lay.virtual_stages if lay.pp > 1 else 0.0
         comm_sent["dp"] = dp_bytes
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         return Estimate(lay, t_step, global_tokens / t_step, model_flops, model_flops / peak, memory, time,
@@ -840,7 +845,7 @@ class CostModel:
         if n == 1:
             return 0.0, 0.0, 0.0, NONE, (0.0, 0.0, 0.0)
         g = geo["dp"]
-        sharded = lay.zero >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
+        sharded = lay.zero_stage >= 2 and lay.pp == 1  # under a pipeline the step's gradients stay whole
         # unsharded fp32-equivalent gradient bytes (the call lists count fp32 buffers)
         grads_full = 4 * (memory["grads"] / self._reduce_bytes(lay)) * (n if sharded else 1)
         ov = self.cluster.overlap
@@ -867,7 +872,7 @@ class CostModel:
     def _bookkeeping(self, lay: Layout, stage: int = 0) -> dict[str, list[Call]]:
         c = self.spec.cfg
         tied = 4 * c.vocab_size * c.d_model / lay.tp if c.tie_embeddings and lay.pp > 1 else 0.0
-        return bookkeeping_calls(lay.tp, lay.pp, lay.token_shards, lay.zero, stage, tied)
+        return bookkeeping_calls(lay.tp, lay.pp, lay.token_shards, lay.zero_stage, stage, tied)
 
     def _bookkeeping_time(self, lay: Layout, geo) -> tuple[float, Cost]:
         """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
@@ -885,9 +890,9 @@ class CostModel:
         lists the estimate prices, whole (tests/planner/test_traffic_matches_runtime.py compares
         them with a real step's)."""
         c = self.spec.cfg
-        tokens = local_tokens(lay.mb * self.spec.seq_len, lay.cp)
-        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.v)
-        mine = [stage + j * lay.pp for j in range(lay.v)]
+        tokens = local_tokens(lay.micro_batch * self.spec.seq_len, lay.cp)
+        all_chunks = chunk_layers(c.n_layer, lay.pp, lay.virtual_stages)
+        mine = [stage + j * lay.pp for j in range(lay.virtual_stages)]
         out: dict[str, list[Call]] = collections.defaultdict(list)
         full = lay.recompute == "full"
         for k in mine:
@@ -899,7 +904,7 @@ class CostModel:
                 for dim, c in f + b:
                     out[f"tp.{dim}"] += times([c], lay.chunks)
             elif lay.tp > 1:
-                f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sp, full, k == 0,
+                f, b = self._tp_calls(len(layers) - n_moe, n_moe, tokens, lay.sequence_parallel, full, k == 0,
                                       k == len(all_chunks) - 1)
                 out["tp"] += times(f + b, lay.chunks)
             if n_moe and lay.ep > 1:
@@ -926,7 +931,7 @@ class CostModel:
         bf16 storage the gathers move bf16 parameters and the reductions the reduce dtype's gradients."""
         units = [4 * sum(self.layer_params[i]) / grid_cost.weight_shards(lay) for i in all_chunks[chunks[0]]]
         root = max(0.0, grad_bytes - sum(units))  # embedding, head, final norm on this stage
-        per_mb, per_step = dp_step_calls(grad_bytes, lay.zero, self.bucket_bytes, units, root,
+        per_mb, per_step = dp_step_calls(grad_bytes, lay.zero_stage, self.bucket_bytes, units, root,
                                          whole_step=lay.pp > 1)
         pb, rb = self._param_bytes(lay), self._reduce_bytes(lay)
         if pb == 4 and rb == 4:

@@ -189,11 +189,12 @@ def _dp_gain(est: Estimate, speeds: list[float], split: bool = True) -> Gain:
 def _pipeline_gain(est: Estimate, speeds: list[float], n_layer: int, capacity: list[int] | None = None) -> Gain:
     """The flush replayed with each stage's chunk times scaled by its blocks and speed."""
     lay = est.layout
-    rest = est.step_s - lay.ga * est.flush_s
+    rest = est.step_s - lay.grad_accum * est.flush_s
     even_layers = [len(c) for c in chunk_layers(n_layer, lay.pp, 1)]
-    if lay.v > 1:  # a stage's chunks all run at its speed; the cut moves one chunk per stage only (v = 1)
+    if lay.virtual_stages > 1:  # a stage's chunks all run at its speed; the cut moves one chunk per stage only (v = 1)
         times = [[(f / s, b / s) for f, b in row] for row, s in zip(est.chunk_times, speeds)]
-        even = rest + lay.ga * simulate_pipeline(times, lay.schedule, lay.m, lay.v).step_s
+        flush_s = simulate_pipeline(times, lay.schedule, lay.micro_batches, lay.virtual_stages).step_s
+        even = rest + lay.grad_accum * flush_s
         return Gain(even, even, even_layers, "pp")
     layers = proportional_shares(speeds, n_layer, capacity)
     per_block = [(f / n, b / n) for (f, b), n in zip((row[0] for row in est.chunk_times), even_layers)]
@@ -201,5 +202,5 @@ def _pipeline_gain(est: Estimate, speeds: list[float], n_layer: int, capacity: l
 
     def flush(cut: list[int]) -> float:
         times = [[(mean[0] * n / s, mean[1] * n / s)] for n, s in zip(cut, speeds)]
-        return simulate_pipeline(times, lay.schedule, lay.m).step_s
-    return Gain(rest + lay.ga * flush(even_layers), rest + lay.ga * flush(layers), layers, "pp")
+        return simulate_pipeline(times, lay.schedule, lay.micro_batches).step_s
+    return Gain(rest + lay.grad_accum * flush(even_layers), rest + lay.grad_accum * flush(layers), layers, "pp")

@@ -9,36 +9,26 @@ micro_batches chunks.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal, get_args, get_origin
 
-from tessel.config import Config, ConfigError, build_config
+from tessel.config import Config, ConfigError, ParallelConfig, TrainConfig, build_config
 
-KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "zero": int, "mb": int, "m": int, "ga": int,
-        "schedule": str, "v": int, "sp": bool, "recompute": str, "param_dtype": str, "tp_mode": str,
-        "tp_depth": int, "cp": int, "cp_mode": str}
-ALIASES = {"zero_stage": "zero", "micro_batch": "mb", "micro_batches": "m", "grad_accum": "ga",
-           "virtual_stages": "v", "sequence_parallel": "sp", "rc": "recompute", "zero_param_dtype": "param_dtype"}
-# what each key means, for `tessel plan --help` and the errors below
-KEY_HELP = {
-    "dp": "data-parallel degree", "tp": "tensor-parallel degree (inside a node)", "pp": "pipeline stages",
-    "ep": "expert-parallel degree (MoE)", "zero": "ZeRO stage 0-3 over dp x ep (x cp)",
-    "cp": "context-parallel degree: each sequence split over cp ranks (inside a node)",
-    "cp_mode": "ring | ulysses: how cp computes attention",
-    "mb": "sequences per micro-batch", "m": "micro-batches per pipeline flush",
-    "ga": "accumulation steps per optimizer step",
-    "schedule": "gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zbv | 2bw | pipedream (2bw, pipedream: the recipe "
-                "needs parallel.allow_async = true)",
-    "v": "virtual stages per pipeline rank (interleaved; zbv: 2)", "sp": "sequence parallelism (true/false)",
-    "recompute": "none | full | selective (true = full, false = none)",
-    "param_dtype": "fp32 | bf16: ZeRO's parameter storage (bf16 needs zero >= 1 and pp = 1)",
-    "tp_mode": "1d | 2d | 2.5d | 3d: the tp group as Megatron's, a q x q grid, q x q x tp_depth, a cube",
-    "tp_depth": "2.5d: the grid's depth d (tp = q*q*d)",
-}
-CHOICES = {"schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "2bw", "pipedream"),
-           "recompute": ("none", "full", "selective"),
-           "param_dtype": ("fp32", "bf16"), "tp_mode": ("1d", "2d", "2.5d", "3d"), "cp_mode": ("ring", "ulysses")}
+# The one table of short `--layout` spellings (and tessel.parallelize's): resolved at parsing, read nowhere else.
+ALIASES = {"zero": "zero_stage", "mb": "micro_batch", "m": "micro_batches", "ga": "grad_accum",
+           "v": "virtual_stages", "sp": "sequence_parallel", "rc": "recompute", "param_dtype": "zero_param_dtype"}
+# micro_batch is the one layout field no recipe names: a recipe gives train.global_batch, which it divides
+MICRO_BATCH_HELP = "sequences per micro-batch (train.global_batch / (dp*ep*grad_accum*micro_batches))"
 RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
              "yes": "full", "no": "none", "on": "full", "off": "none"}
+
+
+def _schema_field(key: str):
+    """The config's field a layout field projects (parallel.<key>, or train.<key>); None for micro_batch."""
+    for section in (ParallelConfig, TrainConfig):
+        if key in section.model_fields:
+            return section.model_fields[key]
+    return None
 
 
 def recompute_mode(value) -> str:
@@ -51,23 +41,26 @@ def recompute_mode(value) -> str:
 
 @dataclass(frozen=True)
 class Layout:
+    """A frozen projection of a recipe's layout: ParallelConfig's fields of the same names, and
+    train.grad_accum; micro_batch is what train.global_batch gives each micro-batch."""
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    zero: int = 0
-    mb: int = 1  # sequences per micro-batch
-    m: int = 1  # micro-batches per pipeline flush (parallel.micro_batches)
-    ga: int = 1  # accumulation steps per optimizer step (train.grad_accum)
+    micro_batch: int = 1
+    micro_batches: int = 1
+    grad_accum: int = 1
+    zero_stage: int = 0
     schedule: str = "1f1b"
-    v: int = 1  # virtual stages (interleaved)
-    sp: bool = False
-    recompute: str = "none"  # none | full (every block) | selective (the attention core, Korthikanti et al. 2022)
-    param_dtype: str = "fp32"  # ZeRO's parameter storage (parallel.zero_param_dtype): fp32 or bf16
-    tp_mode: str = "1d"  # 1d (Megatron) | 2d | 2.5d | 3d: the tp group as a grid (tessel.planner.grid_cost)
-    tp_depth: int = 1  # 2.5d: the grid's depth
-    cp: int = 1  # context parallelism: each sequence in chunks over cp ranks (tessel.parallel.context)
-    cp_mode: str = "ring"  # ring attention or Ulysses' all-to-all (parallel.cp_mode)
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    zero_param_dtype: str = "fp32"
+    tp_mode: str = "1d"
+    tp_depth: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))  # True/False: full/none
@@ -93,12 +86,12 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        return self.mb * self.ga * self.m * self.batch_shards
+        return self.micro_batch * self.grad_accum * self.micro_batches * self.batch_shards
 
     @property
     def chunks(self) -> int:
         """Micro-batches each batch shard runs per optimizer step."""
-        return self.ga * self.m
+        return self.grad_accum * self.micro_batches
 
     def describe(self) -> str:
         parts = [f"{a}{getattr(self, a)}" for a in ("dp", "tp", "pp", "ep", "cp") if getattr(self, a) > 1] or ["dp1"]
@@ -108,55 +101,60 @@ class Layout:
         if self.cp > 1 and self.cp_mode != "ring":
             parts[-1] += f"({self.cp_mode})"
         if self.pp > 1:
-            parts.append(self.schedule + (f"(v{self.v})" if self.v > 1 else ""))
-        parts.append(f"mb{self.mb}x{self.chunks}")
-        if self.zero:
-            parts.append(f"zero{self.zero}")
-        if self.sp:
+            parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        parts.append(f"mb{self.micro_batch}x{self.chunks}")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.sequence_parallel:
             parts.append("sp")
         if self.recompute != "none":
             parts.append("recompute" if self.recompute == "full" else "selective")
-        if self.param_dtype != "fp32":
-            parts.append(self.param_dtype)
+        if self.zero_param_dtype != "fp32":
+            parts.append(self.zero_param_dtype)
         return " ".join(parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def parallel_fields(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "zero_stage": self.zero,
-                "micro_batches": self.m, "sequence_parallel": self.sp, "schedule": self.schedule,
-                "virtual_stages": self.v, "recompute": self.recompute, "zero_param_dtype": self.param_dtype,
-                "tp_mode": self.tp_mode, "tp_depth": self.tp_depth, "cp": self.cp, "cp_mode": self.cp_mode}
+        """The parallel section of the recipe that trains it: the fields it shares with ParallelConfig."""
+        return {k: v for k, v in asdict(self).items() if k in ParallelConfig.model_fields}
+
+
+# every field's value type, help (the config's description) and choices (the config's Literal), from the schema
+KEYS = {f.name: type(f.default) for f in fields(Layout)}
+KEY_HELP = {k: MICRO_BATCH_HELP if _schema_field(k) is None else _schema_field(k).description for k in KEYS}
+CHOICES = {k: get_args(_schema_field(k).annotation) for k in KEYS
+           if _schema_field(k) is not None and get_origin(_schema_field(k).annotation) is Literal}
 
 
 def layout_text(lay: Layout) -> str:
     """The --layout text of a layout (parse_layout's inverse): the fields that differ from the defaults."""
     default = Layout()
-    keys = [k for k in ("dp", "tp", "pp", "ep", "mb", "m", "ga", "zero", "schedule", "v", "sp", "recompute",
-                        "param_dtype", "tp_mode", "tp_depth", "cp", "cp_mode") if getattr(lay, k) != getattr(default, k)]
+    keys = [k for k in KEYS if getattr(lay, k) != getattr(default, k)]
     return ",".join(f"{k}={str(getattr(lay, k)).lower()}" for k in keys) or "dp=1"
 
 
 def parse_layout(text: str, global_batch: int | None = None) -> Layout:
-    """'dp=2,tp=2,pp=2,mb=1' -> Layout. Missing micro-batch fields are derived from global_batch."""
-    fields = _key_values(text, "--layout")
-    return complete(Layout(**fields), fields, global_batch)
+    """'dp=2,tp=2,pp=2,micro_batch=1' (or an alias: mb=1) -> Layout. Missing micro-batch fields are derived
+    from global_batch."""
+    given = _key_values(text, "--layout")
+    return complete(Layout(**given), given, global_batch)
 
 
 def complete(layout: Layout, given: dict, global_batch: int | None) -> Layout:
     """Derive the micro-batching fields `given` leaves out from the global batch."""
-    if layout.pp > 1 and "m" not in given and global_batch:
+    if layout.pp > 1 and "micro_batches" not in given and global_batch:
         per_shard = global_batch // layout.batch_shards
-        layout = replace(layout, m=max(1, per_shard // (layout.mb * layout.ga)))
-    if "ga" not in given and global_batch:
-        per_pipe = layout.mb * layout.m * layout.batch_shards
+        layout = replace(layout, micro_batches=max(1, per_shard // (layout.micro_batch * layout.grad_accum)))
+    if "grad_accum" not in given and global_batch:
+        per_pipe = layout.micro_batch * layout.micro_batches * layout.batch_shards
         if per_pipe and global_batch % per_pipe == 0:
-            layout = replace(layout, ga=max(1, global_batch // per_pipe))
-    if layout.v > 1 and "schedule" not in given:
+            layout = replace(layout, grad_accum=max(1, global_batch // per_pipe))
+    if layout.virtual_stages > 1 and "schedule" not in given:
         layout = replace(layout, schedule="interleaved")
-    if layout.schedule == "zbv" and "v" not in given:  # ZBV's V holds two stages a rank
-        layout = replace(layout, v=2)
+    if layout.schedule == "zbv" and "virtual_stages" not in given:  # ZBV's V holds two stages a rank
+        layout = replace(layout, virtual_stages=2)
     return layout
 
 
@@ -171,16 +169,20 @@ def _key_values(text: str, option: str) -> dict:
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
-            raise ConfigError(option, f"'{item}' is not key=value (keys: {', '.join(KEYS)})")
+            raise ConfigError(option, f"'{item}' is not key=value ({_known_keys()})")
         key, raw = (s.strip() for s in item.split("=", 1))
         key = ALIASES.get(key, key)
         if key not in KEYS:
-            raise ConfigError(option, f"unknown key '{key}' (keys: {', '.join(KEYS)})")
+            raise ConfigError(option, f"unknown key '{key}' ({_known_keys()})")
         try:
             out[key] = _convert(key, raw)
         except ConfigError as err:
             raise ConfigError(option, err.message) from None
     return out
+
+
+def _known_keys() -> str:
+    return f"keys: {', '.join(KEYS)}; aliases: {', '.join(f'{a}={k}' for a, k in ALIASES.items())}"
 
 
 def _convert(key: str, raw: str):
@@ -200,7 +202,7 @@ def _convert(key: str, raw: str):
             value = int(raw)
         except ValueError:
             raise ConfigError("--layout", f"{key}={raw}: expected an integer") from None
-        if value < (0 if key == "zero" else 1):
+        if value < (0 if key == "zero_stage" else 1):
             raise ConfigError("--layout", f"{key}={raw}: out of range")
         return value
     return raw
@@ -214,7 +216,7 @@ def layout_config(base: Config, layout: Layout, seq_len: int | None = None) -> C
     """
     raw = base.model_dump(exclude_none=True)
     raw["parallel"].update(layout.parallel_fields())
-    raw["train"].update(global_batch=layout.global_batch, grad_accum=layout.ga)
+    raw["train"].update(global_batch=layout.global_batch, grad_accum=layout.grad_accum)
     if seq_len is not None:
         raw["train"]["seq_len"] = seq_len
     return build_config(raw)
@@ -227,8 +229,6 @@ def config_layout(cfg: Config) -> Layout:
     no parameter server (tessel.planner.fit prices dp_arch = "ps" itself).
     """
     p, t = cfg.parallel, cfg.train
-    mb = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)  # exact: check_layout divides
-    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero_stage, mb=mb, m=p.micro_batches,
-                  ga=t.grad_accum, schedule=p.schedule, v=p.virtual_stages, sp=p.sequence_parallel,
-                  recompute=p.recompute, param_dtype=p.zero_param_dtype, tp_mode=p.tp_mode, tp_depth=p.tp_depth,
-                  cp=p.cp, cp_mode=p.cp_mode)
+    micro_batch = t.global_batch // (p.batch_shards * t.grad_accum * p.micro_batches)  # exact: check_layout divides
+    shared = {k: getattr(p, k) for k in KEYS if k in ParallelConfig.model_fields}
+    return Layout(**shared, micro_batch=micro_batch, grad_accum=t.grad_accum)

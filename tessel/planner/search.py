@@ -64,8 +64,8 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
         every = [lay for lay in every if allow(lay)]
     if not fixed:
         return every
-    if fixed.get("param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
-        every = [replace(lay, param_dtype="bf16") for lay in every if lay.zero >= 1 and lay.pp == 1]
+    if fixed.get("zero_param_dtype") == "bf16":  # ZeRO's bf16 storage, where the runtime allows it
+        every = [replace(lay, zero_param_dtype="bf16") for lay in every if lay.zero_stage >= 1 and lay.pp == 1]
     return [lay for lay in every if all(getattr(lay, k) == v for k, v in fixed.items())]
 
 
@@ -97,7 +97,7 @@ def _all_layouts(cm: CostModel, world: int, global_batch: int, tp_cap: int | Non
                     continue
                 per_shard = global_batch // (dp * ep)
                 for mb in (b for b in MICRO_BATCHES if per_shard % b == 0):
-                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, mb=mb, cp=cp)
+                    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch=mb, cp=cp)
                     out += [replace(v, cp_mode=mode)
                             for v in _variants(base, per_shard // mb, c.n_layer, seq, schedules)
                             for mode in _cp_modes(c, tp, cp)]
@@ -114,21 +114,21 @@ def _cp_modes(cfg, tp: int, cp: int) -> tuple[str, ...]:
 def _variants(base: Layout, chunks: int, n_layer: int, seq: int,
               schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")) -> list[Layout]:
     if base.pp == 1:
-        pipes = [replace(base, m=1, ga=chunks)]
+        pipes = [replace(base, micro_batches=1, grad_accum=chunks)]
     else:
-        pipes = [replace(base, m=chunks, schedule=s) for s in ("1f1b", "gpipe") if s in schedules]
-        pipes += [replace(base, m=chunks, schedule="interleaved", v=v) for v in (2, 4)
+        pipes = [replace(base, micro_batches=chunks, schedule=s) for s in ("1f1b", "gpipe") if s in schedules]
+        pipes += [replace(base, micro_batches=chunks, schedule="interleaved", virtual_stages=v) for v in (2, 4)
                   if "interleaved" in schedules and base.pp * v <= n_layer and chunks % base.pp == 0]
         pipes += _zero_bubble_pipes(base, chunks, n_layer, schedules)
     zeros = (0, 1, 2, 3) if base.token_shards > 1 else (0,)
     sps = (False, True) if base.tp > 1 and seq % (base.tp * base.cp) == 0 else (False,)
     # a split backward's W would rebuild a fully recomputed block once per weight group: tessel.config
     # refuses the pairing
-    out = [replace(p, zero=z, sp=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
+    out = [replace(p, zero_stage=z, sequence_parallel=sp, recompute=rc) for p in pipes for z in zeros for sp in sps
            for rc in RECOMPUTE if not (rc == "full" and p.schedule in ("zb-h1", "zb-h2", "zbv"))]
     if base.pp > 1 and base.tp == 1 and base.ep == 1 and base.cp == 1 and chunks >= base.pp:
         # asynchronous pipelines compose with pp and dp so far: no ZeRO, tp, cp, ep or recompute (tessel.config)
-        out += [replace(base, m=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
+        out += [replace(base, micro_batches=chunks, schedule=s) for s in ASYNC_SCHEDULES if s in schedules]
     return out
 
 
@@ -137,9 +137,9 @@ def _zero_bubble_pipes(base: Layout, chunks: int, n_layer: int, schedules: tuple
     takes them: 1D tensor parallelism, no context or expert parallelism."""
     if base.tp_mode != "1d" or base.cp > 1 or base.ep > 1:
         return []
-    pipes = [replace(base, m=chunks, schedule=s) for s in ("zb-h1", "zb-h2") if s in schedules]
+    pipes = [replace(base, micro_batches=chunks, schedule=s) for s in ("zb-h1", "zb-h2") if s in schedules]
     if "zbv" in schedules and 2 * base.pp <= n_layer and chunks >= base.pp:
-        pipes.append(replace(base, m=chunks, schedule="zbv", v=2))
+        pipes.append(replace(base, micro_batches=chunks, schedule="zbv", virtual_stages=2))
     return pipes
 
 
@@ -160,9 +160,9 @@ def grid_layouts(cm: CostModel, world: int, global_batch: int) -> list[Layout]:
             for mb in grid_micro_batches(per_shard, mode, tp, depth):
                 if tp_grid_refusal(c, mode, tp, depth, mb, pp) is not None:
                     continue
-                base = Layout(dp=dp, tp=tp, pp=pp, mb=mb, tp_mode=mode, tp_depth=depth)
+                base = Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, tp_mode=mode, tp_depth=depth)
                 out += [lay for lay in _variants(base, per_shard // mb, c.n_layer, seq)
-                        if not lay.sp and (lay.zero <= 2 or lay.pp == 1)]
+                        if not lay.sequence_parallel and (lay.zero_stage <= 2 or lay.pp == 1)]
     return out
 
 
@@ -195,7 +195,7 @@ def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = No
     layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:
         pinned = ",".join(f"{k}={v}" for k, v in (fixed or {}).items())
-        bf16 = (fixed or {}).get("param_dtype") == "bf16"
+        bf16 = (fixed or {}).get("zero_param_dtype") == "bf16"
         why = " (bf16 parameter storage needs zero >= 1 and pp = 1)" if bf16 else ""
         if (fixed or {}).get("schedule") in ASYNC_SCHEDULES:
             why = " (asynchronous schedules update on stale weights: the recipe needs parallel.allow_async = true)"
@@ -225,7 +225,7 @@ def simulated(ranked: list[Estimate], top: int = SIMULATE_TOP, margin: float = S
     for e in ranked:
         lay = e.layout
         if lay.pp > 1 and e.step_s <= bound:
-            key = (tuple(map(tuple, e.chunk_times)), lay.schedule, lay.m, lay.v, e.p2p_s)
+            key = (tuple(map(tuple, e.chunk_times)), lay.schedule, lay.micro_batches, lay.virtual_stages, e.p2p_s)
             if key not in memo and len(memo) < top:
                 memo[key] = simulated_flush(e)
             if key in memo:
@@ -239,7 +239,8 @@ def simulated_flush(e: Estimate) -> float:
     message a delay of the cost model's p2p time (no bandwidth sharing: the formula's assumption)."""
     lay = e.layout
     instant = Link(1e30, e.p2p_s)  # a finite rate: a message lasts its latency
-    return simulate_pipeline(e.chunk_times, lay.schedule, lay.m, lay.v, 1.0 if e.p2p_s else 0.0, instant).step_s
+    return simulate_pipeline(e.chunk_times, lay.schedule, lay.micro_batches, lay.virtual_stages,
+                             1.0 if e.p2p_s else 0.0, instant).step_s
 
 
 # ---- explanation -----------------------------------------------------------------

@@ -241,25 +241,27 @@ def simulate_plan(cm: CostModel, lay: Layout, est: Estimate | None = None,
     est = est or cm.estimate(lay)
     links = cm.links(lay)
     cls = {k: ("inter" if v == cm.cluster.inter else "intra") for k, v in links.items()}
-    split = lay.sp or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
-    p2p_bytes = lay.mb * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1) / lay.cp
+    split = lay.sequence_parallel or lay.tp_mode != "1d"  # sequence parallelism, or a grid, splits the message over tp
+    p2p_bytes = (lay.micro_batch * cm.spec.seq_len * cm.spec.cfg.d_model * cm.act_bytes / (lay.tp if split else 1)
+                 / lay.cp)
     schedule = lay.schedule if lay.pp > 1 else "1f1b"
-    args = (est.chunk_times, schedule, lay.m, lay.v, p2p_bytes if lay.pp > 1 else 0.0, cm.message_link(links["pp"]),
+    args = (est.chunk_times, schedule, lay.micro_batches, lay.virtual_stages, p2p_bytes if lay.pp > 1 else 0.0,
+            cm.message_link(links["pp"]),
             cls["pp"])
     # earlier accumulation steps are identical flushes without gradient traffic (ZeRO<2):
     # simulate one and shift the last by its length
-    offset = (lay.ga - 1) * PipelineSim(*args).run() if lay.ga > 1 and lay.zero < 2 else 0.0
+    offset = (lay.grad_accum - 1) * PipelineSim(*args).run() if lay.grad_accum > 1 and lay.zero_stage < 2 else 0.0
     sim = PipelineSim(*args)
     sim.now = offset
     sim.on_op = progress
     _attach_dp(sim, cm, lay, est, links["dp"], cls["dp"])
     end = sim.run()
-    if lay.zero >= 2 and lay.ga > 1:  # every flush carries its own traffic: repeat the whole thing
-        end = end * lay.ga
+    if lay.zero_stage >= 2 and lay.grad_accum > 1:  # every flush carries its own traffic: repeat the whole thing
+        end = end * lay.grad_accum
     end += est.time["optimizer"] + est.time["overhead"]
-    busy = max(sum(f + b for f, b in row) for row in est.chunk_times) * lay.m
+    busy = max(sum(f + b for f, b in row) for row in est.chunk_times) * lay.micro_batches
     pipe = max(sim.compute_end) - offset
-    return SimResult(end, pipe * lay.ga, 1 - busy / pipe if pipe else 0.0, sim.events)
+    return SimResult(end, pipe * lay.grad_accum, 1 - busy / pipe if pipe else 0.0, sim.events)
 
 
 class _Stream:
@@ -305,13 +307,13 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
     n = lay.token_shards
     if n == 1:
         return
-    whole_step = lay.zero >= 2 and lay.pp > 1
-    grads = est.memory["grads"] * (n if lay.zero >= 2 and not whole_step else 1)
+    whole_step = lay.zero_stage >= 2 and lay.pp > 1
+    grads = est.memory["grads"] * (n if lay.zero_stage >= 2 and not whole_step else 1)
     overlap = cm.cluster.overlap >= 0.5
     nb, lat = 1, 0.0  # the cost model's seconds include each collective's latency
     if whole_step:
         per_bucket = est.dp_step_s * link.bandwidth
-    elif lay.zero <= 1:
+    elif lay.zero_stage <= 1:
         nb = max(1, math.ceil(grads / cm.bucket_bytes))
         per_bucket = est.dp_step_s / nb * link.bandwidth
     else:
@@ -322,7 +324,7 @@ def _attach_dp(sim: "PipelineSim", cm: CostModel, lay: Layout, est: Estimate, li
         if whole_step:
             if last:
                 streams[s].submit(end, per_bucket, lat, "zero rs + ag")
-        elif lay.zero >= 2:
+        elif lay.zero_stage >= 2:
             streams[s].submit(end if not overlap else start, per_bucket, lat, "zero rs/ag")
         elif last:
             for k in range(nb):

@@ -156,6 +156,6 @@ def test_documents_run_under_1d_tensor_parallelism_and_zero_and_the_planner_offe
     tiny_config("model.document_separator=255", "parallel.tp=2", "parallel.sequence_parallel=true")
     tiny_config("model.document_separator=0", "parallel.dp=2", "parallel.zero_stage=3", "model.sliding_window=4")
     allow = recipe_allows(tiny_config("model.document_separator=0"))  # what `tessel plan` may recommend
-    assert allow(Layout(dp=2, tp=2, sp=True, zero=3))
+    assert allow(Layout(dp=2, tp=2, sequence_parallel=True, zero_stage=3))
     assert not any(allow(lay) for lay in (Layout(pp=2), Layout(cp=2), Layout(tp=4, tp_mode="2d")))
     assert recipe_allows(tiny_config())(Layout(pp=2))  # without documents, a pipeline is fine

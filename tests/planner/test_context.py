@@ -26,12 +26,12 @@ def flat_cluster(devices=8, flops=1e9, bw=1e9):
 def test_the_ring_and_ulysses_send_what_the_runtime_sends_per_block():
     cm = CostModel(from_config(GQA, 64, 8), flat_cluster(), "bf16")
     local, q, kv = 2 * 64 // 4, 32, 16  # mb 2 of 64 tokens over cp4; 4 heads of 8, 2 kv heads
-    ring = cm.step_calls(Layout(cp=4, mb=2, ga=4))["cp"]
+    ring = cm.step_calls(Layout(cp=4, micro_batch=2, grad_accum=4))["cp"]
     block = 2 * local * kv * 2  # k and v in bf16; their gradient travels in fp32
     per_step = 2 * 4  # two blocks, four micro-batches
     assert sorted(ring, key=lambda c: c.nbytes) == [Call("p2p", block, 2 * 3 * per_step),  # kv: forward, backward
                                                    Call("p2p", 2 * block, 4 * per_step)]  # its gradient: 4 hops
-    ulysses = cm.step_calls(Layout(cp=2, cp_mode="ulysses", mb=2, ga=4))["cp"]
+    ulysses = cm.step_calls(Layout(cp=2, cp_mode="ulysses", micro_batch=2, grad_accum=4))["cp"]
     local = 2 * 64 // 2  # q and the output, k and v: there and back again in backward
     assert sorted(ulysses, key=lambda c: c.nbytes) == [Call("all_to_all", local * kv * 2, 2 * 2 * per_step),
                                                       Call("all_to_all", local * q * 2, 2 * 2 * per_step)]
@@ -39,12 +39,12 @@ def test_the_ring_and_ulysses_send_what_the_runtime_sends_per_block():
 
 def test_cp_divides_each_ranks_work_and_zero_shards_over_it():
     cm = CostModel(from_config(GQA, 64, 8), flat_cluster(), "fp32")
-    one, four = cm.estimate(Layout(mb=8)), cm.estimate(Layout(cp=4, mb=8))
+    one, four = cm.estimate(Layout(micro_batch=8)), cm.estimate(Layout(cp=4, micro_batch=8))
     # every FLOP of a micro-batch is split four ways, attention's included (the balanced layout)
     assert four.time["compute"] == pytest.approx(one.time["compute"] / 4, rel=1e-9)
     assert four.memory["activations"] < 0.3 * one.memory["activations"]
     # ZeRO-1 over dp x cp: the optimizer's state in 4 shards; the gradients are averaged over all 4 ranks
-    zero = cm.estimate(Layout(dp=2, cp=2, mb=4, zero=1))
+    zero = cm.estimate(Layout(dp=2, cp=2, micro_batch=4, zero_stage=1))
     assert zero.memory["optimizer"] == pytest.approx(one.memory["optimizer"] / 4)
     assert zero.comm_bytes["dp"] > 0 and zero.placement["cp"] == "intra"
 

@@ -84,16 +84,16 @@ def test_memory_of_states_by_zero_stage_pp_and_tp():
     spec = tiny_spec()
     cm = CostModel(spec, flat_cluster(), "fp32")
     P = spec.total_params
-    m = cm.estimate(Layout(dp=2, zero=1, mb=1, ga=4)).memory
+    m = cm.estimate(Layout(dp=2, zero_stage=1, micro_batch=1, grad_accum=4)).memory
     assert (m["params"], m["grads"], m["optimizer"]) == (4 * P, 4 * P, 8 * P / 2)
-    m = cm.estimate(Layout(dp=2, zero=3, mb=1, ga=4)).memory
+    m = cm.estimate(Layout(dp=2, zero_stage=3, micro_batch=1, grad_accum=4)).memory
     assert (m["params"], m["grads"], m["optimizer"]) == (2 * P, 2 * P, 4 * P)
-    est = cm.estimate(Layout(pp=2, mb=1, m=4))
+    est = cm.estimate(Layout(pp=2, micro_batch=1, micro_batches=4))
     assert est.stage_memory[0]["params"] == 4 * (13376 + 8192)  # block 0 + embedding
     assert est.stage_memory[1]["params"] == 4 * (13376 + 8224)  # block 1 + norm + head
-    assert cm.estimate(Layout(tp=2, mb=1, ga=4)).memory["params"] == 4 * P / 2
+    assert cm.estimate(Layout(tp=2, micro_batch=1, grad_accum=4)).memory["params"] == 4 * P / 2
     # ZeRO-3 under a pipeline: the shard at rest, the whole stage gathered for the step (pipeline/zero3.py)
-    s0 = cm.estimate(Layout(pp=2, dp=2, zero=3, mb=1, m=4)).stage_memory[0]
+    s0 = cm.estimate(Layout(pp=2, dp=2, zero_stage=3, micro_batch=1, micro_batches=4)).stage_memory[0]
     assert (s0["params"], s0["buffers"]) == (4 * (13376 + 8192) / 2, 4 * (13376 + 8192))
     assert s0["grads"] == 4 * (13376 + 8192)  # accumulated whole over the micro-batches, then reduce-scattered
 
@@ -108,13 +108,13 @@ def test_collective_workspace_by_zero_stage():
         spec, replace(flat_cluster(), collective_workspace=w), "fp32")
     extra = {}
     for zero in (0, 1, 2):
-        lay = Layout(dp=2, zero=zero, mb=1, ga=4)
+        lay = Layout(dp=2, zero_stage=zero, micro_batch=1, grad_accum=4)
         extra[zero] = measured.estimate(lay).memory["buffers"] - plain.estimate(lay).memory["buffers"]
     bucket = min(25 * 2**20, 4 * P)  # the whole tiny model fits one 25 MiB bucket
     assert extra[0] == pytest.approx(0.25 * bucket)  # one bucket all-reduced at a time
     assert extra[1] == pytest.approx(1.0 * 4 * P + 0.25 * bucket)  # publish gathers every parameter at once
     assert extra[2] == pytest.approx(1.0 * 4 * P + 1.5 * bucket)  # buckets reduce-scattered
-    one_device = Layout(mb=1, ga=8)  # no data-parallel collectives, nothing added
+    one_device = Layout(micro_batch=1, grad_accum=8)  # no data-parallel collectives, nothing added
     assert measured.estimate(one_device).memory["buffers"] == plain.estimate(one_device).memory["buffers"]
 
 
@@ -143,13 +143,13 @@ def test_step_time_by_hand_single_device_and_dp():
     spec = tiny_spec()
     cm = CostModel(spec, flat_cluster(flops=1e9), "fp32")
     P, tokens = spec.total_params, 4 * 16
-    est = cm.estimate(Layout(mb=1, ga=4))
+    est = cm.estimate(Layout(micro_batch=1, grad_accum=4))
     compute = spec.model_flops_per_token() * tokens / 1e9  # fwd + 2x bwd at 1 GFLOP/s
     optimizer = 28 * P / 1e9  # 28 bytes touched per parameter at 1 GB/s
     assert est.step_s == pytest.approx(compute + optimizer)
     assert est.bubble == pytest.approx(0.0)
     # dp=2, nothing overlaps: + ring all-reduce of the fp32 gradients, 2*1/2 * 4P / 1e9
-    est2 = cm.estimate(Layout(dp=2, mb=1, ga=2))
+    est2 = cm.estimate(Layout(dp=2, micro_batch=1, grad_accum=2))
     assert est2.time["dp comm (exposed)"] == pytest.approx(4 * P / 1e9)
     assert est2.step_s == pytest.approx(compute / 2 + optimizer + 4 * P / 1e9)
 
@@ -157,7 +157,7 @@ def test_step_time_by_hand_single_device_and_dp():
 def test_pipeline_step_by_hand():
     spec = tiny_spec(layers=4)
     cm = CostModel(spec, flat_cluster(flops=1e9, bw=math.inf), "fp32")
-    est = cm.estimate(Layout(pp=2, mb=1, m=4))
+    est = cm.estimate(Layout(pp=2, micro_batch=1, micro_batches=4))
     (f0, b0), = est.chunk_times[0]
     (f1, b1), = est.chunk_times[1]
     # the first micro-batch crosses both stages, the slower (last: it holds the head) paces the other 3
@@ -184,9 +184,9 @@ def test_calibration_interpolates_log_linearly():
 
 def test_layout_parsing_and_errors():
     lay = parse_layout("dp=2,tp=2,mb=2", 16)
-    assert (lay.ga, lay.global_batch) == (4, 16)
+    assert (lay.grad_accum, lay.global_batch) == (4, 16)
     lay = parse_layout("pp=2,dp=2,mb=1,v=2", 16)
-    assert (lay.m, lay.schedule, lay.global_batch) == (8, "interleaved", 16)
+    assert (lay.micro_batches, lay.schedule, lay.global_batch) == (8, "interleaved", 16)
     for bad in ("dp=x", "foo=1", "dp"):
         with pytest.raises(ConfigError) as err:
             parse_layout(bad, 16)

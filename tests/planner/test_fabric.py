@@ -32,7 +32,7 @@ def test_sharp_changes_the_layout_without_rails(rows):
     flat, sharp = rows["no rails"], rows["no rails + SHARP"]
     # the switches reduce: a plain all-reduce (ZeRO-0) of every gradient becomes cheaper than ZeRO-3's
     # gathers and reduce-scatters, which SHARP does not accelerate
-    assert sharp.layout != flat.layout and sharp.layout.zero == 0
+    assert sharp.layout != flat.layout and sharp.layout.zero_stage == 0
     assert sharp.simulated_s < 0.9 * flat.simulated_s
     # analytic and simulated agree on every winner
     for r in rows.values():

@@ -42,7 +42,7 @@ def test_tp8_weight_gradients_split_k_by_the_same_rule():
     # the same rule prices a tp=1 GEMM: the per-rank shapes of tp=8 come out of CostModel.gemms, each priced
     # by gemm_seconds alone, with no tp-specific factor
     cm = CostModel(preset("gpt3-1.3b"), H100, "bf16")  # d 2048, 16 heads of 128: 256 q features per tp=8 rank
-    shards, whole = cm.gemms(Layout(tp=8, mb=1)), cm.gemms(Layout(mb=1))
+    shards, whole = cm.gemms(Layout(tp=8, micro_batch=1)), cm.gemms(Layout(micro_batch=1))
     assert Gemm(2048, 256, 2048) in shards and Gemm(256, 2048, 2048) in shards  # q and its weight gradient
     assert Gemm(2048, 2048, 2048) in whole and Gemm(256, 2048, 2048) not in whole
 
@@ -86,7 +86,7 @@ def test_neighbours_weigh_by_distance():
 
 def test_compiled_blocks_cost_less_than_eager_with_the_same_gemms():
     cm, ccm = CostModel(GPT2, H100, "bf16"), CostModel(GPT2, H100, "bf16", compiled=True)
-    lay = Layout(mb=16)
+    lay = Layout(micro_batch=16)
     eager, comp = cm._shape(lay, 16384, False), ccm._shape(lay, 16384, False)
     gemms = [[op for op in ops if isinstance(op, Gemm)] for ops in (block_forward(eager)[0], block_forward(comp)[0])]
     assert gemms[0] == gemms[1]  # compilation fuses the memory-bound chains, the GEMMs stay
@@ -116,7 +116,7 @@ def test_fused_loss_removes_the_logits_memory_and_their_passes():
     grown_chunk = (chunk_tokens(2 * tokens, d, v) - chunk_tokens(tokens, d, v)) * v * (2 + 4 + 2)
     assert more - fused == tokens * d * (2 + 8) + grown_chunk
     cm, fcm = CostModel(GPT2, H100, "bf16"), CostModel(GPT2, H100, "bf16", fused_loss=True)
-    lay = Layout(mb=16)
+    lay = Layout(micro_batch=16)
     assert cm.estimate(lay).memory["activations"] - fcm.estimate(lay).memory["activations"] > 0.8 * eager
     # the head's time: the same GEMMs, without the fp32 passes over the logits
     shape, fshape = cm._shape(lay, tokens, False), fcm._shape(lay, tokens, False)
@@ -130,7 +130,7 @@ def test_h200_is_the_h100_chip_with_more_and_faster_memory():
     assert h200.peak_flops == h100.peak_flops and h200.sms == h100.sms
     assert h200.memory > 1.7 * h100.memory and h200.mem_bandwidth > 1.4 * h100.mem_bandwidth
     spec = preset("gpt3-1.3b")
-    lay = Layout(mb=4)
+    lay = Layout(micro_batch=4)
     # a memory-bound share of the step runs faster on H200; never slower
     assert CostModel(spec, h200, "bf16").estimate(lay).step_s < CostModel(spec, h100, "bf16").estimate(lay).step_s
 

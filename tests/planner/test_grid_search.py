@@ -48,9 +48,9 @@ def test_a_steps_tp_bytes_are_the_closed_forms(mode, depth, recompute, forward_s
     (two norms per block, the loss's scalars) is under 0.5%."""
     spec = preset("gpt3-1.3b")
     cm = CostModel(spec, get_cluster("a100", 1024), "bf16")
-    lay = Layout(dp=16, tp=64, mb=16, ga=2, tp_mode=mode, tp_depth=depth, recompute=recompute)
+    lay = Layout(dp=16, tp=64, micro_batch=16, grad_accum=2, tp_mode=mode, tp_depth=depth, recompute=recompute)
     side = {"2d": 8, "2.5d": 4, "3d": 4}[mode]
-    c, n = spec.cfg, lay.mb * spec.seq_len
+    c, n = spec.cfg, lay.micro_batch * spec.seq_len
     shapes = [(c.d_model, c.d_model)] * 4 + [(c.d_model, c.ffn_dim)] * 2 + [(c.ffn_dim, c.d_model)]
     block = sum(linear_bytes(mode, n, k, m, side, depth, 2) for k, m in shapes)
     closed = c.n_layer * block * (1 + forward_share) + linear_bytes(mode, n, c.d_model, c.vocab_size, side, depth, 2)
@@ -130,7 +130,7 @@ def test_the_search_picks_a_grid_unpinned():
     best = result.best
     assert (best.layout.tp_mode, best.layout.tp) == ("3d", 8), best.layout.describe()
     one_d = next(e for e in result.ranked if e.layout.tp_mode == "1d")
-    assert (one_d.layout.tp, one_d.layout.zero, best.layout.zero) == (8, 3, 3), one_d.layout.describe()
+    assert (one_d.layout.tp, one_d.layout.zero_stage, best.layout.zero_stage) == (8, 3, 3), one_d.layout.describe()
     assert best.comm_bytes["tp"] < 0.85 * one_d.comm_bytes["tp"]
     assert best.time["compute"] < 0.9 * one_d.time["compute"] and best.step_s < 0.9 * one_d.step_s
 
@@ -180,6 +180,6 @@ def test_a_recipe_that_checkpoints_keeps_grids_under_zero():
     every = search(cm, 8, 32, {"tp_mode": "2d"}).ranked
     allowed = search(cm, 8, 32, {"tp_mode": "2d"}, allow=recipe_allows(base)).ranked
     assert [e.layout for e in allowed] == [e.layout for e in every]
-    recipe = layout_config(base, next(e.layout for e in allowed if e.layout.zero))
+    recipe = layout_config(base, next(e.layout for e in allowed if e.layout.zero_stage))
     check_layout(recipe, world_size=8)
     assert (recipe.parallel.tp_mode, recipe.checkpoint.every) == ("2d", 10) and recipe.parallel.zero_stage > 0

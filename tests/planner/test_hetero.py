@@ -57,11 +57,11 @@ def test_gain_prices_the_even_and_the_proportional_split():
     spec = from_config(cfg.model, 16, 8)
     link = Link(1e10, 1e-5)
     cm = CostModel(spec, Cluster("x", 1, 2, {"fp32": 1e9, "bf16": 1e9}, 2**33, link, link, 1e10), "fp32")
-    dp = gain(cm.estimate(Layout(dp=2, mb=1, ga=4)), [1.0, 2.0], 6)
+    dp = gain(cm.estimate(Layout(dp=2, micro_batch=1, grad_accum=4)), [1.0, 2.0], 6)
     assert dp.split == [3, 5] and 1.3 < dp.speedup < 1.6  # 4/1 vs max(3/1, 5/2): 1.33x less fixed costs
-    pp = gain(cm.estimate(Layout(pp=2, mb=1, m=8)), [1.0, 2.0], 6)
+    pp = gain(cm.estimate(Layout(pp=2, micro_batch=1, micro_batches=8)), [1.0, 2.0], 6)
     assert pp.split == [2, 4] and 1.2 < pp.speedup <= 1.5
-    assert gain(cm.estimate(Layout(dp=2, mb=1, ga=4)), [1.0, 1.0], 6) is None
+    assert gain(cm.estimate(Layout(dp=2, micro_batch=1, grad_accum=4)), [1.0, 1.0], 6) is None
 
 
 def test_rebalanced_moves_work_in_proportion_to_the_speeds_shown():

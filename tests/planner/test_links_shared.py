@@ -45,7 +45,7 @@ def test_zero3_gathers_hidden_under_compute_still_pay_for_the_nic():
     spec = preset("gpt3-1.3b")
     cl = replace(get_cluster("a100", 32), rails=False)
     cm = CostModel(spec, cl, "bf16")
-    est = cm.estimate(Layout(dp=32, zero=3, mb=1, ga=spec.global_batch // 32))
+    est = cm.estimate(Layout(dp=32, zero_stage=3, micro_batch=1, grad_accum=spec.global_batch // 32))
     wire = est.comm_bytes["dp"] / cl.inter.rate
     assert est.comm_bytes["dp"] > 30e9
     assert est.links["nic"] >= wire * (1 - 1e-9)

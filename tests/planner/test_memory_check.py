@@ -126,9 +126,11 @@ def test_param_count_in_closed_form_matches_the_walk():
         assert param_count(spec) == spec.total_params
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, tp=2, pp=2, mb=2, m=4, ga=2, sp=True, recompute=True),
-                                    Layout(pp=4, m=8, v=2, schedule="interleaved", zero=1),
-                                    Layout(dp=2, ep=2, zero=2, mb=1, ga=4, schedule="gpipe")])
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2, tp=2, pp=2, micro_batch=2, micro_batches=4, grad_accum=2,
+                                           sequence_parallel=True, recompute=True),
+                                    Layout(pp=4, micro_batches=8, virtual_stages=2, schedule="interleaved",
+                                           zero_stage=1),
+                                    Layout(dp=2, ep=2, zero_stage=2, micro_batch=1, grad_accum=4, schedule="gpipe")])
 def test_config_layout_inverts_layout_config(layout):
     base = build_config({"model": {"n_layer": 8, "n_experts": 4}, "train": {"seq_len": 32}})
     assert config_layout(layout_config(base, layout)) == layout

@@ -62,12 +62,16 @@ def test_interleaving_charges_the_head_chunk_once_per_micro_batch():
 
 # whole steps of 175B on 1024 A100s (and 960, 40 stages): the analytic step as the search reports it
 # against simulate_plan, which also replays the data-parallel traffic on shared links
-PLANS = [Layout(dp=8, tp=8, pp=16, mb=1, m=192, zero=2, sp=True),
-         Layout(dp=8, tp=8, pp=16, mb=1, m=192, schedule="gpipe", sp=True, recompute="full"),
-         Layout(dp=16, tp=8, pp=8, mb=1, m=96, schedule="interleaved", v=2, sp=True, recompute="selective", zero=1),
+PLANS = [Layout(dp=8, tp=8, pp=16, micro_batch=1, micro_batches=192, zero_stage=2, sequence_parallel=True),
+         Layout(dp=8, tp=8, pp=16, micro_batch=1, micro_batches=192, schedule="gpipe", sequence_parallel=True,
+                recompute="full"),
+         Layout(dp=16, tp=8, pp=8, micro_batch=1, micro_batches=96, schedule="interleaved", virtual_stages=2,
+                sequence_parallel=True, recompute="selective", zero_stage=1),
          # 96 layers over 16 x 4 chunks: half the chunks hold 2 blocks, half 1 (uneven)
-         Layout(dp=16, tp=4, pp=16, mb=2, m=48, schedule="interleaved", v=4, sp=True, recompute="full"),
-         Layout(dp=32, tp=8, pp=4, mb=1, m=48, schedule="interleaved", v=4, sp=True, recompute="full", zero=1)]
+         Layout(dp=16, tp=4, pp=16, micro_batch=2, micro_batches=48, schedule="interleaved", virtual_stages=4,
+                sequence_parallel=True, recompute="full"),
+         Layout(dp=32, tp=8, pp=4, micro_batch=1, micro_batches=48, schedule="interleaved", virtual_stages=4,
+                sequence_parallel=True, recompute="full", zero_stage=1)]
 
 
 def test_search_prices_every_schedule_as_the_simulator_does():
@@ -80,7 +84,7 @@ def test_search_prices_every_schedule_as_the_simulator_does():
         assert e.flush_s == pytest.approx(simulated_flush(e))
         sim = simulate_plan(cm, e.layout, e)
         assert e.step_s == pytest.approx(sim.step_s, rel=0.03), e.layout.describe()
-    uneven = next(e for e in estimates if e.layout.v == 4 and e.layout.pp == 16)
+    uneven = next(e for e in estimates if e.layout.virtual_stages == 4 and e.layout.pp == 16)
     # the closed form is off here by more than the 3% (why the search re-prices)
     assert abs(uneven.flush_s / simulated_flush(uneven) - 1) > 0.03
 
@@ -126,7 +130,7 @@ def test_held_micro_batches_are_the_runtime_lists():
 def test_memory_prices_captured_gradients_and_stashed_weights():
     spec = preset("gpt3-1.3b")
     cm = CostModel(spec, get_cluster("a100", 8), "bf16")
-    base = Layout(dp=2, pp=4, mb=1, m=16)
+    base = Layout(dp=2, pp=4, micro_batch=1, micro_batches=16)
     mem = {s: cm.estimate(replace(base, schedule=s)).stage_memory[0] for s in ("1f1b", "zb-h1", "2bw", "pipedream")}
     assert "captured_grads" not in mem["1f1b"] and mem["zb-h1"]["captured_grads"] > 0
     params = mem["1f1b"]["params"]  # fp32 parameters of stage 0: each version is a copy of them

@@ -68,8 +68,9 @@ def test_qwen3_32b_plan_offers_only_layouts_tessel_train_accepts(tmp_path):
 def test_selective_recompute_is_never_offered_for_a_hugging_face_model(tmp_path):
     base = build_config(_recipe(tmp_path, LlamaConfig(**TINY), seq_len=64, global_batch=8))
     rules = recipe_allows(base)
-    assert not rules(Layout(dp=1, mb=8, recompute="selective"))  # tessel.config: 'full' or 'none' for HF models
-    assert rules(Layout(dp=1, mb=8, recompute="full"))
+    # tessel.config: 'full' or 'none' for HF models
+    assert not rules(Layout(dp=1, micro_batch=8, recompute="selective"))
+    assert rules(Layout(dp=1, micro_batch=8, recompute="full"))
     assert "parallel.recompute" in " ".join(rules.refusals())
 
 
@@ -83,8 +84,8 @@ def test_deepseek_v3_is_planned_as_its_671b_experts(tmp_path):
     assert 36e9 <= active + spec.cfg.vocab_size * spec.cfg.d_model <= 38e9  # "37B activated" (with the head)
     attention = 12 * 4096 * spec.cfg.n_layer * spec.attention.heads * (192 + 128) / 2  # qk 128+64, v 128
     assert spec.model_flops_per_token() == pytest.approx(6 * (active + spec.cfg.vocab_size * 7168) + attention)
-    est = CostModel(spec, get_cluster("a100", 64), "bf16").estimate(Layout(dp=64, zero=3, mb=1, ga=8,
-                                                                           recompute="full"))
+    est = CostModel(spec, get_cluster("a100", 64), "bf16").estimate(Layout(dp=64, zero_stage=3, micro_batch=1,
+                                                                           grad_accum=8, recompute="full"))
     state = est.memory["params"] + est.memory["optimizer"]  # fp32 weights and AdamW's two moments, over 64
     assert state == pytest.approx(12 * spec.total_params / 64)
     assert state / GiB > 117 and not est.fits  # so it cannot be planned on 64 A100s at all
@@ -130,7 +131,8 @@ def test_latent_attention_down_projections_are_priced_whole_on_every_tp_rank(tmp
     whole = 7168 * 1536 + 7168 * (512 + 64) + 1536 + 512  # q_a_proj, kv_a_proj_with_mqa, q_a/kv_a_layernorm
     assert spec.layer_tp_whole_params(0) == whole
     model = CostModel(spec, get_cluster("a100", 64), "bf16")
-    params = {tp: model.estimate(Layout(dp=64 // tp, tp=tp, zero=0, mb=1, ga=8, recompute="full")).memory["params"]
+    params = {tp: model.estimate(Layout(dp=64 // tp, tp=tp, zero_stage=0, micro_batch=1, grad_accum=8,
+                                        recompute="full")).memory["params"]
               for tp in (1, 2)}
     dense = sum(spec.layer_params(i)[0] for i in range(spec.cfg.n_layer)) + spec.embedding_params + spec.head_params
     # the latent projections of every layer, and each MoE block's router and shared experts (the block runs whole

@@ -95,7 +95,7 @@ def test_pipeline_messages_are_priced_as_probed_under_load():
     # message, in the formula and in the simulator's link alike; the idle fit only where it was not probed
     idle = replace(flat_cluster(devices=4, lat=1e-5), collectives={"p2p/2": [5e-5, 1e-9]})
     loaded = replace(idle, collectives={**idle.collectives, "p2p_loaded/2": [6e-4, 2e-9]})
-    lay = Layout(pp=2, dp=2, mb=1, m=4)
+    lay = Layout(pp=2, dp=2, micro_batch=1, micro_batches=4)
     for cluster, (alpha, beta) in ((idle, (5e-5, 1e-9)), (loaded, (6e-4, 2e-9))):
         cm = CostModel(tiny_spec(), cluster, "fp32")
         assert cm.coll("p2p", 1000, 2, cluster.intra) == pytest.approx(alpha + beta * 1000)
@@ -111,7 +111,7 @@ def test_chunk_comm_of_a_tp_layout_by_hand():
     # tiny GPT (2 blocks, d 32, vocab 256), 16 tokens per micro-batch, tp 2, every all-reduce 1 ms flat
     cluster = replace(flat_cluster(devices=2), collectives={"all_reduce/2": [1e-3, 0.0]})
     cm = CostModel(tiny_spec(seq=16), cluster, "fp32")
-    lay = Layout(tp=2, mb=1)
+    lay = Layout(tp=2, micro_batch=1)
     fwd, bwd, sent = cm._chunk_comm([0, 1], lay, 16, cm.links(lay), True, True)
     # forward: 2 per block + embedding + the loss's two = 7; backward: 2 per block + head = 5
     assert (fwd, bwd) == (pytest.approx(7e-3), pytest.approx(5e-3))
@@ -135,7 +135,7 @@ def test_measured_tp_collectives_scale_their_price():
     cluster = replace(flat_cluster(devices=2), collectives={"all_reduce/2": [1e-3, 0.0]})
     cal = Calibration([(16, 1e9)], tp_comm={2: [(16, 30e-3)]})
     cm = CostModel(tiny_spec(seq=16), cluster, "fp32", cal)
-    lay = Layout(tp=2, mb=1)
+    lay = Layout(tp=2, micro_batch=1)
     fwd, bwd, _ = cm._chunk_comm([0, 1], lay, 16, cm.links(lay), True, True)
     assert (fwd, bwd) == (pytest.approx(7e-3 * 2.5), pytest.approx(5e-3 * 2.5))
     # a middle pipeline chunk (one block, no edges) scales by the same factor: 2 + 2 calls

@@ -74,8 +74,8 @@ def test_cost_model_follows_param_dtype():
     per parameter where fp32 storage costs 4 + 4 + 8/N."""
     spec = preset("gpt3-1.3b")
     model = CostModel(spec, get_cluster("a100", 64), "bf16")
-    fp32 = model.estimate(Layout(dp=64, zero=1, mb=8, m=1)).memory
-    bf16 = model.estimate(Layout(dp=64, zero=1, mb=8, m=1, param_dtype="bf16")).memory
+    fp32 = model.estimate(Layout(dp=64, zero_stage=1, micro_batch=8, micro_batches=1)).memory
+    bf16 = model.estimate(Layout(dp=64, zero_stage=1, micro_batch=8, micro_batches=1, zero_param_dtype="bf16")).memory
     psi = fp32["params"] / 4
     assert bf16["params"] == pytest.approx(2 * psi) and bf16["grads"] == pytest.approx(2 * psi)
     assert bf16["optimizer"] == pytest.approx(12 * psi / 64) and bf16["fp32_grads"] == pytest.approx(4 * psi / 64)
@@ -92,8 +92,8 @@ def test_gpu_preset_takes_no_host_workspace():
     assert a100.workspace() == {}
     spec = from_config(ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=32), 32, 16)
     model = CostModel(spec, a100, "bf16")
-    plain = model.estimate(Layout(dp=4, mb=4, m=1)).memory
-    zero2 = model.estimate(Layout(dp=4, zero=2, mb=4, m=1)).memory
+    plain = model.estimate(Layout(dp=4, micro_batch=4, micro_batches=1)).memory
+    zero2 = model.estimate(Layout(dp=4, zero_stage=2, micro_batch=4, micro_batches=1)).memory
     assert zero2["total"] <= plain["total"]
     assert zero2["params"] + zero2["grads"] + zero2["optimizer"] < plain["params"] + plain["grads"] + plain["optimizer"]
 
@@ -122,7 +122,7 @@ def test_cost_model_drops_the_core_of_every_kept_layer_under_selective():
     spec = preset("gpt3-175b")
     cluster = replace(get_cluster("a100", 8), fused_attention=False)
     model = CostModel(spec, cluster, "bf16")
-    lay = Layout(tp=8, sp=True, mb=1, m=1536)
+    lay = Layout(tp=8, sequence_parallel=True, micro_batch=1, micro_batches=1536)
     none, selective = (model.estimate(replace(lay, recompute=r)).memory["activations"] for r in ("none", "selective"))
     core = attention_core_bytes(spec, spec.seq_len, 8, "bf16", fused=False)
     assert none - selective == pytest.approx((spec.cfg.n_layer - 1) * core)

@@ -150,9 +150,10 @@ def manifest_layout(manifest: dict) -> Layout:
     shards = p.get("dp", 1) * p.get("ep", 1)
     mb = max(1, manifest["global_batch"] // (shards * ga * p.get("micro_batches", 1)))
     return Layout(dp=p.get("dp", 1), tp=p.get("tp", 1), pp=p.get("pp", 1), ep=p.get("ep", 1),
-                  zero=p.get("zero_stage", 0), mb=mb, m=p.get("micro_batches", 1), ga=ga,
-                  schedule=p.get("schedule", "1f1b"), v=p.get("virtual_stages", 1),
-                  sp=p.get("sequence_parallel", False), recompute=p.get("recompute", "none"))
+                  zero_stage=p.get("zero_stage", 0), micro_batch=mb, micro_batches=p.get("micro_batches", 1),
+                  grad_accum=ga,
+                  schedule=p.get("schedule", "1f1b"), virtual_stages=p.get("virtual_stages", 1),
+                  sequence_parallel=p.get("sequence_parallel", False), recompute=p.get("recompute", "none"))
 
 
 def previous_attempt(cfg: Config, run_id: str | None) -> Previous:

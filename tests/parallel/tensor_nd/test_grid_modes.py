@@ -466,7 +466,7 @@ def _planned(overrides: list[str], stage: int, common: tuple[str, ...] = COMMON)
             out[c.op, label, int(c.nbytes)] += int(c.count)
     # the gradient norm's partial sum: listed once per sharding axis (traffic.bookkeeping_calls), summed by the
     # runtime once over their joint group (4 bytes, latency either way)
-    axes = [a for a, on in (("pp", lay.pp > 1), ("dp", lay.zero >= 1), ("tp", True)) if on]
+    axes = [a for a, on in (("pp", lay.pp > 1), ("dp", lay.zero_stage >= 1), ("tp", True)) if on]
     if len(axes) > 1:
         out.subtract({("all_reduce", a, 4): 1 for a in axes})
         out["all_reduce", "+".join(axes), 4] += 1
