@@ -27,7 +27,7 @@ def test_step_never_beats_its_busiest_link_nor_its_compute():
         layouts = every[::stride]
         assert len(layouts) > 100
         assert {lay.tp_mode for lay in layouts} == {"1d", "2d", "2.5d", "3d"}  # the grids are held to it too
-        for axis in ("pp", "zero", "tp", "dp"):  # the sample spans the whole search as much as all of it does
+        for axis in ("pp", "zero_stage", "tp", "dp"):  # the sample spans the whole search as much as all of it does
             assert {getattr(lay, axis) for lay in layouts} == {getattr(lay, axis) for lay in every}
         for lay in layouts:
             est = cm.estimate(lay)
