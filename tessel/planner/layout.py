@@ -5,6 +5,11 @@ global_batch = micro_batch * grad_accum * micro_batches * dp * ep; each of the
 grad_accum accumulation steps runs a pipeline of `micro_batches`; without a
 pipeline the runner simply splits the rank's batch into grad_accum *
 micro_batches chunks.
+
+A Layout's fields are the recipe's names (parallel.<name>, train.grad_accum;
+micro_batch is what train.global_batch gives each micro-batch), with the
+schema's help and choices; the short spellings `--layout` also takes (zero,
+mb, m, ga, v, sp, rc, param_dtype) are ALIASES, resolved at parsing.
 """
 
 from __future__ import annotations
