@@ -91,9 +91,13 @@ class StepTerms:
 class Pricer(Protocol):
     """One strategy's share of a step's estimate (see the module's docstring)."""
 
-    def chunk_comm(self, layout: Layout, chunk: Chunk) -> ChunkComm | None: ...
+    def chunk_comm(self, layout: Layout, chunk: Chunk) -> ChunkComm | None:
+        """Its collectives inside one chunk for one micro-batch; None where it issues none there."""
 
-    def memory(self, layout: Layout, stage: Stage) -> dict[str, float]: ...
+    def memory(self, layout: Layout, stage: Stage) -> dict[str, float]:
+        """Its bytes on one rank of `stage`, by MEMORY_TERMS' names; {} where it adds none."""
 
-    def step(self, layout: Layout, stage_times: list[list[tuple[float, float]]],
-             memory: dict[str, float]) -> StepTerms | None: ...
+    def step(self, layout: Layout, chunk_times: list[list[tuple[float, float]]],
+             memory: dict[str, float]) -> StepTerms | None:
+        """What it adds to the step, given every chunk's (forward, backward) seconds by stage and the worst
+        stage's memory; None where it adds nothing."""

@@ -74,5 +74,5 @@ class ContextPricer:
     def memory(self, layout: Layout, stage: Stage) -> dict[str, float]:
         return {}
 
-    def step(self, layout: Layout, stage_times, memory) -> StepTerms | None:
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
         return None

@@ -133,5 +133,5 @@ class PipelinePricer:
                      for i in stage.layers] or [0.0]
         return sum(per_layer) / len(per_layer)
 
-    def step(self, layout: Layout, stage_times, memory) -> StepTerms | None:
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
         return None  # the composer runs the flush (flush), which paces every other term

@@ -82,5 +82,5 @@ class RecomputePricer:
     def chunk_comm(self, layout: Layout, chunk: Chunk) -> ChunkComm | None:
         return None  # the tensor, expert and context pricers repeat their forward's calls under full
 
-    def step(self, layout: Layout, stage_times, memory) -> StepTerms | None:
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
         return None  # its seconds are in each chunk's backward (seconds)

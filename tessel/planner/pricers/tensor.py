@@ -88,6 +88,6 @@ class TensorPricer:
         return [layer_activation_bytes(p.spec, stage.tokens, layout.tp, layout.sp, p.precision, p.moe_flags[i])
                 for i in stage.layers]
 
-    def step(self, layout: Layout, stage_times, memory) -> StepTerms | None:
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
         return None
 

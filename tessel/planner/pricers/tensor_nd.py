@@ -64,5 +64,5 @@ class GridPricer:
     def memory(self, layout: Layout, stage: Stage) -> dict[str, float]:
         return {}
 
-    def step(self, layout: Layout, stage_times, memory) -> StepTerms | None:
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
         return None

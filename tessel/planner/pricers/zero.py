@@ -67,7 +67,7 @@ class ZeroPricer:
             return w.get("all_gather", 0.0) * min(block, param_bytes) + w.get("reduce_scatter", 0.0) * block
         return w.get("all_reduce", 0.0) * bucket
 
-    def step(self, layout: Layout, stage_times, memory: dict[str, float]) -> StepTerms:
+    def step(self, layout: Layout, chunk_times, memory: dict[str, float]) -> StepTerms:
         """The optimizer's update of the shard this device owns: no communication overlaps it."""
         return StepTerms(fixed_s=self.optimizer_seconds(memory, layout))
 
