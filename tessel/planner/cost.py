@@ -1,10 +1,10 @@
 """The cost model: FLOPs, memory and communication of one training step under a layout.
 
 Everything is per device and per optimizer step, for tessel's reference GPT (or a Hugging Face family's
-blocks, tessel.planner.model_spec). CostModel composes the strategies' pricers (tessel.planner.pricers:
+blocks, tessel.planner.model_spec). CostModel composes the strategies' pricers (tessel.planner.pricing:
 data, zero, tensor, tensor_nd, context, pipeline, expert, recompute), each of which prices what its
 strategy adds; what they share (the model's sizes, a collective's price on a group, a block's compute) is
-tessel.planner.pricers.base.Pricing, which CostModel is. The hand-checkable pieces (collective times,
+tessel.planner.pricing.base.Pricing, which CostModel is. The hand-checkable pieces (collective times,
 activation bytes, in-flight micro-batches, ZeRO shards) are small functions with unit tests in
 tests/planner/test_cost.py.
 
@@ -33,16 +33,16 @@ from tessel.planner.gemm import Gemm
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import ModelSpec
 from tessel.planner.network import NONE, Cost
-from tessel.planner.pricers import MEMORY_TERMS, Chunk, ChunkComm, Pricer, Stage, StepTerms
-from tessel.planner.pricers.base import GROUP_AXES, ORDER, Pricing
-from tessel.planner.pricers.context import ContextPricer
-from tessel.planner.pricers.data import DataPricer
-from tessel.planner.pricers.expert import ExpertPricer
-from tessel.planner.pricers.pipeline import PipelinePricer, chunk_layers, peak_chunks_in_flight
-from tessel.planner.pricers.recompute import RecomputePricer
-from tessel.planner.pricers.tensor import TensorPricer
-from tessel.planner.pricers.tensor_nd import GridPricer
-from tessel.planner.pricers.zero import ZeroPricer
+from tessel.planner.pricing import MEMORY_TERMS, Chunk, ChunkComm, Pricer, Stage, StepTerms
+from tessel.planner.pricing.base import GROUP_AXES, ORDER, Pricing
+from tessel.planner.pricing.context import ContextPricer
+from tessel.planner.pricing.data import DataPricer
+from tessel.planner.pricing.expert import ExpertPricer
+from tessel.planner.pricing.pipeline import PipelinePricer, chunk_layers, peak_chunks_in_flight
+from tessel.planner.pricing.recompute import RecomputePricer
+from tessel.planner.pricing.tensor import TensorPricer
+from tessel.planner.pricing.tensor_nd import GridPricer
+from tessel.planner.pricing.zero import ZeroPricer
 from tessel.planner.schedule import device_chunks
 from tessel.planner.traffic import Call, bookkeeping_calls, merged, pp_calls, times, trainer_calls
 

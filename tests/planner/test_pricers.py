@@ -1,11 +1,11 @@
-"""The pricers' interface (tessel.planner.pricers): every strategy's pricer answers the same three questions,
+"""The pricers' interface (tessel.planner.pricing): every strategy's pricer answers the same three questions,
 and the estimate is their sum (no processes)."""
 
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import preset
-from tessel.planner.pricers import MEMORY_TERMS, Chunk, ChunkComm
+from tessel.planner.pricing import MEMORY_TERMS, Chunk, ChunkComm
 from tests.planner.cases import flat_cluster, tiny_spec
 
 

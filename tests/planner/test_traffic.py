@@ -7,7 +7,7 @@ import pytest
 from tessel.planner.calibration import Calibration
 from tessel.planner.cost import CostModel, all_reduce_time
 from tessel.planner.layout import Layout
-from tessel.planner.pricers import Chunk
+from tessel.planner.pricing import Chunk
 from tessel.planner.traffic import (Call, bookkeeping_calls, bucket_sizes, dp_step_calls, ep_block_calls,
                                     fit_alpha_beta, merged, pp_calls, sent_bytes, tp_block_calls, tp_edge_calls,
                                     trainer_calls)

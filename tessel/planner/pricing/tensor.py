@@ -14,8 +14,8 @@ from tessel.planner.calibration import interpolate
 from tessel.planner.cluster import Geometry
 from tessel.planner.layout import Layout
 from tessel.planner.memory import layer_activation_bytes
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
 from tessel.planner.traffic import Call, sent_bytes, tp_chunk_calls
 
 
@@ -25,7 +25,7 @@ class TensorPricer:
         self._memo: dict = {}
 
     def chunk_comm(self, layout: Layout, chunk: Chunk) -> ChunkComm | None:
-        """The chunk's tp collectives (1D only: a grid's are tessel.planner.pricers.tensor_nd's)."""
+        """The chunk's tp collectives (1D only: a grid's are tessel.planner.pricing.tensor_nd's)."""
         if layout.tp == 1 or grid_cost.layout_grid(layout) is not None:
             return None
         n_moe = sum(self.pricing.moe_flags[i] for i in chunk.layers)

@@ -11,8 +11,8 @@ from tessel.planner import grid_cost
 from tessel.planner.cluster import Geometry
 from tessel.planner.layout import Layout
 from tessel.planner.network import NONE, Cost
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import ORDER, Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import ORDER, Pricing
 from tessel.planner.traffic import merged, sent_bytes
 
 

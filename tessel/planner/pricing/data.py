@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from tessel.planner import grid_cost
 from tessel.planner.layout import Layout
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
-from tessel.planner.pricers.pipeline import chunk_layers
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
+from tessel.planner.pricing.pipeline import chunk_layers
 from tessel.planner.traffic import Call, dp_step_calls, sent_bytes
 
 REDUCTIONS = ("all_reduce", "reduce_scatter")

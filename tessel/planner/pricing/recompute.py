@@ -14,11 +14,11 @@ from tessel.planner import grid_cost
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (attention_core_bytes, head_activation_bytes, recompute_layer_bytes,
                                    unfused_attention_bytes)
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
-from tessel.planner.pricers.context import ContextPricer
-from tessel.planner.pricers.tensor import TensorPricer
-from tessel.planner.pricers.tensor_nd import GridPricer
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
+from tessel.planner.pricing.context import ContextPricer
+from tessel.planner.pricing.tensor import TensorPricer
+from tessel.planner.pricing.tensor_nd import GridPricer
 
 
 class RecomputePricer:

@@ -8,8 +8,8 @@ are split over ep (Pricing.stage_params) and their state over dp x cp (the zero 
 from __future__ import annotations
 
 from tessel.planner.layout import Layout
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
 from tessel.planner.traffic import Call, ep_chunk_calls, sent_bytes
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from tessel.planner.cluster import Geometry
 from tessel.planner.context import cp_block_calls, mlp_half_bytes, ring_backward_bytes, ring_exposed, ring_kv_saving
 from tessel.planner.layout import Layout
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
 from tessel.planner.traffic import Call, sent_bytes
 
 

@@ -14,7 +14,7 @@ busiest link). A pricer answers three questions, each with nothing where its str
 The modules: data (the gradients' traffic over dp x ep x cp), zero (sharded state, its buffers, the
 optimizer's update), tensor (Megatron 1D and sequence parallelism), tensor_nd (2D/2.5D/3D grids), context
 (ring and Ulysses), pipeline (stages, schedules, flushes, messages), expert (the all-to-alls), recompute
-(what a block keeps and runs again). tessel.planner.pricers.base holds what they share: the model's sizes,
+(what a block keeps and runs again). tessel.planner.pricing.base holds what they share: the model's sizes,
 a collective's price on a group, a block's compute. A new strategy adds one module here and one entry in
 CostModel's list.
 """

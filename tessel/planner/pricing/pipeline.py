@@ -10,8 +10,8 @@ from __future__ import annotations
 from tessel.planner.layout import Layout
 from tessel.planner.memory import layer_activation_bytes
 from tessel.planner.network import NONE, Cost
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
 from tessel.planner.schedule import (NEW_SCHEDULES, captured_gradient_bytes, flush_time, held_bytes,
                                      held_micro_batches, stashed_versions)
 from tessel.planner.traffic import pp_calls

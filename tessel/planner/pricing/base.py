@@ -28,7 +28,7 @@ from tessel.planner.compute import Shape, block_seconds, edge_seconds
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import ModelSpec
 from tessel.planner.network import NONE, Cost, collective
-from tessel.planner.pricers import Chunk
+from tessel.planner.pricing import Chunk
 from tessel.planner.traffic import Call
 
 ORDER = AXES  # tessel.mesh lays ranks out in this order by default

@@ -8,8 +8,8 @@ from __future__ import annotations
 from tessel.planner import grid_cost
 from tessel.planner.layout import Layout
 from tessel.planner.memory import zero_state_bytes
-from tessel.planner.pricers import Chunk, ChunkComm, Stage, StepTerms
-from tessel.planner.pricers.base import Pricing
+from tessel.planner.pricing import Chunk, ChunkComm, Stage, StepTerms
+from tessel.planner.pricing.base import Pricing
 
 ADAM_BYTES_TOUCHED = 28  # per parameter: read+write fp32 weight, m, v (24) + read the gradient (4)
 CLIP_BYTES = 12  # per parameter of the gradient shard: the norm reads it, the clip scales it in place
