@@ -250,6 +250,13 @@ def markdown(rows: list[Row]) -> str:
         "builds it (tessel/hf_blocks.py, checked against the model on the meta device), `estimate` where it "
         "reads it as a Llama-like decoder.",
         "",
+        "## Summary",
+        "",
+        f"Families per axis (of {len(rows)}), and the cells of a few well-known ones (the README's table):",
+        "",
+        summary_table(rows),
+        "## Every family",
+        "",
         "| family | " + " | ".join(AXES) + " | planner |",
         "|---" * (len(AXES) + 2) + "|",
     ]
@@ -261,6 +268,26 @@ def markdown(rows: list[Row]) -> str:
         for (kind, reason), (n, families_) in reasons.items():
             if kind == status:
                 out.append(f"- **{'R' if status == 'refused' else 'F'}{n}** ({', '.join(families_)}): {reason}")
+    return "\n".join(out) + "\n"
+
+
+# the families a user most often brings, shown by name in the README's summary (the rest are counted)
+SHOWN = ("llama", "mistral", "qwen3", "gemma3_text", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3")
+SHORT = {"trains": "trains", "accepted, fails parity": "F", "accepted, untested": "untested", "refused": "R",
+         "n/a": "n/a"}
+
+
+def summary_table(rows: list[Row]) -> str:
+    """The strategy x family table the README embeds: per axis, how many families train, fail parity, are refused
+    (or n/a: ep of a dense family), and the cells of the SHOWN families; docs/support.md has every cell."""
+    shown = [r for name in SHOWN for r in rows if r.model_type == name]
+    head = ["axis", "trains", "fails parity or untested", "refused", "n/a", *(r.model_type for r in shown)]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for axis in AXES:
+        count = {s: sum(r.cells[axis].status == s for r in rows) for s in SHORT}
+        counts = [count["trains"], count["accepted, fails parity"] + count["accepted, untested"], count["refused"],
+                  count["n/a"]]
+        out.append(f"| {axis} | " + " | ".join(map(str, counts + [SHORT[r.cells[axis].status] for r in shown])) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -21,6 +21,9 @@ def test_docs_support_md_is_what_tessel_support_writes(tmp_path):
     assert result.exit_code == 0, result.output
     fresh, committed = out.read_text(), (ROOT / "docs" / "support.md").read_text()
     assert fresh == committed, "docs/support.md is stale: run `tessel support --out docs/support.md`"
+    # the README's strategy x family table is the page's summary (its rows, below the header and the rule)
+    summary = fresh.split("## Summary\n")[1].split("## Every family")[0].strip().split("\n", 2)[2]
+    assert summary in (ROOT / "README.md").read_text(), "the README's family table is stale: copy docs/support.md's"
     # every cell the matrix says trains rests on a passing row of the record, and each failing row shows
     record = parity_record()
     assert "**trains**" not in fresh or any(r["status"] == "pass" for r in record.values())

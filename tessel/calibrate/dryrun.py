@@ -9,7 +9,7 @@ pipeline split, ZeRO's flat groups), runs one forward and backward of each of
 its chunks on one sequence, so that the gradient buffers the runtime allocates
 exist, and steps its optimizer, so that AdamW's state exists. What the rank then
 holds (tessel.parallel.zero.memory.state_bytes) is what the planner's
-state_memory (tessel.planner.cost) must predict.
+state_memory (tessel.planner.pricing.zero) must predict.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from tessel.parallel.runner import autocast_for
 from tessel.parallel.tensor.comm import _all_gather_single, _reduce_scatter_single
 from tessel.parallel.tensor.tensor_parallel import TPContext, VocabParallelLoss, apply_plan
 from tessel.planner.cluster import Cluster, Link
-from tessel.planner.cost import Calibration
+from tessel.planner.calibration import Calibration
 from tessel.planner.model_spec import ModelSpec
 from tessel.planner.search import tp_degrees
 from tessel.planner.traffic import fit_alpha_beta

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from tessel.axes import AXES
 from tessel.config import Config, ConfigError, build_config
-from tessel.planner.cost import Estimate, chunk_layers, peak_chunks_in_flight
+from tessel.planner.cost import Estimate
 from tessel.planner.memory import layer_activation_bytes
 from tessel.planner.model_spec import from_config
+from tessel.planner.pricing.pipeline import chunk_layers, peak_chunks_in_flight
 from tessel.planner.simulate import simulate_pipeline
 
 

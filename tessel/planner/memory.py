@@ -1,6 +1,6 @@
 """Memory formulas of the cost model: what one block keeps for backward, and ZeRO's shards.
 
-tessel.planner.cost adds them up per device (with the collectives' workspace
+The pricers (tessel.planner.pricing.zero, .recompute) add them up per device (with the collectives' workspace
 the probe measures); these are the per-block and per-stage pieces.
 """
 

@@ -115,8 +115,8 @@ def _held_over_time(schedule: str, p: int, m: int, stage: int, v: int) -> tuple[
     return tuple(out)
 
 
-# ---- what the new schedules change in the cost model (tessel.planner.cost calls these) ------------------
-NEW_SCHEDULES = ("zb-h1", "zb-h2", "zbv", "pipedream", "2bw")  # priced here; older ones by cost.py's forms
+# ---- what the new schedules change in the cost model (tessel.planner.pricing.pipeline calls these) -----
+NEW_SCHEDULES = ("zb-h1", "zb-h2", "zbv", "pipedream", "2bw")  # priced here; older ones by pricing/pipeline.py
 
 
 def device_chunks(schedule: str, p: int, v: int, stage: int) -> list[int]:

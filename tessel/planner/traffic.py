@@ -266,3 +266,11 @@ def dp_step_calls(grad_bytes: float, zero: int, bucket_bytes: float, unit_bytes:
     per_mb = [Call("all_gather", u, 2) for u in unit_bytes] + [Call("all_gather", root_bytes)]
     per_mb += [Call("reduce_scatter", u) for u in [*unit_bytes, root_bytes]]
     return merged(per_mb), []
+
+
+def sent_bytes(calls: list[Call], n: int) -> float:
+    """Bytes one rank sends for `calls` in a group of n (ring algorithms; all-reduce sends twice)."""
+    if n <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}
+    return sum(c.count * c.nbytes * factor.get(c.op, (n - 1) / n) for c in calls)

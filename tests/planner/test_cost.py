@@ -7,8 +7,9 @@ import pytest
 from tessel.config import ConfigError
 from tessel.models.gpt import GPT, count_params, flops_per_token
 from tessel.planner.cluster import Link, get_cluster, link_for
-from tessel.planner.cost import (Calibration, CostModel, all_gather_time, all_reduce_time, all_to_all_time,
-                                 chunk_layers, p2p_time, peak_chunks_in_flight)
+from tessel.planner.calibration import Calibration
+from tessel.planner.cost import CostModel, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
+from tessel.planner.pricing.pipeline import chunk_layers, peak_chunks_in_flight
 from tessel.planner.layout import Layout, parse_layout
 from tessel.planner.memory import head_activation_bytes, layer_activation_bytes, recompute_layer_bytes, zero_shards
 from tessel.planner.model_spec import from_config, preset

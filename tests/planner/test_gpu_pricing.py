@@ -87,7 +87,7 @@ def test_neighbours_weigh_by_distance():
 def test_compiled_blocks_cost_less_than_eager_with_the_same_gemms():
     cm, ccm = CostModel(GPT2, H100, "bf16"), CostModel(GPT2, H100, "bf16", compiled=True)
     lay = Layout(micro_batch=16)
-    eager, comp = cm._shape(lay, 16384, False), ccm._shape(lay, 16384, False)
+    eager, comp = cm.shape(lay, 16384, False), ccm.shape(lay, 16384, False)
     gemms = [[op for op in ops if isinstance(op, Gemm)] for ops in (block_forward(eager)[0], block_forward(comp)[0])]
     assert gemms[0] == gemms[1]  # compilation fuses the memory-bound chains, the GEMMs stay
     f, b, _ = block_seconds(eager, H100, "bf16")
@@ -119,7 +119,7 @@ def test_fused_loss_removes_the_logits_memory_and_their_passes():
     lay = Layout(micro_batch=16)
     assert cm.estimate(lay).memory["activations"] - fcm.estimate(lay).memory["activations"] > 0.8 * eager
     # the head's time: the same GEMMs, without the fp32 passes over the logits
-    shape, fshape = cm._shape(lay, tokens, False), fcm._shape(lay, tokens, False)
+    shape, fshape = cm.shape(lay, tokens, False), fcm.shape(lay, tokens, False)
     assert sum(edge_seconds(fshape, v, H100, "bf16", False, True)) < sum(edge_seconds(shape, v, H100, "bf16",
                                                                                           False, True))
     assert [op for op in backward([Gemm(tokens, v, d)])] == [Gemm(tokens, d, v), Gemm(v, d, tokens)]

@@ -15,12 +15,13 @@ from typer.testing import CliRunner
 from tessel.cli import app
 from tessel.config import build_config, check_layout, load_config
 from tessel.planner.cluster import get_cluster
-from tessel.planner.cost import CostModel, sent_bytes
+from tessel.planner.cost import CostModel
 from tessel.planner.grid_cost import Grid, grid_sizes
 from tessel.planner.layout import Layout, layout_config, layout_text, parse_layout
 from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import grid_layouts, search
 from tessel.planner.tp_grid import MIXED, STREAM, linear_bytes, linear_calls
+from tessel.planner.traffic import sent_bytes
 from tessel.planning import recipe_allows
 
 
@@ -62,7 +63,7 @@ def test_a_steps_tp_bytes_are_the_closed_forms(mode, depth, recompute, forward_s
     per_micro_batch = est.comm_bytes["tp"] / lay.chunks
     assert closed < per_micro_batch < 1.005 * closed, (per_micro_batch, closed)
     # what the estimate counts is what step_calls lists for the same rank, group by group
-    dims = cm.grid_groups(lay)
+    dims = cm.grid.groups(lay)
     listed = sum(sent_bytes(calls, dims[int(g[3:])].n) for g, calls in cm.step_calls(lay, 0).items()
                  if g.startswith("tp."))
     assert listed == pytest.approx(est.comm_bytes["tp"], rel=1e-9)

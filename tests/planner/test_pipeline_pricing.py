@@ -1,7 +1,7 @@
 """One pricing of schedules (issue 18): the closed form of a pipeline flush against the event
 simulator replaying the runtime's own action lists, and the search's re-pricing where they part.
 
-The closed form (tessel.planner.cost.pipeline_time) charges the busiest stage m
+The closed form (tessel.planner.pricing.pipeline.pipeline_time) charges the busiest stage m
 times and the other stages' work once, spread over v chunks: exact for even
 stages, within 3% with the LM head's heavier last chunk (checked here for every
 schedule, up to the issue's pp35 v3 and pp64 v2). A remainder of layers
@@ -17,9 +17,10 @@ from tessel.config import build_config
 from tessel.errors import ConfigError
 from tessel.planning import recipe_allows
 from tessel.planner.cluster import get_cluster
-from tessel.planner.cost import CostModel, pipeline_time
+from tessel.planner.cost import CostModel
 from tessel.planner.layout import Layout
 from tessel.planner.model_spec import preset
+from tessel.planner.pricing.pipeline import pipeline_time
 from tessel.planner.schedule import flush_time, held_micro_batches
 from tessel.planner.search import search, simulated, simulated_flush
 from tessel.planner.simulate import simulate_pipeline, simulate_plan

@@ -4,10 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from tessel.planner.cost import Calibration, CostModel, all_reduce_time, sent_bytes
+from tessel.planner.calibration import Calibration
+from tessel.planner.cost import CostModel, all_reduce_time
 from tessel.planner.layout import Layout
+from tessel.planner.pricing import Chunk
 from tessel.planner.traffic import (Call, bookkeeping_calls, bucket_sizes, dp_step_calls, ep_block_calls,
-                                    fit_alpha_beta, merged, pp_calls, tp_block_calls, tp_edge_calls, trainer_calls)
+                                    fit_alpha_beta, merged, pp_calls, sent_bytes, tp_block_calls, tp_edge_calls,
+                                    trainer_calls)
 from tests.planner.cases import flat_cluster, tiny_spec
 
 MiB = 2**20
@@ -101,7 +104,7 @@ def test_pipeline_messages_are_priced_as_probed_under_load():
         assert cm.coll("p2p", 1000, 2, cluster.intra) == pytest.approx(alpha + beta * 1000)
         link = cm.message_link(cm.links(lay)["pp"])
         assert (link.latency, link.bandwidth) == (pytest.approx(alpha), pytest.approx(1 / beta))
-        assert cm.estimate(lay).p2p_s == pytest.approx(alpha + beta * cm._p2p_bytes(lay))
+        assert cm.estimate(lay).p2p_s == pytest.approx(alpha + beta * cm.pipeline.message_bytes(lay))
     # a preset's link is the network model's, whatever the probe says
     cm = CostModel(tiny_spec(), flat_cluster(devices=4, lat=1e-5), "fp32")
     assert cm.message_link(cm.links(lay)["pp"]) is cm.links(lay)["pp"]
@@ -112,11 +115,12 @@ def test_chunk_comm_of_a_tp_layout_by_hand():
     cluster = replace(flat_cluster(devices=2), collectives={"all_reduce/2": [1e-3, 0.0]})
     cm = CostModel(tiny_spec(seq=16), cluster, "fp32")
     lay = Layout(tp=2, micro_batch=1)
-    fwd, bwd, sent = cm._chunk_comm([0, 1], lay, 16, cm.links(lay), True, True)
+    comm = cm.chunk_comm(lay, Chunk((0, 1), True, True, 16))
+    fwd, bwd, sent = comm.fwd_s, comm.bwd_s, comm.sent
     # forward: 2 per block + embedding + the loss's two = 7; backward: 2 per block + head = 5
     assert (fwd, bwd) == (pytest.approx(7e-3), pytest.approx(5e-3))
     rc = replace(lay, recompute=True)
-    assert cm._chunk_comm([0, 1], rc, 16, cm.links(rc), True, True)[1] == pytest.approx(9e-3)  # + 2 per block
+    assert cm.chunk_comm(rc, Chunk((0, 1), True, True, 16)).bwd_s == pytest.approx(9e-3)  # + 2 per block
     act = 16 * 32 * 4
     # 10 activation all-reduces, the loss's 16 and 32 floats; 2(n-1)/n = 1 at n = 2
     assert sent["tp"] == pytest.approx(10 * act + 64 + 128)
@@ -136,11 +140,12 @@ def test_measured_tp_collectives_scale_their_price():
     cal = Calibration([(16, 1e9)], tp_comm={2: [(16, 30e-3)]})
     cm = CostModel(tiny_spec(seq=16), cluster, "fp32", cal)
     lay = Layout(tp=2, micro_batch=1)
-    fwd, bwd, _ = cm._chunk_comm([0, 1], lay, 16, cm.links(lay), True, True)
+    comm = cm.chunk_comm(lay, Chunk((0, 1), True, True, 16))
+    fwd, bwd = comm.fwd_s, comm.bwd_s
     assert (fwd, bwd) == (pytest.approx(7e-3 * 2.5), pytest.approx(5e-3 * 2.5))
     # a middle pipeline chunk (one block, no edges) scales by the same factor: 2 + 2 calls
-    mid = cm._chunk_comm([1], lay, 16, cm.links(lay), False, False)
-    assert mid[:2] == (pytest.approx(2e-3 * 2.5), pytest.approx(2e-3 * 2.5))
+    mid = cm.chunk_comm(lay, Chunk((1,), False, False, 16))
+    assert (mid.fwd_s, mid.bwd_s) == (pytest.approx(2e-3 * 2.5), pytest.approx(2e-3 * 2.5))
 
 
 def test_pipeline_messages_and_bookkeeping_by_hand():

@@ -457,7 +457,7 @@ def _planned(overrides: list[str], stage: int, common: tuple[str, ...] = COMMON)
     lay = config_layout(cfg)
     cost = CostModel(from_config(cfg.model, cfg.train.seq_len, cfg.train.global_batch), get_cluster("a100"),
                      cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
-    dims = cost.grid_groups(lay)
+    dims = cost.grid.groups(lay)
     out = collections.Counter()
     for group, calls in cost.step_calls(lay, stage).items():
         label = f"group{dims[int(group[3:])].n}" if group.startswith("tp.") else group

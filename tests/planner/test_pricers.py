@@ -1,0 +1,41 @@
+"""The pricers' interface (tessel.planner.pricing): every strategy's pricer answers the same three questions,
+and the estimate is their sum (no processes)."""
+
+from tessel.planner.cluster import get_cluster
+from tessel.planner.cost import CostModel
+from tessel.planner.layout import Layout
+from tessel.planner.model_spec import preset
+from tessel.planner.pricing import MEMORY_TERMS, Chunk, ChunkComm
+from tests.planner.cases import flat_cluster, tiny_spec
+
+
+def test_every_strategy_has_one_pricer_with_the_three_terms():
+    cm = CostModel(tiny_spec(), flat_cluster(), "fp32")
+    names = {type(p).__module__.rsplit(".", 1)[1] for p in cm.pricers}
+    assert names == {"data", "zero", "tensor", "tensor_nd", "context", "pipeline", "expert", "recompute"}
+    for p in cm.pricers:
+        assert all(callable(getattr(p, m, None)) for m in ("chunk_comm", "memory", "step")), p
+
+
+def test_memory_is_the_pricers_terms_in_order():
+    spec = preset("gpt3-350m")
+    cm = CostModel(spec, get_cluster("h100", 16), "bf16")
+    lay = Layout(dp=2, tp=2, pp=4, micro_batch=1, micro_batches=16, grad_accum=spec.global_batch // 32, zero_stage=1, schedule="zb-h1")
+    mem = cm.stage_memory(lay, 0)
+    assert list(mem)[:-1] == [k for k in MEMORY_TERMS if k in mem] and list(mem)[-1] == "total"
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert mem["captured_grads"] > 0  # the pipeline pricer's term, beside zero's, recompute's and tensor's
+
+
+def test_a_chunks_collectives_are_the_pricers_summed():
+    spec = preset("mixtral-8x7b")
+    cm = CostModel(spec, get_cluster("h100", 32), "bf16")
+    lay = Layout(dp=1, tp=2, ep=4, cp=2, pp=2, micro_batch=1, micro_batches=8)
+    chunk = Chunk(tuple(range(16)), True, False, spec.seq_len // 2)
+    parts = cm.chunk_comm_parts(lay, chunk)
+    assert [type(p).__name__ for p in (cm.tensor, cm.expert, cm.context)] == ["TensorPricer", "ExpertPricer",
+                                                                                "ContextPricer"]
+    assert len(parts) == 3 and all(isinstance(p, ChunkComm) for p in parts)
+    whole = cm.chunk_comm(lay, chunk)
+    assert whole.sent == {"tp": parts[0].sent["tp"], "ep": parts[1].sent["ep"], "cp": parts[2].sent["cp"]}
+    assert whole.fwd_s == parts[0].fwd_s + parts[1].fwd_s + parts[2].fwd_s
