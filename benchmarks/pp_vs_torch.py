@@ -46,7 +46,7 @@ def _torch_schedule(model, cfg, mesh, rank, p):
 
     from tessel.models.gpt import cross_entropy
     from tessel.parallel.pipeline.partition import split_model
-    from tessel.parallel.pipeline.pipeline_parallel import choose_layout
+    from tessel.parallel.pipeline.apply import choose_layout
     from tessel.parallel.pipeline.schedules import is_vshape, stage_of
     name = cfg.parallel.schedule
     layout = choose_layout(model, mesh, cfg)

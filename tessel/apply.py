@@ -42,7 +42,7 @@ from tessel.parallel.expert.cross_stage import stage_router_losses
 from tessel.parallel.expert.hf_experts import shard_hf_experts
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.fused_loss.apply import FusedHead, GatherAfterHead, LogitsOf, fuse_model_head
-from tessel.parallel.pipeline.pipeline_parallel import pipeline_chunks, pipeline_runner
+from tessel.parallel.pipeline.apply import pipeline_chunks, pipeline_runner
 from tessel.parallel.pipeline.schedules import Placement, is_vshape
 from tessel.parallel.compile import compile_for_training
 from tessel.parallel.recompute import recompute_attention_cores, recompute_blocks
