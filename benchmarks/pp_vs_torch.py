@@ -49,7 +49,7 @@ def _torch_schedule(model, cfg, mesh, rank, p):
     from tessel.parallel.pipeline.apply import choose_layout
     from tessel.parallel.pipeline.schedules import is_vshape, stage_of
     name = cfg.parallel.schedule
-    layout = choose_layout(model, mesh, cfg)
+    layout = choose_layout(model, mesh, cfg.parallel, cfg.train, cfg.model.n_layer)
     chunks = split_model(model, layout, rank, p, vshape=is_vshape(name))
     n = len(layout)
     # the same stages in the same places: rank r holds stages r, r+p (a loop) or r, 2p-1-r (ZBV's V)
