@@ -3,8 +3,8 @@ model, each pipeline chunk on its own ("model").
 
 The choices, and why:
 
-- Where: tessel.apply runs this step (apply_compile) after TP/SP, CP, EP, the pipeline split and recompute, and before DP/ZeRO,
-  as torchtitan orders it. What is compiled is the block as this rank runs it (its shards, its
+- Where: tessel.apply runs this step (apply_compile) after TP/SP, CP, EP, the pipeline split and recompute, and
+  before DP/ZeRO, as torchtitan orders it. What is compiled is the block as this rank runs it (its shards, its
   checkpoint), and the hooks of ZeRO and DP (stage 3's gather before a block and free after it, the
   bucketed gradient all-reduce) stay eager around the compiled forward: their collectives overlap compute
   as they do without compilation.
