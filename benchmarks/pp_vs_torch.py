@@ -46,10 +46,10 @@ def _torch_schedule(model, cfg, mesh, rank, p):
 
     from tessel.models.gpt import cross_entropy
     from tessel.parallel.pipeline.partition import split_model
-    from tessel.parallel.pipeline.pipeline_parallel import choose_layout
+    from tessel.parallel.pipeline.apply import choose_layout
     from tessel.parallel.pipeline.schedules import is_vshape, stage_of
     name = cfg.parallel.schedule
-    layout = choose_layout(model, mesh, cfg)
+    layout = choose_layout(model, mesh, cfg.parallel, cfg.train, cfg.model.n_layer)
     chunks = split_model(model, layout, rank, p, vshape=is_vshape(name))
     n = len(layout)
     # the same stages in the same places: rank r holds stages r, r+p (a loop) or r, 2p-1-r (ZBV's V)

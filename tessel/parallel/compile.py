@@ -3,8 +3,8 @@ model, each pipeline chunk on its own ("model").
 
 The choices, and why:
 
-- Where: tessel.apply runs this after TP/SP, CP, EP, the pipeline split and recompute, and before DP/ZeRO,
-  as torchtitan orders it. What is compiled is the block as this rank runs it (its shards, its
+- Where: tessel.apply runs this step (apply_compile) after TP/SP, CP, EP, the pipeline split and recompute, and
+  before DP/ZeRO, as torchtitan orders it. What is compiled is the block as this rank runs it (its shards, its
   checkpoint), and the hooks of ZeRO and DP (stage 3's gather before a block and free after it, the
   bucketed gradient all-reduce) stay eager around the compiled forward: their collectives overlap compute
   as they do without compilation.
@@ -51,29 +51,38 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tessel.config import Config
+from tessel.config import ParallelConfig, TrainConfig
 from tessel.hf_ep_plan import expert_sites
-from tessel.hf_shape import family, read_config
-from tessel.models.gpt import Block
-from tessel.models.hf.families import decoder_layers, family_of
+from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
 from tessel.models.moe import moe_layers
 from tessel.parallel.pipeline.schedules import splits_backward
+from tessel.parallel.plan import Plan
 from tessel.parallel.tensor_nd.summa import Linear2D, TiedHead2D
 
 
-def compile_for_training(stages: list[nn.Module], cfg: Config) -> None:
+def apply_compile(plan: Plan, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig, family: ModelFamily) -> Plan:
+    """tessel.apply's step for train.compile: each block, or the model (each pipeline chunk), compiled where
+    ZeRO's and DP's hooks will wrap it."""
+    if train.compile != "off":
+        compile_for_training(list(plan.model) if mesh.size("pp") > 1 else [plan.model], parallel, train, family)
+    return plan
+
+
+def compile_for_training(stages: list[nn.Module], parallel: ParallelConfig, train: TrainConfig,
+                         family: ModelFamily) -> None:
     """Compile the model (a pipeline rank: each of its chunks) as train.compile says: each block's forward,
     or each stage's; some modules eager inside (eager_modules). A Hugging Face model comes without its key/value
     cache, whose updates dynamo cannot trace in a checkpointed layer (tessel.models.hf.build.as_training_model,
     which every one passes through)."""
     for stage in stages:
-        run_eagerly(eager_modules(stage, cfg))
-    if cfg.parallel.pp > 1 and splits_backward(cfg.parallel.schedule):
+        run_eagerly(eager_modules(stage, family))
+    if parallel.pp > 1 and splits_backward(parallel.schedule):
         # B runs its backward with retain_graph (W reuses the graph), which AOTAutograd refuses for a backward
         # compiled to reuse saved activations' buffers (donated buffers): compile without that reuse
         torch._functorch.config.donated_buffer = False
-    blocks = [block for stage in stages for block in transformer_blocks(stage, cfg)]
-    compile_forwards(stages if cfg.train.compile == "model" else blocks, cfg.train.compile_backend)
+    blocks = [block for stage in stages for block in family.decoder_layers(stage)]
+    compile_forwards(stages if train.compile == "model" else blocks, train.compile_backend)
 
 
 class TrainingForward:
@@ -96,21 +105,14 @@ def compile_forwards(modules: list[nn.Module], backend: str) -> None:
             module.forward = TrainingForward(module.forward, backend)
 
 
-def transformer_blocks(model: nn.Module, cfg: Config) -> list[nn.Module]:
-    """The reference GPT's blocks, or a Hugging Face model's decoder layers (as apply_recompute finds them)."""
-    if cfg.model.hf_config is None:
-        return [m for m in model.modules() if isinstance(m, Block)]
-    return decoder_layers(model, family_of(read_config(cfg.model.hf_config)["model_type"]))
-
-
-def eager_modules(model: nn.Module, cfg: Config) -> list[nn.Module]:
+def eager_modules(model: nn.Module, family: ModelFamily) -> list[nn.Module]:
     """The modules that stay eager inside a compiled region: those whose shapes follow the routing (the
     reference GPT's MoE layers; a Hugging Face MoE's experts, the modules its ep plan names, with their
     all-to-all under ep), and the 2D/2.5D grid's SUMMA layers, whose rooted broadcasts and reduces dynamo
     cannot trace (each step compiled on its own would recompile for every panel shape)."""
     eager: list[nn.Module] = list(moe_layers(model))
     eager += [m for m in model.modules() if isinstance(m, (Linear2D, TiedHead2D))]
-    if cfg.model.hf_config is not None:
+    if family.experts_by_plan:
         eager += [site.module for site in expert_sites(model)]
     return eager
 

@@ -21,12 +21,15 @@ in every layout.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Literal
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
 from tessel.models.gpt import Attention
+from tessel.parallel.plan import Plan
 
 
 class _Recomputed:
@@ -50,3 +53,16 @@ def recompute_attention_cores(modules: Iterable[nn.Module]) -> None:
     for module in modules:
         if isinstance(module, Attention) and not isinstance(module.core, _Recomputed):
             module.core = _Recomputed(module.core)
+
+
+def apply_recompute(plan: Plan, mesh: Mesh, recompute: Literal["none", "selective", "full"],
+                    family: ModelFamily) -> Plan:
+    """tessel.apply's step for parallel.recompute, after the pipeline's cut (a rank recomputes the blocks it
+    holds) and before compile: selective on the reference GPT's attention cores (tessel.config refuses it for
+    Hugging Face models), full on the family's decoder layers."""
+    if recompute == "selective":
+        recompute_attention_cores(plan.model.modules())
+    elif recompute == "full":
+        stages = list(plan.model) if mesh.size("pp") > 1 else [plan.model]  # a pipeline rank's chunks
+        recompute_blocks([layer for stage in stages for layer in family.decoder_layers(stage)])
+    return plan

@@ -1,41 +1,26 @@
 """The trainer's optimizer: AdamW parameter groups, the learning-rate schedule.
 
-Weight decay pulls weights towards zero: it regularises matrices (embeddings,
-linear weights), while on norms' gains and biases it would only pull the
-scale and offset of each feature, so those get none (nanoGPT's
-configure_optimizers; GPT-3 trains with decay 0.1, Brown et al. 2020,
-appendix B). The schedule is a linear warm-up, then cosine decay to min_lr
+Which parameters get weight decay is tessel.parallel.weight_decay's (below the
+strategies that build their own optimizer, ZeRO's). The schedule is a linear warm-up, then cosine decay to min_lr
 (GPT-3, appendix B). The kernel follows the parameters' device
 (tessel.parallel.adamw: fused on CUDA, foreach elsewhere).
 
 Strategies that build their own optimizer (ZeRO's, which steps the shard a rank
-owns) take these groups from their caller like a torch optimizer does:
-tessel.parallel never imports tessel.train.
+owns) make the same groups from tessel.parallel.weight_decay: tessel.parallel
+never imports tessel.train.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from tessel.config import TrainConfig
 from tessel.parallel.adamw import adamw
-
-
-def gets_weight_decay(p: nn.Parameter) -> bool:
-    """Matrices do; norms, biases and other vectors do not."""
-    return p.dim() >= 2
-
-
-def param_groups(params: Iterable[nn.Parameter], weight_decay: float,
-                 decay: Callable[[nn.Parameter], bool] = gets_weight_decay) -> list[dict]:
-    """AdamW parameter groups: those `decay` picks with weight_decay, the rest with none."""
-    params = list(params)
-    return [{"params": [p for p in params if decay(p)], "weight_decay": weight_decay},
-            {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
+from tessel.parallel.weight_decay import gets_weight_decay, param_groups
 
 
 def build_optimizer(params: list[nn.Parameter], t: TrainConfig,

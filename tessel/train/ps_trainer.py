@@ -48,6 +48,7 @@ from tessel.config import Config, FaultConfig, TrainConfig
 from tessel.heartbeat import Heartbeat
 from tessel.mesh import Mesh
 from tessel.models.build import build_model
+from tessel.models.family import model_family
 from tessel.models.gpt import cross_entropy
 from tessel.models.moe import with_aux_losses
 from tessel.parallel.compile import compile_for_training
@@ -165,7 +166,7 @@ def train_rank_ps(cfg: Config, device: torch.device, run_id: str | None = None,
     if cfg.model.n_experts:
         loss_fn = with_aux_losses(loss_fn, model)
     if t.compile != "off":  # the worker's model is whole: its blocks (or itself) compiled as in tessel.apply
-        compile_for_training([model], cfg)
+        compile_for_training([model], cfg.parallel, t, model_family(cfg.model))
     local = LocalRunner(model, loss_fn, t.grad_accum * p.micro_batches, device, t.precision, full_logits=full_logits,
                         vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len)
     runner = WorkerRunner(local, ps, lead=dist.get_rank() == 0)

@@ -25,6 +25,7 @@ from torch.testing import assert_close
 
 import tessel.parallel.tensor.comm as comm
 from tessel.config import ConfigError, ModelConfig
+from tessel.models.family import model_family
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.parallel.compile import TrainingForward, compile_for_training
 from tessel.parallel.pipeline.split_backward import backward_input
@@ -315,7 +316,8 @@ def test_split_backward_runs_a_compiled_block_once():
     compiled node again (B computed their weight gradients; W only accumulates them)."""
     model = _gpt()
     cfg = tiny_config(*PP2, 'parallel.schedule="zb-h1"', 'train.compile="blocks"', 'train.compile_backend="aot_eager"')
-    compile_for_training([model], cfg)  # a stage's blocks, compiled as under that pipeline
+    # a stage's blocks, compiled as under that pipeline
+    compile_for_training([model], cfg.parallel, cfg.train, model_family(cfg.model))
     torch._dynamo.reset()
     x, y = torch.randn(2, 16, 32), torch.randint(0, 64, (2, 16))
 

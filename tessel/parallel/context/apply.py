@@ -29,10 +29,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from tessel.config import ParallelConfig
 from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
 from tessel.models.gpt import Attention, apply_rotary
 from tessel.parallel.context.context import CPContext
 from tessel.parallel.context.kernel import Scores
+from tessel.parallel.plan import Plan
 
 HF_ATTENTION = "tessel_context_parallel"  # its name in transformers' AttentionInterface
 HF_KWARG = "tessel_cp"  # the keyword transformers passes through to it
@@ -97,6 +100,14 @@ def context_parallel_hf(model: nn.Module, ctx: CPContext) -> None:
         return args, {**kwargs, **extra}
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
+
+
+def apply_context_parallel(plan: Plan, mesh: Mesh, parallel: ParallelConfig, family: ModelFamily) -> Plan:
+    """tessel.apply's step for cp > 1: attention over the whole sequence from each rank's chunks, rotary at
+    each rank's own positions. Weights stay whole: their gradients are averaged over cp like dp's (TOKEN_AXES)."""
+    if mesh.size("cp") > 1:
+        plan.cp = context_parallel(plan.model, mesh, parallel.cp_mode, hf=family.transformers_attention)
+    return plan
 
 
 def context_parallel(model: nn.Module, mesh: Mesh, mode: str, hf: bool) -> CPContext:

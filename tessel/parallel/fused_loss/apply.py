@@ -11,7 +11,7 @@ sampling (HeadLogits: the head's matmul on the hidden states it is given, for a 
 Both read the head's parameters at each call, never a copy: ZeRO swaps what a parameter holds, and a tied
 head's weight is the embedding's. Under ZeRO-3 the root unit that holds the head is freed after a forward
 without gradients (evaluation, sampling), so they read it inside `whole()`, which ZeRO sets to its root
-gather (tessel.apply).
+gather (tessel.parallel.zero.apply).
 
 What a Hugging Face causal LM does to the head's output before returning it: a linear scaling (Granite's
 `logits / logits_scaling`, Cohere's `logits * logit_scale`) commutes with the matmul, so applied to the
@@ -29,7 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tessel.config import ParallelConfig
+from tessel.mesh import Mesh
 from tessel.parallel.fused_loss.kernel import Vocab, linear_cross_entropy
+from tessel.parallel.pipeline.schedules import Placement, is_vshape
+from tessel.parallel.plan import Plan
+from tessel.parallel.tensor.tensor_parallel import FullLogits
 
 
 class HeadInput:
@@ -77,6 +82,29 @@ def fuse_head(head: nn.Module, vocab_size: int, softcap: float | None = None) ->
         ctx = getattr(head, "ctx", None)
         head.forward = HeadInput(ctx.enter if ctx is not None and head.enter else None)
     return FusedHead(head, vocab_size, softcap)
+
+
+def apply_fused_loss(plan: Plan, mesh: Mesh, parallel: ParallelConfig, fused_loss: bool, vocab_size: int,
+                     max_seq_len: int) -> Plan:
+    """tessel.apply's step for train.fused_loss: the head hands out its input and the loss does its matmul,
+    chunked over tokens (vocabulary-parallel under tp), so the fp32 logits never exist. After the pipeline's
+    cut: only the rank holding the head (the last stage) changes anything. Sampling takes the head's logits from
+    its input: the model's whole-vocabulary logits, or a pipeline's last stage through gather_vocab."""
+    if not fused_loss:
+        return plan
+    if mesh.size("pp") > 1:
+        place = Placement(mesh.size("pp"), len(plan.model), mesh.coord("pp"), is_vshape(parallel.schedule))
+        last = [chunk for c, chunk in enumerate(plan.model) if place.is_last(c)]
+        plan.fused = fuse_model_head(last[0], vocab_size) if last else None
+        if plan.fused is not None:  # the last stage samples from its output, sliced to the last position
+            plan.loss_fn, plan.gather_vocab = plan.fused.loss, GatherAfterHead(plan.fused, plan.gather_vocab)
+        return plan
+    plan.fused = fuse_model_head(plan.model, vocab_size)
+    plan.loss_fn = plan.fused.loss
+    logits = LogitsOf(plan.model, plan.fused)
+    plan.full_logits = logits if mesh.size("tp") == 1 else \
+        FullLogits(logits, plan.fused.head.ctx, vocab_size, max_seq_len)
+    return plan
 
 
 def fuse_model_head(model: nn.Module, vocab_size: int) -> FusedHead | None:

@@ -13,5 +13,5 @@
 - aux: MoE router losses back-propagated on their own stage (a StageLoss per chunk; a loss that spans
   stages brings its own: tessel.parallel.expert.cross_stage)
 - runner: the Runner the trainer calls, composed of the above (spec: what it runs)
-- pipeline_parallel: the apply step tessel.apply calls (layout, chunks, runner)
+- apply: the apply step tessel.apply calls (layout, chunks) and the runner built from what the steps hand on
 """

@@ -1,10 +1,11 @@
 """Gradients that span ranks after a pipeline rank's backwards: data parallelism, ZeRO, tied embeddings.
 
-- Data parallelism without ZeRO: one DataParallel per chunk, reducing on that
-  chunk's last backward, so the reduction of a chunk overlaps the backwards
+- Data parallelism without ZeRO: one DataParallel per chunk (tessel.parallel.data.apply
+  wraps them), reducing on that chunk's last backward, so the reduction of a chunk overlaps the backwards
   still to come on the rank (the pipeline's drain), as PTD-P does (Narayanan
   et al. 2021, sec. 4.2).
-- ZeRO (Rajbhandari et al. 2020): one engine over all of the rank's chunks,
+- ZeRO (Rajbhandari et al. 2020): one engine over all of the rank's chunks
+  (tessel.parallel.zero.apply builds it),
   reducing after the rank's final backward; under ZeRO-3 the chunks'
   parameters are whole for the whole step (tessel.parallel.zero.pipeline).
 - Tied embeddings (Press & Wolf 2017): the first stage's token embedding and
@@ -21,10 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
 from tessel.models.parts import ModelParts
-from tessel.parallel.data.data_parallel import DataParallel, Reducer
+from tessel.parallel.data.data_parallel import DataParallel
 from tessel.parallel.pipeline.schedules import Placement
 from tessel.parallel.zero.zero_parallel import ZeroDataParallel
 
@@ -57,12 +57,11 @@ class TiedEmbedding:
 class GradientSync:
     """When each of this rank's gradients is reduced, and what is summed after the flush."""
 
-    def __init__(self, chunks: Sequence[nn.Module], mesh: Mesh, zero: ZeroDataParallel | None = None,
-                 tied: TiedEmbedding | None = None, reducer: Reducer | None = None, bucket_mb: float = 25.0):
-        dp_kwargs = {"reducer": reducer} if reducer is not None else {}  # dp_algorithm's reducer
-        data_parallel = mesh.size(*TOKEN_AXES) > 1 and zero is None
-        self.dp = [DataParallel(c, mesh, TOKEN_AXES, bucket_mb, **dp_kwargs) if data_parallel else None
-                   for c in chunks]
+    def __init__(self, chunks: Sequence[nn.Module], zero: ZeroDataParallel | None = None,
+                 tied: TiedEmbedding | None = None, dp: Sequence[DataParallel] | None = None):
+        """zero or dp: what the DP/ZeRO step (tessel.parallel.zero.apply, tessel.parallel.data.apply) wrapped the
+        chunks in: an engine over all of them, or one DataParallel per chunk (neither: no token axis spans ranks)."""
+        self.dp = list(dp) if dp is not None else [None] * len(chunks)
         self.zero, self.tied = zero, tied
         # ZeRO-2/3 on a rank with a tied copy: reduce-scatter after the flush, once the copies
         # are summed. Stage 1 need not wait: its gradients stay whole, and summing the two

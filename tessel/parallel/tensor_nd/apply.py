@@ -20,7 +20,11 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 
+from tessel.config import ParallelConfig
 from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
+from tessel.parallel.plan import Plan
+from tessel.parallel.tensor.regions import refuse_own_loss
 from tessel.parallel.tensor.tensor_parallel import match_plan
 from tessel.parallel.tensor import comm
 from tessel.parallel.tensor_nd.cube import (MIXED, STREAM, Cube, Embedding3D, FullLogits3D, Linear3D, Loss3D, RMSNorm3D,
@@ -40,7 +44,7 @@ GRID_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
 
 @dataclass
 class GridModel:
-    """What a grid mode hands tessel.apply: the model, its loss, logits for sampling, and the vocab gather a
+    """What a grid mode hands apply_tensor_grid: the model, its loss, logits for sampling, and the vocab gather a
     pipeline's last stage samples through."""
     model: nn.Module
     loss_fn: Callable
@@ -194,3 +198,18 @@ def describe_mode(mesh: Mesh, mode: str, tp: int, depth: int) -> str:
     coordinates = {"2d": "(row, col)", "2.5d": "(depth, row, col)", "3d": "(a, b, e) of the cube"}[mode]
     return describe_grid(mesh, grid_shape(mode, tp, depth), coordinates)
 
+
+
+def apply_tensor_grid(plan: Plan, mesh: Mesh, parallel: ParallelConfig, family: ModelFamily, vocab_size: int,
+                      hidden: int) -> Plan:
+    """tessel.apply's tensor-parallel step in tp_mode 2d / 2.5d / 3d (1D's is tessel.parallel.tensor.apply): the
+    family's TP plan (the reference GPT's, or a Hugging Face family's, derived from transformers' plan as it is
+    declared), its modules made grid layers."""
+    if mesh.size("tp") == 1 or parallel.tp_mode == "1d":
+        return plan
+    styles = family.grid_tp_plan(plan.model)
+    if family.owns_loss:  # its loss on the grid's logits would be wrong
+        refuse_own_loss(plan.model)
+    done = apply_grid_mode(plan.model, styles, mesh, parallel.tp_mode, parallel.tp_depth, vocab_size, hidden)
+    plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
+    return plan

@@ -67,7 +67,7 @@ parameter group and one sharding class. They are marked sharded over the ZeRO
 axes (tessel.parallel.norms), so the global gradient norm over the optimizer's
 parameters is the norm of the whole model. Usage, on any nn.Module, with
 parameter groups as any torch optimizer takes them (here the trainer's: weight
-decay on matrices only, tessel.train.optim.param_groups):
+decay on matrices only, tessel.parallel.weight_decay.param_groups):
 
     groups = param_groups(model.parameters(), weight_decay=0.1)
     model, opt = zero_parallel(model, mesh, 3, groups, lr=3e-4)
