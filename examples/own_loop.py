@@ -1,6 +1,6 @@
 """Train a Hugging Face model with tessel from your own training loop.
 
-    torchrun --nproc-per-node 4 examples/own_loop.py --dp 2 --tp 2 --layout zero=1
+    torchrun --nproc-per-node 4 examples/own_loop.py --dp 2 --tp 2 --layout zero_stage=1
     torchrun --nproc-per-node 2 examples/own_loop.py --pp 2 --config path/to/config.json
 
 The model is transformers' own, built from a local config (a tiny Llama when none is given); tessel
@@ -39,7 +39,7 @@ def train(config: PretrainedConfig, mesh_sizes: dict[str, int], layout: str = ""
     mesh = tessel.make_mesh(mesh_sizes)  # one mesh, named axes: pp, dp, ep, tp
     torch.manual_seed(0)  # the same initial weights on every rank (or load pretrained ones)
     model = AutoModelForCausalLM.from_config(config)
-    job = tessel.parallelize(model, mesh, layout)  # e.g. "zero=1", "sp=true", "recompute=full"
+    job = tessel.parallelize(model, mesh, layout)  # e.g. "zero_stage=1", "sequence_parallel=true", "recompute=full"
     opt = job.optimizer(lr=lr, weight_decay=weight_decay)
     losses = []
     for input_ids, targets in batches(config.vocab_size, steps, batch, seq):
