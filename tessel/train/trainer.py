@@ -39,8 +39,7 @@ from tessel.parallel.runner import Runner
 from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, PerParameterState
 from tessel.train.cohort import Cohort, PendingOutcome
 from tessel.train.data import BatchSampler, load_tokens, text_codec
-from tessel.train.fault.elastic import Replanned
-from tessel.train.fault.guard import Guard, checkpoint_root
+from tessel.train.fault.guard import Guard, LayoutReport, checkpoint_root
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.preempt import Stopped, StopRequest
 from tessel.train.mesh_cohort import MeshCohort
@@ -127,7 +126,7 @@ class Trainer:
     cohort: None for every rank of `mesh` (MeshCohort); a parameter server's workers bring theirs."""
 
     def __init__(self, cfg: Config, mesh: Mesh, runner: Runner, rank: int = 0, run_id: str | None = None,
-                 stop: StopRequest | None = None, cohort: Cohort | None = None, replanned: Replanned | None = None):
+                 stop: StopRequest | None = None, cohort: Cohort | None = None, replanned: LayoutReport | None = None):
         self.cfg, self.runner, self.rank = cfg, runner, rank
         self.replanned = replanned  # the layout was re-planned for this world: its step time is reported
         self.cohort = cohort or MeshCohort(mesh, cfg.train.grad_clip)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,19 @@ from tessel.models.emulated import DeviceTime
 from tessel.planner.hetero import rebalanced
 from tessel.train.checkpoint.manager import run_model, step_dir
 from tessel.train.cohort import Cohort
-from tessel.train.fault.elastic import Replanned
 from tessel.train.fault.injection import FaultInjector
 from tessel.train.fault.slow import Relayout, SlowRank, SlowRanks, evicted_with
 from tessel.train.fault.stragglers import ForwardTimer, straggler_report
 from tessel.train.state import TrainState
+
+
+class LayoutReport(Protocol):
+    """What the guard tells a re-planned layout's report (tessel.train.fault.elastic.Replanned): each metrics
+    row, then the run's end. A protocol, so that the trainer does not import re-planning."""
+
+    def observe(self, step: int, row: dict) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -45,7 +54,7 @@ def checkpoint_root(cfg: Config) -> Path:
 
 class Guard:
     def __init__(self, cfg: Config, state: TrainState, cohort: Cohort, injector: FaultInjector,
-                 replanned: Replanned | None = None):
+                 replanned: LayoutReport | None = None):
         self.cfg, self.state, self.cohort, self.injector = cfg, state, cohort, injector
         self.replanned = replanned  # a re-planned layout: rank 0 reports its measured step time
         self.rank = dist.get_rank() if dist.is_initialized() else 0
