@@ -3,7 +3,7 @@
     sudo PYTHONPATH=. python benchmarks/allreduce_topology.py [--rate 1gbit] [--iters 7] [--runs 3]
         [--congestion reno] [--queue-latency 10ms]
 
-Runs on the multi-node emulator (tessel.calibrate.emulator: network namespaces,
+Runs on the multi-node emulator (tessel.testing.emulator: network namespaces,
 tbf-shaped veths, one torchrun per node). Every size times tessel's flat ring
 (ranks in order: 0 1 | 2 3, so the ring crosses between nodes twice, the
 fewest any ring can), tessel's hierarchical all-reduce and gloo's own
@@ -86,7 +86,7 @@ def rate_bits(rate: str) -> float:
 
 
 def one_run(args) -> dict:
-    from tessel.calibrate.emulator import Emulator
+    from tessel.testing.emulator import Emulator
     out = Path(tempfile.mkdtemp(prefix="tessel-bench-")) / "allreduce.json"
     with Emulator(nodes=2, nproc_per_node=2, rate=args.rate, queue_latency=args.queue_latency,
                   congestion=args.congestion) as emu:
@@ -125,7 +125,7 @@ def main() -> int:
     if args.worker:
         worker(args.out, args.iters)
         return 0
-    from tessel.calibrate.emulator import cleanup_stale, require_root
+    from tessel.testing.emulator import cleanup_stale, require_root
     why = require_root()
     if why:
         print(f"skipped: {why}")

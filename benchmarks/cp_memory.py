@@ -3,7 +3,7 @@
 The tiny model of the tests (tests/helpers.TINY: 2 layers, d_model 32, 4 heads, 256 ids) on one sequence of
 8192 tokens, fp32: one process (cp1), then ring cp2 and cp4 and Ulysses cp2 and cp4, each rank measuring the
 peak bytes one step's forward and backward allocate above what it held before (the profiler's allocation
-record on CPU: tessel.calibrate.activations.step_peak), next to the cost model's activations term for the same
+record on CPU: tessel.testing.activations.step_peak), next to the cost model's activations term for the same
 layout (planned_peak). Prints one row per layout (the largest rank's peak), then the ratio of the cp4 ring's
 per-rank peak to one process's, last.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from tessel.calibrate.activations import planned_peak, step_peak
+from tessel.testing.activations import planned_peak, step_peak
 from tessel.config import build_config
 from tessel.spawn import spawn
 from tests.helpers import TINY

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tessel.apply import parallelize  # noqa: E402
 from tessel.calibrate.speeds import resolve  # noqa: E402
 from tessel.config import Config, build_config  # noqa: E402
-from tessel.adaptive import emulated_flops  # noqa: E402
+from tessel.elastic.adaptive import emulated_flops  # noqa: E402
 from tessel.mesh import make_mesh  # noqa: E402
 from tessel.models.build import build_model  # noqa: E402
 from tessel.models.emulated import EmulatedDevice, Ledger, emulate_device  # noqa: E402
@@ -83,7 +83,7 @@ def recipe(args, name: str, by_speed: bool) -> Config:
 
 
 def _trainer(cfg: Config) -> tuple[Trainer, EmulatedDevice]:
-    """What `tessel train` builds on each rank (tessel.launch.train_rank), the blocks on emulated devices."""
+    """What `tessel train` builds on each rank (tessel.commands.launch.train_rank), the blocks on emulated devices."""
     rank, world = dist.get_rank(), dist.get_world_size()
     flops = emulated_flops(cfg, rank, world)
     cfg = resolve(cfg, torch.device("cpu"), flops)

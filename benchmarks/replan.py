@@ -6,7 +6,7 @@ The run is laid out for 4 ranks on 2 nodes of 2 emulated accelerators, in the
 layout the planner chooses for them; one node is lost. fault.replan =
 "dp-only" keeps that layout's tp, pp and ep and halves dp (grad_accum takes up
 the global batch); "full" lets the planner choose again for the 2 ranks left
-(tessel.replan.choose, the function a resumed run calls). Both continuations
+(tessel.elastic.replan.choose, the function a resumed run calls). Both continuations
 then train side by side on the 2 surviving ranks, steps alternating so that a
 change in the machine's load hits both alike (Trainer.train_step: data,
 forward and backward, clipping, AdamW), and the median step times are
@@ -18,7 +18,7 @@ profiled on them (tessel.calibrate.profile.profile_ranks) with its blocks on
 emulated devices (tessel.models.emulated: every block waits its matmul FLOPs /
 --flops in time.sleep, so 2 ranks on this 2-core machine behave as 2
 independent accelerators). The 4-rank cluster is two such nodes joined by a
-link the 2-node emulator can shape (tessel.calibrate.emulator; --inter-gbit,
+link the 2-node emulator can shape (tessel.testing.emulator; --inter-gbit,
 0.2 Gbit/s as in tests/calibrate/test_topology_probe.py, 0.5 ms one way),
 declared rather than run: only the 2-rank continuations are measured.
 
@@ -73,9 +73,9 @@ from tessel.planner.cost import CostModel  # noqa: E402
 from tessel.planner.layout import config_layout, layout_config  # noqa: E402
 from tessel.planner.model_spec import from_config  # noqa: E402
 from tessel.planner.search import MICRO_BATCHES, search  # noqa: E402
-from tessel.replan import choose  # noqa: E402
+from tessel.elastic.replan import choose  # noqa: E402
 from tessel.spawn import spawn  # noqa: E402
-from tessel.train.fault.elastic import Previous, replan  # noqa: E402
+from tessel.elastic.dp_only import Previous, replan  # noqa: E402
 from tessel.train.trainer import Trainer  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def _steps(configs: list[Config], steps: int, warmup: int) -> list[list[float]]:
 
 
 def _emulated(cfg: Config):
-    """(mesh, runner) as `tessel train` builds them (tessel.launch.train_rank), blocks on emulated devices."""
+    """(mesh, runner) as `tessel train` builds them (tessel.commands.launch.train_rank), blocks on emulated devices."""
     p = cfg.parallel
     mesh = make_mesh(p.axis_sizes, order=p.rank_order)
     torch.manual_seed(cfg.train.seed)

@@ -1,3 +1,3 @@
-from tessel.cli import main
+from tessel.commands.cli import main
 
 main()

@@ -12,7 +12,7 @@
     state = job.full_state_dict()                         # whole tensors under the model's own names
 
 `parallelize` writes down what `tessel train` would have been given: a Config
-from the model's own config (tessel.hf_shape reads it, as for model.hf_config)
+from the model's own config (tessel.hf.shape reads it, as for model.hf_config)
 and the layout (tessel.planner.layout's `dp=2,tp=2,zero=1`), checked by the
 recipe's rules (tessel.config.check_layout) before anything is cut. Then
 tessel.apply's steps (TP/SP -> CP -> EP -> PP -> fused loss -> recompute -> compile -> DP/ZeRO)
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from tessel.axes import AXES
 from tessel.config import Config, ConfigError, build_config
-from tessel.hf_shape import model_shape
+from tessel.hf.shape import model_shape
 from tessel.mesh import Mesh
 from tessel.models.hf.build import as_training_model
 from tessel.observe.attention import check_attention

@@ -41,7 +41,7 @@ from tessel.parallel.zero.apply import apply_zero
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     """Returns a runner (see tessel.parallel.runner) that owns the parallelized model."""
     if cfg.parallel.dp_arch == "ps":
-        raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps_trainer (servers are extra ranks)")
+        raise ValueError("parallel.dp_arch = 'ps' trains through tessel.train.ps.trainer (servers are extra ranks)")
     p, m, t, family = cfg.parallel, cfg.model, cfg.train, model_family(cfg.model)
     plan = Plan(model, cross_entropy, model)
     plan = apply_tensor_parallel(plan, mesh, p, family, m.vocab_size, m.max_seq_len)

@@ -4,7 +4,7 @@
   process starts where it can be; the CLI exits 2 naming the field.
 - FatalError: a deterministic failure that a restart would only repeat (disk
   full, a bad input found late); the rank reports it in one line and the
-  launcher does not restart the run (tessel.launch).
+  launcher does not restart the run (tessel.commands.launch).
 """
 
 from __future__ import annotations

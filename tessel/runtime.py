@@ -90,7 +90,7 @@ def job_store(timeout_s: float) -> dist.Store:
     """A connection of this process's own to the store the job's ranks met in (MASTER_ADDR, MASTER_PORT),
     under this torchrun attempt's prefix. The store outlives every process group of the job: torchrun's
     agent hosts it for the whole job (its rendezvous shares it with the workers), tessel.spawn's rank 0
-    for as long as that process runs. A new group of the same job meets in it (tessel.adaptive.regroup)."""
+    for as long as that process runs. A new group of the same job meets in it (tessel.elastic.adaptive.regroup)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -70,7 +70,7 @@ def _rank_main(fn, rank, world, port, outdir, args, threads, backend, timeout_s,
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
         # the job's store, hosted by rank 0 while this frame lives: it outlives the process group, so that
-        # ranks that leave it can meet again in it (tessel.runtime.job_store, tessel.adaptive.regroup)
+        # ranks that leave it can meet again in it (tessel.runtime.job_store, tessel.elastic.adaptive.regroup)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)

@@ -57,7 +57,7 @@ PLANNED = {
 }
 
 # Families with no entry in tessel's table (tessel.models.hf.families.FAMILIES), placed by the derivation from
-# their plans alone (tessel.hf_layout), each for a structure the table's families lack
+# their plans alone (tessel.hf.layout), each for a structure the table's families lack
 DERIVED = {
     # post-attention and post-MLP norms (4 a layer), a fused gate|up projection its plan gathers, partial rotary
     "glm4": {**DENSE, "model_type": "glm4", "tie_word_embeddings": False},
@@ -79,7 +79,7 @@ DERIVED = {
 }
 
 
-# Multi-head latent attention (tessel.hf_region_inputs, tessel.hf_lineage): low-rank q and kv down projections
+# Multi-head latent attention (tessel.hf.region_inputs, tessel.hf.lineage): low-rank q and kv down projections
 # and their norms computed whole on every tp rank, q_b_proj (q_proj without a q rank) and kv_b_proj split by heads;
 # a dense first layer, then an MoE with a shared expert. 4 heads and 4 kv heads (the keys kv_b_proj makes are one
 # per head), so that tp2 gives each rank 2 whole heads.
@@ -200,9 +200,9 @@ def train_whole(cfg: Config, probe: torch.Tensor | None = None) -> dict:
 def export_hf(checkpoint: Path, out: Path, *args: str) -> None:
     """`tessel export CHECKPOINT --format hf --out OUT [args]`, as a user types it; it must succeed."""
     import pytest
-    import tessel.cli
+    import tessel.commands.cli
     with pytest.raises(SystemExit) as code:
-        tessel.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out), *args])
+        tessel.commands.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out), *args])
     assert code.value.code == 0
 
 

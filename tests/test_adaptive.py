@@ -1,4 +1,4 @@
-"""tessel.adaptive's pieces without a training run: a new process group of the ranks that stay, met in the job's
+"""tessel.elastic.adaptive's pieces without a training run: a new process group of the ranks that stay, met in the job's
 store through public torch.distributed calls, and which ranks an eviction takes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.adaptive import regroup, with_nodes_of, without_ranks
+from tessel.elastic.adaptive import regroup, with_nodes_of, without_ranks
 from tessel.spawn import spawn
 from tessel.train.fault.slow import evicted_with
 from tests.helpers import tiny_config

@@ -16,9 +16,9 @@ import pytest
 # imported now, not inside a test: a first matplotlib import may run fc-list, which no_spawn forbids
 import tessel.calibrate.bench  # noqa: F401
 import tessel.calibrate.topology_probe  # noqa: F401
-import tessel.cli
+import tessel.commands.cli
 import tessel.observe.plots  # noqa: F401
-import tessel.planning  # noqa: F401
+import tessel.commands.planning  # noqa: F401
 from tessel.comm.topology import Topology
 from tests.helpers import write_recipe
 
@@ -317,7 +317,7 @@ BAD = [
       "--set", "checkpoint.every=5", "--max-restarts", "-1"], "--max-restarts"),
     (["launch", "k8s", "{tmp}/tiny.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "img",
       "--set", "checkpoint.every=5", "--out", "{tmp}"], "--out"),
-    # train: re-planning and emulated devices (tessel.replan, tessel.models.emulated)
+    # train: re-planning and emulated devices (tessel.elastic.replan, tessel.models.emulated)
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="everything"'], "fault.replan"),
     (["train", "{tmp}/tiny.toml", "--set", 'fault.replan="full"', "--set", 'parallel.dp_arch="ps"'], "fault.replan"),
     (["train", "{tmp}/tiny.toml", "--set", "runtime.emulate_flops=0"], "runtime.emulate_flops"),
@@ -424,15 +424,15 @@ def no_spawn(monkeypatch):
     """Fail the test on any new process: torchrun (_standalone), subprocesses, multiprocessing."""
     def forbidden(*args, **kwargs):
         raise AssertionError("a process was spawned for a bad input")
-    monkeypatch.setattr(tessel.cli, "_standalone", forbidden)
+    monkeypatch.setattr(tessel.commands.cli, "_standalone", forbidden)
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", forbidden)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """tessel.cli.main in this process: (exit code, stdout, stderr)."""
+    """tessel.commands.cli.main in this process: (exit code, stdout, stderr)."""
     with pytest.raises(SystemExit) as exit_:
-        tessel.cli.main(argv)
+        tessel.commands.cli.main(argv)
     out, err = capsys.readouterr()
     return exit_.value.code, out, err
 
@@ -500,7 +500,7 @@ def test_plot_writes_a_png(tmp, capsys):
 ])
 def test_valid_flags_reach_the_launch(argv, tmp, monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr(tessel.cli, "_standalone", lambda nproc: launched.append(nproc) or 0)
+    monkeypatch.setattr(tessel.commands.cli, "_standalone", lambda nproc: launched.append(nproc) or 0)
     code, _, err = run_cli(filled(argv, tmp), capsys)
     assert (code, err, launched) == (0, "", [2])
 

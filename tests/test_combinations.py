@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from tessel.cli import app
-from tessel.combinations import (BASE, SAME_KNOB, STRATEGIES, combinations_table, combined, matrix, nested,
+from tessel.commands.cli import app
+from tessel.commands.combinations import (BASE, SAME_KNOB, STRATEGIES, combinations_table, combined, matrix, nested,
                                  verdict)
 from tessel.config import build_config
 from tests.helpers import ROOT

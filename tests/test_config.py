@@ -7,8 +7,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import tessel.launch
-from tessel.cli import app
+import tessel.commands.launch
+from tessel.commands.cli import app
 from tessel.config import ConfigError, build_config, load_config, parse_override, to_toml
 
 # (overrides, the field the message must name)
@@ -57,7 +57,7 @@ def test_at_least_twelve_distinct_rules():
 def no_spawn(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("a process was spawned for an invalid config")
-    monkeypatch.setattr(tessel.launch, "launch", forbidden)
+    monkeypatch.setattr(tessel.commands.launch, "launch", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
 
 
@@ -118,9 +118,9 @@ def test_cp_joins_the_world_size_and_an_older_rank_order():
 
 
 def test_cp_refuses_what_it_does_not_cover_for_hugging_face_models(tmp_path):
-    """tessel.hf_context reads each model's own layers: what ring and Ulysses attention would not apply is
+    """tessel.hf.context reads each model's own layers: what ring and Ulysses attention would not apply is
     refused naming the key, layer type or keyword (the families from their config classes, shrunk)."""
-    from tessel.support import tiny_config as family
+    from tessel.commands.support import tiny_config as family
     llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
     gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}

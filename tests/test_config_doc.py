@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from tessel.cli import app
+from tessel.commands.cli import app
 from tessel.config import Config
-from tessel.config_doc import allowed_text, config_markdown, type_text
+from tessel.commands.config_doc import allowed_text, config_markdown, type_text
 from tests.helpers import ROOT
 
 

@@ -1,5 +1,5 @@
-"""tessel.hf_blocks counts what transformers builds: for every family it knows (KNOWN), a tiny config from the
-family's own config class (tessel.support.tiny_config), the model built on the meta device, and the
+"""tessel.hf.blocks counts what transformers builds: for every family it knows (KNOWN), a tiny config from the
+family's own config class (tessel.commands.support.tiny_config), the model built on the meta device, and the
 parameters, the experts' share and the weights a token multiplies (the runtime's MFU numerator,
 tessel.models.flops, which reads the experts' count from the same config) compared exactly: they are integer
 counts of the same tensors, so any difference is a module the reading missed."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tessel.config import ModelConfig
-from tessel.hf_blocks import KNOWN, read_model
+from tessel.hf.blocks import KNOWN, read_model
 from tessel.models.flops import experts_per_token, matmul_params
-from tessel.support import tiny_config
+from tessel.commands.support import tiny_config
 
 # flags the families' defaults leave off: biases on, GQA off, no query low-rank pair, untied heads
 VARIANTS = {
@@ -55,13 +55,13 @@ def test_blocks_count_what_transformers_builds(case, tmp_path):
 
 
 def test_exact_is_every_family_of_the_matrix_that_counts_exactly(tmp_path):
-    """Over every family of the support matrix (tessel.support.families): the reading is exact (its parameters
+    """Over every family of the support matrix (tessel.commands.support.families): the reading is exact (its parameters
     equal those of transformers' model, built on the meta device from the family's tiny config) exactly for the
     families KNOWN lists, so the planner column's "exact" is true and no family it counts right says "estimate".
     The others (their blocks hold modules the reading has no key for: linear attention, sinks, routers' biases,
     per-layer inputs) are estimates; each is printed with its error when this fails."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from tessel.support import families
+    from tessel.commands.support import families
     exact, off, unbuilt = set(), {}, {}
     for kind in families():
         try:

@@ -1,13 +1,13 @@
-"""tessel.hf_grid: what a tp grid places of a Hugging Face model, and the refusal naming the module and the
+"""tessel.hf.grid: what a tp grid places of a Hugging Face model, and the refusal naming the module and the
 dimension where it cannot, before any process starts (on transformers' model built on the meta device)."""
 
 import json
 
 import pytest
 
-from tessel.hf_grid import hf_grid_refusal
-from tessel.support import AXES, refusal
-from tessel.support import tiny_config as family_defaults
+from tessel.hf.grid import hf_grid_refusal
+from tessel.commands.support import AXES, refusal
+from tessel.commands.support import tiny_config as family_defaults
 from tests.helpers import DERIVED, LATENT, PLANNED
 
 # the families the grid's parity test trains (tests/parallel/tensor_nd/test_grid_modes.py)
@@ -41,7 +41,7 @@ def test_what_the_grid_cannot_hold_is_named():
 
 
 def test_tessel_train_refuses_with_the_rule_in_one_line(tmp_path):
-    """The recipe check (tessel.config.tp_grid_refusal) and the support matrix (tessel.support.refusal) give it."""
+    """The recipe check (tessel.config.tp_grid_refusal) and the support matrix (tessel.commands.support.refusal) give it."""
     paths = {}
     for kind in ("gpt_neox", "qwen3_moe"):
         paths[kind] = tmp_path / f"{kind}.json"

@@ -65,13 +65,13 @@ def test_the_planner_loads_no_torch_trainer_cli_or_probe():
     planner = sorted(f"tessel.planner.{p.stem}" for p in (ROOT / "tessel" / "planner").glob("*.py")
                      if p.stem != "__init__")
     bad = [m for m in loaded_by(*planner) if m.split(".")[0] == "torch"
-           or m.startswith(("tessel.train", "tessel.cli", "tessel.planning", "tessel.launch", "tessel.calibrate"))]
+           or m.startswith(("tessel.train", "tessel.commands.cli", "tessel.commands.planning", "tessel.commands.launch", "tessel.calibrate"))]
     assert not bad, bad
 
 
 def test_the_cli_loads_no_torch_before_a_command_needs_it():
     """`tessel train` with a bad config prints its one line before torch would have loaded (a second)."""
-    assert not [m for m in loaded_by("tessel.cli", "tessel.launch") if m.split(".")[0] == "torch"]
+    assert not [m for m in loaded_by("tessel.commands.cli", "tessel.commands.launch") if m.split(".")[0] == "torch"]
 
 
 def function_imports(root: Path = ROOT / "tessel") -> list[tuple[str, int, str, list[str], str]]:

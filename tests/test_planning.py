@@ -5,7 +5,7 @@ import time
 
 from typer.testing import CliRunner
 
-from tessel.cli import app
+from tessel.commands.cli import app
 from tessel.config import check_layout, load_config
 
 runner = CliRunner()

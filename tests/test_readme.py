@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tessel.cli import app
+from tessel.commands.cli import app
 from tests.helpers import ROOT, cli_env, metrics_rows
 
 README = ROOT / "README.md"
@@ -53,7 +53,7 @@ def run_as_written(line: str, cwd: Path, **env: str) -> subprocess.CompletedProc
 def private_cache(tmp_path: Path) -> dict[str, str]:
     """A TESSEL_CACHE of the test's own that shares the corpora and tokenizers already built, but not the planner's
     folder: `tessel plan --cluster this` writes its probe of this machine there, and the planner of later tests
-    (tessel.replan's world_cluster) would price this machine's links from it."""
+    (tessel.elastic.replan's world_cluster) would price this machine's links from it."""
     shared = Path(os.environ.get("TESSEL_CACHE") or Path.home() / ".cache" / "tessel")
     own = tmp_path / "cache"
     own.mkdir()

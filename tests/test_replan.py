@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tessel.calibrate.emulator import Emulator, require_root
+from tessel.testing.emulator import Emulator, require_root
 from tessel.planner.cluster import Link
 from tessel.planner.cost import CostModel
 from tessel.planner.fit import Budget
@@ -18,8 +18,8 @@ from tessel.planner.hetero import priced, with_speeds
 from tessel.planner.layout import config_layout
 from tessel.planner.model_spec import from_config
 from tessel.planner.search import search
-from tessel.replan import choose, rank_speeds, world_cluster
-from tessel.train.fault.elastic import Previous
+from tessel.elastic.replan import choose, rank_speeds, world_cluster
+from tessel.elastic.dp_only import Previous
 from tests.helpers import build_trainer, metrics_rows, tiny_config, write_recipe
 
 STEPS = 8

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tessel.supervise import descendants
+from tessel.commands.supervise import descendants
 from tests.helpers import ROOT, cli_env, metrics_rows, train_command, write_recipe
 
 STEPS = 40
@@ -75,7 +75,7 @@ TREE = textwrap.dedent("""
 
 SUPERVISED = textwrap.dedent("""
     import os, sys
-    from tessel.supervise import Supervisor
+    from tessel.commands.supervise import Supervisor
     from tessel.train.fault.preempt import ControlDir
     control = ControlDir.create()
     code = Supervisor([sys.executable, "-c", sys.argv[1]], dict(os.environ), control, grace_s=1.0).run()

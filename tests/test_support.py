@@ -9,8 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from tessel.cli import app
-from tessel.support import Cell, accepted_cell, parity_record
+from tessel.commands.cli import app
+from tessel.commands.support import Cell, accepted_cell, parity_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_a_record_of_another_transformers_says_nothing(tmp_path):
 
 
 def test_tiny_config_shrinks_sizes_under_the_config_classes_own_names():
-    from tessel.support import SIZES, tiny_config
+    from tessel.commands.support import SIZES, tiny_config
     # ERNIE-4.5-MoE stores num_experts and num_experts_per_tok as moe_num_experts and moe_k (its attribute_map):
     # left at 64 experts top-6, its router's 6th and 7th scores tied within one fp32 ulp, a choice rounding made
     ernie = tiny_config("ernie4_5_moe")

@@ -59,7 +59,7 @@ def check_args(world: int, ops: str, algorithms: str, sizes: str, iters: int, wa
                topology: str | None, node_size: int | None, json_out: str | None, under_torchrun: bool = False):
     """Every flag of `tessel bench comm`, checked before a rank is spawned (and again in each rank).
 
-    under_torchrun: this process is a rank (tessel.launch.under_torchrun), so the world is torchrun's.
+    under_torchrun: this process is a rank (tessel.commands.launch.under_torchrun), so the world is torchrun's.
     Returns the parsed (ops, algorithms, sizes); an empty algorithm list means all of them."""
     at_least("--world", world, 1)
     at_least("--iters", iters, 1)

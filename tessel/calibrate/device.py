@@ -19,7 +19,7 @@ from tessel.planner.fit import Budget, MemoryFit, check_fit, size_text
 
 # An idle CPU rank's own footprint, before it holds a model: measured on this project's machine
 # (torch 2.13 CPU, gloo) as the peak RSS of one process after `import torch` (218 MiB), gloo's
-# init_process_group (221 MiB), tessel.cli and tessel.train.trainer's imports (282 MiB) and one
+# init_process_group (221 MiB), tessel.commands.cli and tessel.train.trainer's imports (282 MiB) and one
 # AdamW step of a 1-layer d_model=8 GPT (324 MiB); a rank of recipes/tiny.toml trained on a .bin
 # file reported peak_mem_mb 341. Rounded up for the metrics and TensorBoard writers.
 CPU_RANK_ALLOWANCE = 400 * 2**20

@@ -20,7 +20,7 @@ Two measurements, both cached as JSON under the tessel cache directory:
 
 Nothing here is fitted to published numbers: every constant is a stopwatch
 reading on this machine. Importing this module loads torch and the trainer's
-modules (the ranks run them); tessel.planning imports it only to plan for the
+modules (the ranks run them); tessel.commands.planning imports it only to plan for the
 cluster "this", and reading a cached probe needs only tessel.calibrate.cache.
 """
 
@@ -369,7 +369,7 @@ def _profile_rank(model_raw: dict, seq_len: int, micro_batches: list[int], preci
 def profile_ranks(cfg: ModelConfig, seq_len: int, micro_batches: list[int], precision: str, tp_sizes: list[int],
                   rounds: int = 5, emulate_flops: float | None = None) -> dict:
     """This rank's timings of the model (see profile_model); collective over the default group: the ranks
-    spawned here, or a running job's own (tessel.replan). emulate_flops: the blocks run on an emulated
+    spawned here, or a running job's own (tessel.elastic.replan). emulate_flops: the blocks run on an emulated
     device of that speed, as the job's do (tessel.models.emulated)."""
     spec = ModelSpec("profile", cfg, seq_len, 1)
     dev = torch.device("cpu")

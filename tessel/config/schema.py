@@ -1,5 +1,5 @@
 """The recipe's schema: its sections, every field with its type, default, bounds and description (the one
-place a knob is named and described: tessel.config_doc writes docs/config.md from it, the planner's Layout
+place a knob is named and described: tessel.commands.config_doc writes docs/config.md from it, the planner's Layout
 takes its names, help and choices from it), and the rules a single section checks itself.
 
 A recipe is a TOML file with the sections below (tessel.config.io reads it); the rules that tie sections
@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessel.axes import AXES, Axis, full_order
-from tessel.hf_shape import HFConfigError, model_shape
+from tessel.hf.shape import HFConfigError, model_shape
 
 
 class Strict(BaseModel):
@@ -364,7 +364,7 @@ class FaultConfig(Strict):
     replan: Literal["dp-only", "full"] = Field(
         "dp-only", description="a run that resumes on another world size (runtime.elastic): keep tp, pp and ep and "
                                "re-divide dp (dp-only), or probe the links, profile the model and let the planner "
-                               "choose the whole layout for the new world (full; tessel.replan)")
+                               "choose the whole layout for the new world (full; tessel.elastic.replan)")
 
 
 class Config(Strict):

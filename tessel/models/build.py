@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from tessel.config import ModelConfig
 from tessel.errors import ConfigError
-from tessel.hf_shape import family
+from tessel.hf.shape import family
 from tessel.models.gpt import GPT
 from tessel.models.hf.build import build_hf
 from tessel.models.hf.convert import converted_by_transformers, hf_naming

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch.nn as nn
 
 from tessel.config import ModelConfig
-from tessel.hf_shape import read_config
+from tessel.hf.shape import read_config
 from tessel.models.gpt import Block
 from tessel.models.hf.families import Family, decoder_layers, family_of, pipeline_parts, tp_rules
 from tessel.models.hf.moe import RouterLoss, RouterLossSpec, router_loss, router_loss_spec

@@ -13,7 +13,7 @@ Read from the module instead of a formula, it holds for any architecture:
 - experts stored as one stacked tensor (n_experts, ...) count top_k of
   n_experts: a token visits only the experts its router picks (the reference
   GPT's MoE and transformers' Mixtral, Qwen-MoE and DeepSeek alike, their
-  counts read from the config by tessel.hf_blocks); the router and shared
+  counts read from the config by tessel.hf.blocks); the router and shared
   experts count whole.
 
 For the reference GPT this equals tessel.models.gpt.flops_per_token exactly
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tessel.config import ModelConfig
-from tessel.hf_blocks import read_model
-from tessel.hf_shape import read_config
+from tessel.hf.blocks import read_model
+from tessel.hf.shape import read_config
 
 
 def experts_per_token(cfg: ModelConfig) -> tuple[int, int]:

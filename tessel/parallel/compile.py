@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 from tessel.config import ParallelConfig, TrainConfig
-from tessel.hf_ep_plan import expert_sites
+from tessel.hf.ep_plan import expert_sites
 from tessel.mesh import Mesh
 from tessel.models.family import ModelFamily
 from tessel.models.moe import moe_layers

@@ -226,7 +226,7 @@ PRESETS = {"a100": _a100, "h100": _h100, "h200": _h200}
 def get_cluster(name: str, world: int | None = None) -> Cluster:
     """A preset by name, sized to `world` devices.
 
-    "this" is measured, not a preset: tessel.planning gets it from tessel.calibrate.profile.probe_this
+    "this" is measured, not a preset: tessel.commands.planning gets it from tessel.calibrate.profile.probe_this
     (the planner prices what it is handed and measures nothing)."""
     key = name.lower()
     if key == "this":

@@ -94,7 +94,7 @@ class Shape:
     fused_loss: bool = False  # the head and cross-entropy fused and chunked: no fp32 logits
     shared_ffn: int = 0  # MoE: the shared experts' width per tp rank (DeepSeek's, Qwen2-MoE's), a SwiGLU
     # the attention's projections as (out, in) per tp rank where they are not q, k, v and o (multi-head latent
-    # attention: tessel.hf_blocks.Attention.gemms); the last one is the output projection
+    # attention: tessel.hf.blocks.Attention.gemms); the last one is the output projection
     attn_gemms: tuple[tuple[int, int], ...] = ()
 
 

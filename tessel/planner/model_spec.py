@@ -2,10 +2,10 @@
 config) or a preset.
 
 The planner prices a model block by block: each block's attention projections, its feed-forward or its
-experts (routed, shared, the router), its norms (tessel.hf_blocks). tessel's own GPT (RMSNorm, rotary
+experts (routed, shared, the router), its norms (tessel.hf.blocks). tessel's own GPT (RMSNorm, rotary
 attention with grouped KV heads, SwiGLU MLP, optional MoE blocks) is written here in those terms, so a
 plan's `--out` recipe trains exactly the model that was priced; a Hugging Face model's blocks are read from
-its config as transformers builds them (tessel.hf_blocks: GPT-2's two-matrix GELU MLP and learned positions,
+its config as transformers builds them (tessel.hf.blocks: GPT-2's two-matrix GELU MLP and learned positions,
 biases, q/k norms, fused projections, multi-head latent attention, shared experts and first dense layers),
 so parameter counts equal the built model's (tests/planner/test_model_spec_hf.py,
 tests/test_hf_blocks.py). GPT-3 sizes follow Brown et al. 2020, Table 2.1 (layers, d_model, heads, batch
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from tessel.config import ConfigError, ModelConfig
-from tessel.hf_blocks import Attention, Block, Experts, FeedForward, ModelBlocks, read_model
-from tessel.hf_shape import read_config
+from tessel.hf.blocks import Attention, Block, Experts, FeedForward, ModelBlocks, read_model
+from tessel.hf.shape import read_config
 
 
 def reference_blocks(c: ModelConfig) -> ModelBlocks:
@@ -126,7 +126,7 @@ class ModelSpec:
     def layer_tp_whole_params(self, layer: int) -> int:
         """The part of layer_params' dense count every tp rank holds whole: latent attention's down projections,
         and an MoE block's router and shared experts (the block runs whole on every tp rank: the reference GPT's
-        plan replicates it, and tessel computes a Hugging Face sparse block whole, tessel.hf_layout)."""
+        plan replicates it, and tessel computes a Hugging Face sparse block whole, tessel.hf.layout)."""
         block = self.blocks[layer]
         return block.attention.tp_whole_params + (block.experts.dense_params if block.experts else 0)
 

@@ -42,7 +42,7 @@ def tp_degrees(cfg, world: int) -> list[int]:
 # the pipeline schedules the search tries. ZB-H2 prices as ZB-H1's bubble with more memory (a step ends in a
 # synchronous update, tessel.parallel.pipeline.zero_bubble), PipeDream as 2BW's time with more weight versions:
 # neither can win, so they are priced only when --fix names them. Asynchronous ones (stale weights) only
-# where `allow` is given and allows them (tessel.planning.recipe_allows: the recipe's parallel.allow_async).
+# where `allow` is given and allows them (tessel.commands.planning.recipe_allows: the recipe's parallel.allow_async).
 SEARCHED = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "2bw")
 
 
@@ -50,7 +50,7 @@ def candidate_layouts(cm: CostModel, world: int, global_batch: int, fixed: dict 
                       allow: Callable[[Layout], bool] | None = None) -> list[Layout]:
     """All layouts tessel.config would accept for this model, world size and global batch; with
     `fixed` (tessel.planner.layout.parse_fix), only those with these fields; with `allow`, only those it
-    allows (a recipe's own rules: tessel.planning.recipe_allows)."""
+    allows (a recipe's own rules: tessel.commands.planning.recipe_allows)."""
     # 1D inside a node, or as wide as a pinned tp; the grids at any size (their groups cross nodes by design),
     # on a device model: a probed machine's fits hold no broadcast or reduce (SUMMA's), so there only if pinned
     tp_cap = max(cm.cluster.devices_per_node, (fixed or {}).get("tp", 0))
@@ -190,7 +190,7 @@ def search(cm: CostModel, world: int, global_batch: int, fixed: dict | None = No
            allow: Callable[[Layout], bool] | None = None) -> SearchResult:
     """Every layout that fits, fastest first: priced by the cost model, the leading pipelined ones
     re-priced by the event simulator (one pricing of schedules: the runtime's own action lists).
-    progress(done, total) hears of each layout priced (a bar in tessel.planning). Asynchronous pipelines
+    progress(done, total) hears of each layout priced (a bar in tessel.commands.planning). Asynchronous pipelines
     are candidates only under an `allow` that keeps them (the recipe's parallel.allow_async)."""
     layouts = candidate_layouts(cm, world, global_batch, fixed, allow)
     if not layouts:

@@ -1,6 +1,6 @@
 """Tensor parallelism in 1D, 2D, 2.5D and 3D per linear layer: bytes sent, weight and activation bytes per
 rank, and a time at a link's bandwidth and latency. Pure arithmetic, no torch: the runtime's collectives are
-recorded against linear_bytes in tests/parallel/tensor_nd (tessel.parallel.tensor_nd.traffic).
+recorded against linear_bytes in tests/parallel/tensor_nd (tessel.testing.grid_traffic).
 
 What a rank "sends" in one collective of b payload bytes over n ranks, under the bandwidth-optimal
 algorithms (rings, pipelined chains): all-reduce 2(n-1)/n * b; all-gather and reduce-scatter

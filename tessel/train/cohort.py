@@ -9,7 +9,7 @@ straggler check the guard gets. The trainer and its guard ask the cohort and
 never which layout runs.
 
 Two cohorts: every rank of a device mesh (tessel.train.mesh_cohort), and a
-parameter server's workers (tessel.train.ps_trainer).
+parameter server's workers (tessel.train.ps.trainer).
 """
 
 from __future__ import annotations

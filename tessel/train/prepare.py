@@ -35,7 +35,7 @@ from typing import Iterator
 import numpy as np
 
 from tessel.config import ConfigError, DataConfig, check_tokenizer, load_config
-from tessel.hf_shape import HFConfigError, model_shape
+from tessel.hf.shape import HFConfigError, model_shape
 from tessel.observe.progress import Work, work_progress
 from tessel.train.data import text_codec, tokenizer_file
 from tessel.train.tokenizer import TokenizerCodec, TokenizerError, read_tokenizer, token_dtype

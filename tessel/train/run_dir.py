@@ -1,6 +1,6 @@
 """One run per output folder: a lock for the run's lifetime, an identity, and no trampling of another run.
 
-A run claims `logging.out_dir` before any rank starts (tessel.launch):
+A run claims `logging.out_dir` before any rank starts (tessel.commands.launch):
 - **Lock.** `.tessel.lock` holds the owner's host, pid and process start time,
   created atomically (a hard link, so two claimants cannot both win). A lock
   whose process is gone (same host, no such pid, or the pid reused by another

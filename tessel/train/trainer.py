@@ -5,7 +5,7 @@ The runner (tessel.parallel.runner.Runner) computes; the cohort
 how the update is applied (this rank's optimizer over a mesh, or a parameter
 server's); the guard (tessel.train.fault.guard) checkpoints, watches and
 recovers the TrainState (tessel.train.state) the trainer hands it. Parameter-
-server workers run this same loop (tessel.train.ps_trainer).
+server workers run this same loop (tessel.train.ps.trainer).
 
 On a GPU the loop never waits for the device in a steady step: a step's loss,
 gradient norm and agreed flags are read once the next step is queued
@@ -274,7 +274,7 @@ class Trainer:
                                      or guard.relayout is not None):
             self.log.log(step, row)
         progress.update(step, row)
-        if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.adaptive)
+        if guard.relayout is not None:  # a slow rank: the run goes on in another layout (tessel.elastic.adaptive)
             guard.close()
             if self.log is not None:
                 self.log.close()

@@ -1,6 +1,6 @@
 """The dry run of real memory at scale against the planner (issue 18).
 
-World 64 on the meta device with torch's fake process group (tessel.calibrate.dryrun): the
+World 64 on the meta device with torch's fake process group (tessel.testing.dryrun): the
 first and last pipeline stages of tp8 x pp2 x dp4 without ZeRO and under ZeRO-1, 2 and 3
 (fp32 storage: a pipeline refuses bf16 storage; untied, and tied embeddings), and dp8 x tp8
 with sequence parallelism and bf16 storage under ZeRO-1, 2 and 3, for a GPT of width 4096.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessel.calibrate.dryrun import dry_run, planned
+from tessel.testing.dryrun import dry_run, planned
 from tessel.config import build_config
 
 RAW = {"model": {"vocab_size": 51200, "n_layer": 4, "n_head": 32, "d_model": 4096, "max_seq_len": 2048},

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tessel.calibrate.emulator import Emulator, require_root
+from tessel.testing.emulator import Emulator, require_root
 from tessel.calibrate.topology_probe import format_topology, infer_nodes
 from tessel.comm.topology import Topology, nodes_from_nproc, resolve_nodes
 

@@ -1,8 +1,8 @@
 """The parity sweep behind the support matrix: every (family, axis) cell tessel's rules accept, trained under
 that axis's layout against the unmodified single-process transformers model.
 
-A cell: the family's tiny config (tessel.support.tiny_config), the recipe `tessel train` would run on it with
-the axis's overrides (tessel.support.AXES), built and stepped as `tessel train` does (the model tessel builds,
+A cell: the family's tiny config (tessel.commands.support.tiny_config), the recipe `tessel train` would run on it with
+the axis's overrides (tessel.commands.support.AXES), built and stepped as `tessel train` does (the model tessel builds,
 parallelize()'s runner, the Trainer's steps: its sampler, clipping, optimizer), against transformers' own model
 from the same seed on the whole batches, scored by its own loss (model(input_ids, labels=y, shift_labels=y)),
 with tessel's optimizer (AdamW's eps at ADAM_EPS in both runs) and clipping. Compared: the 5 losses, and every
@@ -95,13 +95,13 @@ def set_eps(optimizer: torch.optim.Optimizer) -> None:
 
 
 def cell_overrides(axis: str, out_dir: str) -> list[str]:
-    from tessel.support import AXES
+    from tessel.commands.support import AXES
     return [*AXES[axis], *TRAIN, f'logging.out_dir="{out_dir}"']
 
 
 def cell_config(path: str, axis: str, out_dir: str):
     from tessel.config import build_config
-    from tessel.support import BASE
+    from tessel.commands.support import BASE
     return build_config(json.loads(json.dumps({**BASE, "model": {"hf_config": path}})), cell_overrides(axis, out_dir))
 
 
@@ -111,7 +111,7 @@ def world_of(model_type: str, axis: str, folder: Path) -> int:
 
 
 def write_config(model_type: str, folder: Path) -> str:
-    from tessel.support import tiny_config
+    from tessel.commands.support import tiny_config
     path = folder / f"{model_type}.json"
     if not path.exists():
         path.write_text(json.dumps(tiny_config(model_type)))
@@ -174,7 +174,7 @@ MAX_PARAMS = 10_000_000  # a tiny config builds ~0.2M; one far larger is a size 
 
 def too_large(path: str) -> str | None:
     """Why the family's tiny config is not swept (a model of more than MAX_PARAMS, counted on the meta device:
-    a size under a key tessel.support.SIZES does not know), None where it is small."""
+    a size under a key tessel.commands.support.SIZES does not know), None where it is small."""
     from transformers import AutoConfig, AutoModelForCausalLM
     doc = json.loads(Path(path).read_text())
     try:
@@ -184,7 +184,7 @@ def too_large(path: str) -> str | None:
         return None
     n = sum(p.numel() for p in model.parameters())
     return None if n <= MAX_PARAMS else (f"not swept: the tiny config still builds {n / 1e6:.0f}M parameters "
-                                         "(a size tessel.support.SIZES does not shrink)")
+                                         "(a size tessel.commands.support.SIZES does not shrink)")
 
 
 def transformers_fails(path: str) -> str | None:
@@ -330,14 +330,14 @@ def _drive(world: int, group: list[tuple[str, str]], folder: Path, log: Path, ou
 
 @functools.cache
 def matrix_rows() -> tuple:
-    """tessel.support's matrix, made once a process (it judges ~1200 layouts: seconds)."""
-    from tessel.support import matrix
+    """tessel.commands.support's matrix, made once a process (it judges ~1200 layouts: seconds)."""
+    from tessel.commands.support import matrix
     return tuple(matrix())
 
 
 def accepted_cells(families: list[str] | None = None, axes: list[str] | None = None) -> list[tuple[str, str]]:
-    """Every (family, axis) the rules accept (tessel.support's matrix), compile last: it costs the most."""
-    from tessel.support import AXES
+    """Every (family, axis) the rules accept (tessel.commands.support's matrix), compile last: it costs the most."""
+    from tessel.commands.support import AXES
     rows = [row for row in matrix_rows() if families is None or row.model_type in families]
     cells = [(row.model_type, axis) for row in rows for axis in AXES if row.cells[axis].status != "refused"
              and row.cells[axis].status != "n/a" and (axes is None or axis in axes)]
@@ -354,7 +354,7 @@ def sample(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
     accepted axis: fewest ranks first (a cell of w ranks runs w copies of the model, and the sweep runs two
     one-rank cells side by side), compile and the 2D grid last, the i-th family the (i mod k)-th of its k
     cheapest (so the families alternate between those axes)."""
-    from tessel.support import AXES
+    from tessel.commands.support import AXES
     chosen: list[tuple[str, str]] = []
     for j, axis in enumerate(AXES):
         kinds = [kind for kind, a in cells if a == axis]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tessel.support import parity_record
+from tessel.commands.support import parity_record
 from tests.hf_matrix.sweep import (LOSS_TOL, accepted_cells, sample, sweep, too_large,
                                    transformers_fails, write_config)
 

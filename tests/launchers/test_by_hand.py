@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tessel.calibrate.emulator import Emulator, require_root
+from tessel.testing.emulator import Emulator, require_root
 from tests.helpers import cli_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ import pydantic
 import pytest
 import yaml
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.config import build_config
-from tessel.launchers.job import check_job
-from tessel.launchers.k8s import manifest, to_yaml
+from tessel.commands.launchers.job import check_job
+from tessel.commands.launchers.k8s import manifest, to_yaml
 from tests.helpers import tiny_config
 from tests.launchers.k8s_schema import validate
 
@@ -95,7 +95,7 @@ def test_the_cluster_page_shows_the_manifest_the_command_writes(monkeypatch, cap
     assert found, "docs/cluster.md: no `tessel launch k8s` command followed by its manifest"
     monkeypatch.chdir(ROOT)  # the page's recipe path is the repository's
     with pytest.raises(SystemExit) as done:
-        tessel.cli.main(shlex.split(found.group(1))[1:])  # the command as written
+        tessel.commands.cli.main(shlex.split(found.group(1))[1:])  # the command as written
     assert done.value.code == 0
     assert capsys.readouterr().out == found.group(2)
     assert all(validate(d) for d in yaml.safe_load_all(found.group(2)))

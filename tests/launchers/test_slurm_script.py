@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from tessel.config import ConfigError
-from tessel.launchers.job import check_job
-from tessel.launchers.slurm import SlurmOptions, time_limit_s, write
+from tessel.commands.launchers.job import check_job
+from tessel.commands.launchers.slurm import SlurmOptions, time_limit_s, write
 from tessel.train.run_dir import LOCK, OutDirLock
 from tests.helpers import tiny_config
 

@@ -17,7 +17,7 @@ from tessel.models import documents as docs
 from tessel.models import window as win
 from tessel.models.gpt import GPT
 from tessel.planner.layout import Layout
-from tessel.planning import recipe_allows
+from tessel.commands.planning import recipe_allows
 from tests.helpers import tiny_config
 
 SEP = 7  # the separator of these tests; other tokens are drawn from the rest of a 32-id vocabulary

@@ -10,7 +10,7 @@ import pytest
 import rich
 from rich.console import Console
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.observe.progress import work_progress
 from tessel.train.checkpoint.manager import _check_files, commit
 from tessel.train.prepare import check_prepare, prepare
@@ -66,7 +66,7 @@ def test_planner_search_and_simulator(console, tmp_path, capsys):
                  ["simulate", "--model", "gpt3-1.3b", "--world", "4", "--layout", "dp=1,tp=2,pp=2,mb=1",
                   "--trace", str(tmp_path / "t.json"), "--png", str(tmp_path / "t.png")]):
         with pytest.raises(SystemExit) as done:
-            tessel.cli.main(argv)
+            tessel.commands.cli.main(argv)
         assert done.value.code == 0
     capsys.readouterr()
     shown = console.file.getvalue()

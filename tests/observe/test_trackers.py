@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.config import ConfigError
 from tessel.train.trainer import Trainer
 from tests.helpers import build_runner, metrics_rows, tiny_config, write_recipe
@@ -75,7 +75,7 @@ def test_a_tracker_that_is_not_installed_is_refused_before_spawning(tmp_path, mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     recipe = write_recipe(tmp_path / "r.toml", f'logging.out_dir="{tmp_path / "out"}"')
     with pytest.raises(SystemExit) as done:
-        tessel.cli.main(["train", str(recipe), "--set", 'logging.trackers=["wandb"]'])
+        tessel.commands.cli.main(["train", str(recipe), "--set", 'logging.trackers=["wandb"]'])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and "logging.trackers" in err and "tessel[wandb]" in err
     assert not (tmp_path / "out").exists()  # refused before the run claimed its folder

@@ -33,7 +33,7 @@ from tessel.parallel.pipeline.split_plan import is_compiled
 from tessel.parallel.ps.worker import WorkerRunner
 from tessel.parallel.zero.engine import ZeroDataParallel
 from tessel.spawn import spawn
-from tessel.train.ps_trainer import train_rank_ps
+from tessel.train.ps.trainer import train_rank_ps
 from tests.helpers import build_runner, build_trainer, cli_env, metrics_rows, tiny_config, train_command, write_recipe
 
 STEPS = ["train.steps=5", "train.eval_every=5", "train.sample_tokens=6"]
@@ -169,7 +169,7 @@ def _train(cfg) -> dict:
 
 
 def _train_ps(cfg) -> dict | None:
-    """A parameter-server rank (tessel.train.ps_trainer): a worker's losses and counters; a server's None."""
+    """A parameter-server rank (tessel.train.ps.trainer): a worker's losses and counters; a server's None."""
     torch._dynamo.reset()
     counters.clear()
     seen = {"graphs": [], "grads": {}, "weights": {}}

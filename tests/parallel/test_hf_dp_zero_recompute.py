@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from tessel import support
+from tessel.commands import support
 from tessel.axes import TOKEN_AXES
 from tessel.mesh import make_mesh
 from tessel.parallel.norms import clip_grad_norm_
@@ -54,7 +54,7 @@ CONFIGS = {
                     "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "output_router_logits": True},
 }
 # Families of every structure tessel reads, each from its own config class's defaults shrunk to 2 layers
-# (tessel.support.tiny_config): q/k norms (Qwen3, OLMo 2), fused q|k|v and gate|up (Phi-3), parallel blocks
+# (tessel.commands.support.tiny_config): q/k norms (Qwen3, OLMo 2), fused q|k|v and gate|up (Phi-3), parallel blocks
 # (GPT-NeoX, Cohere, Phi), multipliers and a scaled head (Granite, Cohere), four norms a block (GLM-4), a
 # sliding window on every layer (StarCoder2, Mistral), a scaled embedding (Gemma), experts with shared ones
 # (Qwen2-MoE)

@@ -138,7 +138,7 @@ def test_h200_is_the_h100_chip_with_more_and_faster_memory():
 def test_tessel_plan_says_what_priced_the_gemms_and_prices_the_recipes_knobs():
     from typer.testing import CliRunner
 
-    from tessel.cli import app
+    from tessel.commands.cli import app
     base = ["plan", "--model", "gpt3-125m", "--world", "1", "--cluster", "h100", "--layout", "mb=4,ga=64", "--json"]
     reports = [json.loads(CliRunner().invoke(app, base + extra).output)
                for extra in ([], ["--set", "train.compile=blocks", "--set", "train.fused_loss=true"])]

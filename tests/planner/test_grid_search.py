@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from tessel.cli import app
+from tessel.commands.cli import app
 from tessel.config import build_config, check_layout, load_config
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
@@ -22,7 +22,7 @@ from tessel.planner.model_spec import ModelSpec, from_config, preset
 from tessel.planner.search import grid_layouts, search
 from tessel.planner.tp_grid import MIXED, STREAM, linear_bytes, linear_calls
 from tessel.planner.traffic import sent_bytes
-from tessel.planning import recipe_allows
+from tessel.commands.planning import recipe_allows
 
 
 def _sent(calls, dims) -> float:

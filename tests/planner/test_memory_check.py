@@ -146,7 +146,7 @@ def test_layout_config_inverts_config_layout(recipe):
 def test_the_check_stays_out_of_the_runtime():
     """The planner never imports torch.distributed, the trainer or the CLI (the layers of docs/architecture.md)."""
     code = ("import sys, tessel.planner.fit; bad = [m for m in sys.modules if m.startswith("
-            "('torch', 'tessel.train', 'tessel.cli'))]; print(bad); sys.exit(bool(bad))")
+            "('torch', 'tessel.train', 'tessel.commands.cli'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

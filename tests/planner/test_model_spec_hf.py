@@ -25,7 +25,7 @@ CONFIGS = {
     "qwen2": {"model_type": "qwen2", **BASE},  # q, k, v biases
     "gpt2": {"model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32},
     "mixtral": {"model_type": "mixtral", **BASE, "num_local_experts": 4, "num_experts_per_tok": 2},
-    # experts beside dense layers, shared experts and multi-head latent attention (tessel.hf_blocks)
+    # experts beside dense layers, shared experts and multi-head latent attention (tessel.hf.blocks)
     "qwen3_moe-sparse-step": {"model_type": "qwen3_moe", **BASE, "num_experts": 4, "num_experts_per_tok": 2,
                               "moe_intermediate_size": 16, "decoder_sparse_step": 2, "head_dim": 8},
     "qwen2_moe-shared": {"model_type": "qwen2_moe", **BASE, "num_experts": 4, "num_experts_per_tok": 2,

@@ -15,7 +15,7 @@ import pytest
 
 from tessel.config import build_config
 from tessel.errors import ConfigError
-from tessel.planning import recipe_allows
+from tessel.commands.planning import recipe_allows
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.layout import Layout
@@ -144,7 +144,7 @@ def test_search_chooses_asynchronous_schedules_only_where_the_recipe_allows_them
     spec = preset("gpt3-1.3b")
     cm = CostModel(spec, get_cluster("a100", 16), "bf16")
     fixed = {"pp": 4, "tp": 2}
-    # the recipe `tessel plan --model gpt3-1.3b` writes the layouts into (tessel.planning._recipe_and_model)
+    # the recipe `tessel plan --model gpt3-1.3b` writes the layouts into (tessel.commands.planning._recipe_and_model)
     recipe = {"model": spec.cfg.model_dump(exclude_none=True), "train": {"seq_len": spec.seq_len}}
     plain = recipe_allows(build_config(recipe))
     sync = search(cm, 16, spec.global_batch, fixed=fixed, simulate_top=4, allow=plain)

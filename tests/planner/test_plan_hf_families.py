@@ -19,7 +19,7 @@ from tessel.planner.cost import CostModel
 from tessel.planner.layout import Layout, layout_config
 from tessel.planner.model_spec import from_config
 from tessel.planner.search import search
-from tessel.planning import recipe_allows
+from tessel.commands.planning import recipe_allows
 
 GiB = 2**30
 # Qwen3-32B's shape (its config.json on the Hub: 64 layers, d 5120, 64 query and 8 kv heads of 128)
@@ -38,7 +38,7 @@ def _recipe(tmp_path, config, **train) -> dict:
 
 
 def _search(recipe: dict, world: int, **fixed):
-    """What `tessel plan` prices for the recipe on `world` A100s (tessel.planning.plan's search, its filter)."""
+    """What `tessel plan` prices for the recipe on `world` A100s (tessel.commands.planning.plan's search, its filter)."""
     base = build_config(recipe)
     spec = from_config(base.model, base.train.seq_len, base.train.global_batch)
     cm = CostModel(spec, get_cluster("a100", world), base.train.precision)
@@ -109,7 +109,7 @@ def test_plan_out_writes_a_recipe_tessel_train_loads(tmp_path):
     from rich.console import Console
 
     from tessel.config import load_config
-    from tessel.planning import PlanOptions, plan, resolve
+    from tessel.commands.planning import PlanOptions, plan, resolve
     recipe = tmp_path / "qwen3.toml"
     doc = _recipe(tmp_path, Qwen3Config(**TINY), seq_len=64, global_batch=8)
     recipe.write_text(f'[model]\nhf_config = "{doc["model"]["hf_config"]}"\n[data]\nsource = "synthetic"\n'
@@ -124,7 +124,7 @@ def test_plan_out_writes_a_recipe_tessel_train_loads(tmp_path):
 
 def test_latent_attention_down_projections_are_priced_whole_on_every_tp_rank(tmp_path):
     """tessel runs DeepSeek-V3's q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp rank (before the
-    split by heads, tessel.hf_region_inputs): the planner counts them once per rank, the rest of the dense
+    split by heads, tessel.hf.region_inputs): the planner counts them once per rank, the rest of the dense
     weights split over tp."""
     spec = from_config(build_config(_recipe(tmp_path, DeepseekV3Config(), seq_len=4096, global_batch=512)).model,
                        4096, 512)

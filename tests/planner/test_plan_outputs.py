@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.planner.layout import KEY_HELP
 
 SMALL = ["plan", "--model", "gpt3-1.3b", "--world", "16", "--cluster", "a100", "--json"]
@@ -13,7 +13,7 @@ SMALL = ["plan", "--model", "gpt3-1.3b", "--world", "16", "--cluster", "a100", "
 
 def run(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
-        tessel.cli.main(argv)
+        tessel.commands.cli.main(argv)
     out, err = capsys.readouterr()
     assert exit_.value.code == 0, err
     return out

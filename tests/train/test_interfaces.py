@@ -15,8 +15,8 @@ from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, Pe
 from tessel.train.checkpoint.tensors import LocalTensors, StateTensors
 from tessel.train.cohort import Cohort
 from tessel.train.mesh_cohort import MeshCohort
-from tessel.train.ps_checkpoint import ServerSnapshot
-from tessel.train.ps_trainer import WorkerCohort
+from tessel.train.ps.checkpoint import ServerSnapshot
+from tessel.train.ps.trainer import WorkerCohort
 from tests.helpers import ROOT
 
 IMPLEMENTATIONS = [(Runner, LocalRunner), (Runner, PipelineRunner), (Runner, WorkerRunner),

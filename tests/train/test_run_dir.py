@@ -148,7 +148,7 @@ def test_two_runs_at_once_on_one_folder(tmp_path):
         assert first.returncode == 128 + signal.SIGTERM
     finally:
         if first.poll() is None:
-            first.kill()  # its ranks follow (tessel.supervise: PR_SET_PDEATHSIG)
+            first.kill()  # its ranks follow (tessel.commands.supervise: PR_SET_PDEATHSIG)
     steps = [r["step"] for r in metrics_rows(out)]
     assert steps == list(range(len(steps)))  # one writer: no interleaved rows
 
@@ -189,7 +189,7 @@ def test_disk_full_stops_the_run_in_one_line_without_restarts(tmp_path):
 
 def test_resume_path_with_quotes_and_backslashes_travels_as_a_value(tmp_path):
     """--resume used to be pasted into a TOML string: a '"' or '\\' in the path broke it."""
-    from tessel.launch import LaunchOptions, preflight
+    from tessel.commands.launch import LaunchOptions, preflight
     from tests.helpers import build_trainer
     saved = tmp_path / 'we"ird\\name'
     build_trainer(_cfg(tmp_path / "first", "train.steps=2", "checkpoint.every=2", "fault.heartbeat_s=0",

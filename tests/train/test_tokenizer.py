@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.config import ConfigError, DataConfig, build_config
 from tessel.train.data import load_tokens, text_codec, tokenizer_file, validate_data
 from tessel.train.tokenizer import EOT, ByteCodec, read_tokenizer, train_bpe
@@ -101,7 +101,7 @@ LINES = ["first doc", "second\ndoc", "third 🎉"]
 
 def run(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
-        tessel.cli.main(argv)
+        tessel.commands.cli.main(argv)
     out, err = capsys.readouterr()
     return exit_.value.code, out, err
 

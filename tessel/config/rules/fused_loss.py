@@ -1,13 +1,13 @@
 """train.fused_loss moves the head's matmul into the loss (tessel.parallel.fused_loss): vocabulary-parallel
 under 1D tp; a grid mode (2d / 2.5d / 3d) splits the head's hidden dimension over its grid too, where the
 chunked loss would need the grid's own matmuls. A Hugging Face model must be of a type whose forward does
-nothing to the head's output that the loss would miss (tessel.hf_head reads its forward)."""
+nothing to the head's output that the loss would miss (tessel.hf.head reads its forward)."""
 
 from __future__ import annotations
 
 from tessel.config.rule import Rule
-from tessel.hf_head import hf_fused_loss_refusal
-from tessel.hf_shape import read_config
+from tessel.hf.head import hf_fused_loss_refusal
+from tessel.hf.shape import read_config
 
 
 def _fused(c) -> bool:

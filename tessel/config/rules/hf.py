@@ -1,6 +1,6 @@
 """A Hugging Face model (model.hf_config): transformers' own verdict on its config first, then what each
 strategy needs of the architecture, read from its config.json and, for tp, pp, ep and cp, from the model built
-on the meta device (tessel.hf_layout, tessel.hf_ep_plan, tessel.hf_context). tp > 1 splits the families tessel
+on the meta device (tessel.hf.layout, tessel.hf.ep_plan, tessel.hf.context). tp > 1 splits the families tessel
 has rules for (hf_tp_refusal); their heads, kv heads and feed-forward split over tp like the reference GPT's
 (tessel.config.rules.tensor, from the shape the config filled in); the vocabulary is padded to a multiple of tp.
 pp > 1 cuts the families tessel knows (hf_pp_refusal). ep > 1 shards the experts modules that the model's
@@ -11,18 +11,18 @@ attention do not apply; sliding windows and soft-capping are applied across the 
 from __future__ import annotations
 
 from tessel.config.rule import Rule
-from tessel.hf_check import hf_config_problem
-from tessel.hf_context import hf_cp_refusal
-from tessel.hf_ep_plan import hf_ep_refusal
-from tessel.hf_layout import pp_problem, tp_problem
-from tessel.hf_shape import OWN_RULES, read_config
+from tessel.hf.check import hf_config_problem
+from tessel.hf.context import hf_cp_refusal
+from tessel.hf.ep_plan import hf_ep_refusal
+from tessel.hf.layout import pp_problem, tp_problem
+from tessel.hf.shape import OWN_RULES, read_config
 
 
 def hf_tp_refusal(doc: dict) -> str | None:
     """Why tensor parallelism (1D, with or without sequence parallelism) cannot split the Hugging Face model
-    whose config.json reads `doc`, or None. A family with rules of tessel's own (tessel.hf_shape.OWN_RULES, no
+    whose config.json reads `doc`, or None. A family with rules of tessel's own (tessel.hf.shape.OWN_RULES, no
     plans in its config) is split by them; any other is placed from its own plans by the derivation the ranks
-    run (tessel.hf_layout, on the model built on the meta device), which names what it cannot place (Cohere's
+    run (tessel.hf.layout, on the model built on the meta device), which names what it cannot place (Cohere's
     optional q/k norms, a weight per head its plan does not split; a latent attention no plan names). The
     shapes (heads, kv heads, feed-forward over tp) are check_layout's."""
     kind = doc["model_type"]
@@ -34,7 +34,7 @@ def hf_tp_refusal(doc: dict) -> str | None:
 def hf_pp_refusal(doc: dict) -> str | None:
     """Why a pipeline cannot cut the Hugging Face model whose config.json reads `doc`, or None: a family with
     parts of tessel's own (OWN_RULES), or one whose base_model_pp_plan describes an embedding, one list of decoder
-    layers and a head holding every weight (tessel.hf_layout.pipeline_cut, on the model built on the meta
+    layers and a head holding every weight (tessel.hf.layout.pipeline_cut, on the model built on the meta
     device)."""
     kind = doc["model_type"]
     why = None if kind in OWN_RULES else pp_problem(doc)

@@ -1,4 +1,4 @@
-"""A parameter server (tessel.train.ps_trainer) serves a whole replicated model to dp workers."""
+"""A parameter server (tessel.train.ps.trainer) serves a whole replicated model to dp workers."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tessel.config.rule import Rule
 from tessel.config.schema import ModelConfig
-from tessel.hf_grid import hf_grid_refusal
-from tessel.hf_shape import read_config
+from tessel.hf.grid import hf_grid_refusal
+from tessel.hf.shape import read_config
 
 
 def _tp_grid_side(mode: str, tp: int, depth: int) -> int | None:

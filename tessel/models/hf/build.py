@@ -21,7 +21,7 @@ import os
 
 import torch.nn as nn
 
-from tessel.hf_shape import read_config
+from tessel.hf.shape import read_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

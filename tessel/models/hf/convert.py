@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from tessel.config import ModelConfig
-from tessel.hf_shape import config_file
+from tessel.hf.shape import config_file
 from tessel.models.weights import INDEX, Naming, WeightsError, stored_shapes, weight_files
 
 LLAMA_NAMES = {  # the GPT's per-layer names -> Llama's

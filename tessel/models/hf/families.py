@@ -4,9 +4,9 @@ A family whose config declares a base_model_pp_plan and a base_model_tp_plan
 needs nothing here, not even its name (family_of): its decoder layers, its
 pipeline cut and its tensor-parallel rules, MoE blocks included (computed whole
 on every tp rank, their experts on the ep axis), are derived from those plans
-and from the model's own modules (tessel.hf_layout), or refused naming what the
+and from the model's own modules (tessel.hf.layout), or refused naming what the
 derivation cannot place. FAMILIES lists the families whose parity tests predate
-that derivation (tessel.hf_shape.FAMILIES, the checks' fast path), and keeps
+that derivation (tessel.hf.shape.FAMILIES, the checks' fast path), and keeps
 notes only for what a plan does not say (PlanNotes, each checked against the
 plan): Phi-3's fused projections, split block by block where its plan gathers
 them. A family with no plans at all (GPT-2) brings all of its rules and parts.
@@ -14,8 +14,8 @@ A model without plans still gets data parallelism, ZeRO and recompute (its
 decoder layers are then its longest ModuleList).
 
 Which model types tessel places on which axis is checked before any process
-starts by tessel.config (tessel.hf_shape reads the config's JSON;
-tessel.hf_layout runs the derivation on the model built on the meta device).
+starts by tessel.config (tessel.hf.shape reads the config's JSON;
+tessel.hf.layout runs the derivation on the model built on the meta device).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ FAMILIES = {name: Family(name) for name in (
 
 def family_of(model_type: str) -> Family:
     """The family's entry here, or for a model type without one, a family placed from its own plans alone
-    (tessel.hf_layout derives its cut and its rules, or refuses it naming what it cannot place)."""
+    (tessel.hf.layout derives its cut and its rules, or refuses it naming what it cannot place)."""
     return FAMILIES.get(model_type) or Family(model_type)
 
 

@@ -10,11 +10,11 @@ modules during the latest training forward and computes that loss itself, so tha
 whole batch (tessel.models.moe.BalanceStatistics; aux_loss_scope) and, under a pipeline, every stage's layers
 (balance_statistics; tessel.parallel.expert.cross_stage). A family whose forward adds no such loss (DeepSeek-V3
 balances its experts by a bias) gets none; one whose loss differs is refused before any process
-(tessel.hf_check).
+(tessel.hf.check).
 
 The experts. Every family's MoE block routes with its own router and hands its experts module (the one its
 base_model_ep_plan names) the tokens, the chosen expert ids and their weights; expert parallelism
-(tessel.parallel.expert.hf_experts, tessel.hf_ep_plan) keeps that module, its class and its parameter names,
+(tessel.parallel.expert.hf_experts, tessel.hf.ep_plan) keeps that module, its class and its parameter names,
 and feeds it the rows of this rank's experts, so routing stays transformers' own and checkpoints keep
 transformers' names.
 """
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from tessel.hf_check import balance_loss_of, is_standard_balance_loss
+from tessel.hf.check import balance_loss_of, is_standard_balance_loss
 from tessel.models.moe import BalanceStatistics, local_balance
 
 

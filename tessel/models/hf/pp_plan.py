@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tessel.hf_layout import pipeline_cut
+from tessel.hf.layout import pipeline_cut
 from tessel.models.parts import ModelParts
 
 
@@ -36,7 +36,7 @@ def has_pp_plan(model: nn.Module) -> bool:
 
 
 def parts_from_plan(model: nn.Module) -> ModelParts:
-    """The pipeline parts of a transformers causal LM from its config's base_model_pp_plan (tessel.hf_layout's
+    """The pipeline parts of a transformers causal LM from its config's base_model_pp_plan (tessel.hf.layout's
     cut, the one tessel.config checks before any process starts); ValueError naming what the plan lacks."""
     cut = pipeline_cut(model)
     head = cut.after[-1]

@@ -35,7 +35,7 @@ its pipeline plan (tessel.models.hf.pp_plan):
 What a plan does not say, a family's notes (PlanNotes, in
 tessel.models.hf.families) add, each checked against the plan: a fused
 projection split block by block (Phi-3's qkv_proj, where the plan gathers it
-whole). The derivation itself lives in tessel.hf_layout (tessel.config runs
+whole). The derivation itself lives in tessel.hf.layout (tessel.config runs
 it before any process starts): it also finds each MoE block (the module around
 the experts the plans name as a whole) and has every tp rank compute it whole,
 its experts going to the ep axis. A family without a plan at all (GPT-2) brings all
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from tessel.hf_layout import COLUMN, PlanNotes, TPRules, plan_styles, tp_cut
-from tessel.hf_layout import rules_from_plan as derive_rules
+from tessel.hf.layout import COLUMN, PlanNotes, TPRules, plan_styles, tp_cut
+from tessel.hf.layout import rules_from_plan as derive_rules
 
 GPT2_TP = TPRules(
     embedding="transformer.wte", first_layer="transformer.h.0",
@@ -96,7 +96,7 @@ def hf_tp_plan(model: nn.Module, rules: TPRules | None) -> TPPlan:
 
 def rules_from_plan(model: nn.Module, notes: PlanNotes) -> TPRules:
     """A family's rules from its base_model_tp_plan, its pipeline plan's cut (or its structure's) and its modules
-    (tessel.hf_layout, the derivation tessel.config's checks run too); ValueError naming what nothing places."""
+    (tessel.hf.layout, the derivation tessel.config's checks run too); ValueError naming what nothing places."""
     return derive_rules(model, tp_cut(model), notes)
 
 

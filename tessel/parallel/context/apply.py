@@ -10,7 +10,7 @@ block's capacity and balance statistics are the third (tessel.parallel.context.m
 - The reference GPT: Attention.core (rotary, shared kv heads, causal attention)
   is replaced on the instance, as selective recompute replaces it
   (tessel.parallel.recompute), so parameter names never change.
-- A Hugging Face model (any family tessel.hf_context accepts): attention is transformers' own attention
+- A Hugging Face model (any family tessel.hf.context accepts): attention is transformers' own attention
   interface, a function registered by name (transformers.AttentionInterface) and
   chosen through the model's attn_implementation; the model is called with this
   rank's position_ids (a rotary embedding reads them, a learned position
@@ -70,7 +70,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """transformers' attention interface: q (B, H, T, D), k and v (B, Hkv, T, D), rotary applied at the
     positions the model was called with -> ((B, T, H, D), no weights). The mask is None (see above); the
     layer's sliding window and soft-cap come as keywords, as every attention implementation takes them.
-    What tessel.config refuses before any process starts (tessel.hf_context) is refused here too, should a
+    What tessel.config refuses before any process starts (tessel.hf.context) is refused here too, should a
     model handed to tessel.parallelize bring it anyway: a mask of the model's own making, dropout, a
     non-causal layer."""
     ctx: CPContext = kwargs[HF_KWARG]

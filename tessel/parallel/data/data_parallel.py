@@ -52,7 +52,7 @@ Reducer = Callable[[torch.Tensor, object], object]
 
 def is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether `grad` already is `view` of a flat buffer (same storage, same place). Meta tensors
-    (tessel.calibrate.dryrun) all have address 0, so their storages are told apart by object."""
+    (tessel.testing.dryrun) all have address 0, so their storages are told apart by object."""
     if grad.is_meta:
         return (grad.untyped_storage()._cdata == view.untyped_storage()._cdata
                 and grad.storage_offset() == view.storage_offset())

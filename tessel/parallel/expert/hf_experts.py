@@ -2,7 +2,7 @@
 
 transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, PhiMoE, GraniteMoE,
 GPT-OSS, ...) route with their own router (softmax or sigmoid, top-k, renormalised or scaled, DeepSeek's
-biased group-limited choice) and hand the experts module (tessel.hf_ep_plan: the one the family's
+biased group-limited choice) and hand the experts module (tessel.hf.ep_plan: the one the family's
 base_model_ep_plan names) the tokens (N, C), the chosen global expert ids (N, k) and their weights (N, k).
 Under ep that module stays in its place, with its own class, forward and parameter names; it keeps only this
 rank's E/ep experts (rows [j*E/ep, (j+1)*E/ep) of every per-expert parameter, marked sharded over ep so that
@@ -29,7 +29,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from tessel.hf_ep_plan import ExpertSite, ep_problem, expert_sites
+from tessel.hf.ep_plan import ExpertSite, ep_problem, expert_sites
 from tessel.mesh import Mesh
 from tessel.models.moe import Routing
 from tessel.parallel.expert.expert_parallel import AllToAllDispatcher

@@ -17,7 +17,7 @@ What a Hugging Face causal LM does to the head's output before returning it: a l
 `logits / logits_scaling`, Cohere's `logits * logit_scale`) commutes with the matmul, so applied to the
 hidden states it gives the same logits (s * (h W^T) = (s h) W^T) and the same gradients; Gemma 2's
 soft-capping (tanh) does not, so it moves into the loss and the model's own is switched off (take_softcap).
-What a family's forward does after its head is read from its source (tessel.hf_head) before any process starts.
+What a family's forward does after its head is read from its source (tessel.hf.head) before any process starts.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# module names of their own: tessel.parallel.tensor_nd.traffic records tp's collectives by rebinding these
+# module names of their own: tessel.testing.grid_traffic records tp's collectives by rebinding these
 from tessel.comm.algorithms import all_gather_single as _all_gather_single
 from tessel.comm.algorithms import reduce_scatter_single as _reduce_scatter_single
 

@@ -38,7 +38,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def _storage_key(s: torch.UntypedStorage) -> int:
     """One key per storage, shared by its views. A meta storage (a dry run,
-    tessel.calibrate.dryrun) has no address, so it is told apart by its C++ object."""
+    tessel.testing.dryrun) has no address, so it is told apart by its C++ object."""
     if s.device.type == "meta":
         return s._cdata
     return s.data_ptr() if s.nbytes() else id(s)

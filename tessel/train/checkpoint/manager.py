@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessel.errors import FatalError
-from tessel.hf_shape import config_file
+from tessel.hf.shape import config_file
 from tessel.models.build import build_model
 from tessel.observe.progress import Work, work_progress
 from tessel.train.checkpoint.logical import LogicalView, check_shapes, module_shapes

@@ -5,7 +5,7 @@ reading (DCP, atomic commit, checksums); a StateTensors says what is written
 and how loaded tensors return. LocalTensors: the runner's parameters and
 buffers, the optimizer's state and the RNG, on this rank, as logical tensors
 (every layout of the trainer). A parameter-server run's state is on its
-servers: tessel.train.ps_checkpoint.ServerSnapshot.
+servers: tessel.train.ps.checkpoint.ServerSnapshot.
 """
 
 from __future__ import annotations

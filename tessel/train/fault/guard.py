@@ -40,7 +40,7 @@ from tessel.train.state import TrainState
 
 
 class LayoutReport(Protocol):
-    """What the guard tells a re-planned layout's report (tessel.train.fault.elastic.Replanned): each metrics
+    """What the guard tells a re-planned layout's report (tessel.elastic.dp_only.Replanned): each metrics
     row, then the run's end. A protocol, so that the trainer does not import re-planning."""
 
     def observe(self, step: int, row: dict) -> None: ...

@@ -49,7 +49,7 @@ class FaultInjector:
 
     def __init__(self, rank: int, marker_dir: Path, text: str | None = None):
         # a fault belongs to the process (the device) it was aimed at, not to the number an eviction
-        # gave it later (tessel.adaptive.regroup keeps the first in TESSEL_LAUNCH_RANK)
+        # gave it later (tessel.elastic.adaptive.regroup keeps the first in TESSEL_LAUNCH_RANK)
         rank = int(os.environ.get("TESSEL_LAUNCH_RANK", rank))
         self.rank = rank
         self.faults = [f for f in parse_faults(text if text is not None else os.environ.get("TESSEL_FAULT"))

@@ -7,7 +7,7 @@ stop, writes a checkpoint if checkpoints are on (a preemption save), and exits
 with 128 + the signal. Under `tessel train`'s launcher a stopped rank exits 0
 instead, so that torchrun does not restart it, and reports the stop through
 the control folder; the launcher then exits 128 + the signal
-(tessel.supervise).
+(tessel.commands.supervise).
 
 The control folder (`TESSEL_CONTROL_DIR`, made by the launcher in /dev/shm
 when it can, so that a full disk cannot silence it) holds:

@@ -19,7 +19,7 @@ What follows is the policy's (tessel.train.fault.guard acts on it):
   from a checkpoint in that layout;
 - evict: a checkpoint, then the run continues without that rank's node (every
   rank that shares it: `evicted_with`), re-planned for the ranks left
-  (tessel.adaptive.run_layouts).
+  (tessel.elastic.adaptive.run_layouts).
 """
 
 from __future__ import annotations

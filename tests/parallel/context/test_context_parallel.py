@@ -28,7 +28,7 @@ SequenceSlots itself on random choices: each rank keeps exactly the assignments 
 The 4 ranks also measure activation memory: the tiny model at 2048 tokens (one sequence a rank, fp32) under
 ring cp4, ring cp2 x dp2 and Ulysses cp2 x dp2 (dp2 gives each rank one sequence's share, as cp2 alone
 would), against one process. Each rank's peak over a step's forward and backward is measured with the
-profiler's allocation record (tessel.calibrate.activations.step_peak): it falls as 1/cp, and the cost
+profiler's allocation record (tessel.testing.activations.step_peak): it falls as 1/cp, and the cost
 model's activations term for the same layout (planned_peak) is within 10% of it. The README's table at 8192
 tokens comes from benchmarks/cp_memory.py.
 """
@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from tessel import support
-from tessel.calibrate.activations import planned_peak, step_peak
+from tessel.commands import support
+from tessel.testing.activations import planned_peak, step_peak
 from tessel.mesh import make_mesh
 from tessel.models.moe import local_slots
 from tessel.parallel.context import layout
@@ -72,7 +72,7 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "inter
 GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
 HF = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
-# Families of other structure, each from its own config class's defaults shrunk (tessel.support.tiny_config) to
+# Families of other structure, each from its own config class's defaults shrunk (tessel.commands.support.tiny_config) to
 # 2 layers: q/k norms per head (Qwen3, Qwen3-MoE) and over all heads (OLMo 2), fused q|k|v and gate|up (Phi-3),
 # GPT-NeoX's parallel block with its interleaved q|k|v and partial rotary, Granite's multipliers (the attention
 # scale arrives as `scaling`), Cohere's parallel block and logit scale, GLM-4's four norms and partial rotary,

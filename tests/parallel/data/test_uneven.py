@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from tessel.calibrate.speeds import resolve
-from tessel.adaptive import emulated_flops
+from tessel.elastic.adaptive import emulated_flops
 from tessel.models.emulated import emulate_device
 from tessel.spawn import spawn
 from tests.helpers import build_trainer, tiny_config

@@ -4,7 +4,7 @@ The reference is transformers' causal LM built from the same local config and se
 router, its own experts, its own aux loss (output_router_logits: the model's `aux_loss`, the family's
 load_balancing_loss_func over all layers), scored as loss = cross-entropy(logits, targets) +
 router_aux_loss_coef * aux_loss on the whole batch. The parallel runs go through parallelize(): each ep rank
-holds half of the experts (tessel.hf_ep_plan: the modules and parameters the family's base_model_ep_plan
+holds half of the experts (tessel.hf.ep_plan: the modules and parameters the family's base_model_ep_plan
 names) and routes its half of the batch (under dp2 x ep2 its quarter; with ZeRO-1, or ZeRO-3 and full
 recompute, for two of them: each expert sharded over the dp ranks that hold it). Mixtral goes further: tp2 x ep2 also
 splits attention and the vocabulary over tp; pp2 and pp2 x ep2 put each layer on its own stage, and its router
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-import tessel.cli
+import tessel.commands.cli
 from tessel.config import ConfigError
-from tessel.hf_ep_plan import ep_problem
+from tessel.hf.ep_plan import ep_problem
 from tessel.mesh import make_mesh
 from tessel.models.gpt import cross_entropy
 from tessel.models.hf.build import attention_implementation
@@ -298,7 +298,7 @@ def _check_export(checkpoint, out, trained: dict) -> None:
     names and tensors, bit for bit, and from_pretrained reads them."""
     from transformers import AutoModelForCausalLM
     with pytest.raises(SystemExit) as code:
-        tessel.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out)])
+        tessel.commands.cli.main(["export", str(checkpoint), "--format", "hf", "--out", str(out)])
     assert code.value.code == 0
     written = read_weights(out)
     assert written.keys() == trained.keys()

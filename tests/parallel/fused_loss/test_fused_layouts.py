@@ -26,7 +26,7 @@ from tessel.parallel.fused_loss.kernel import Vocab, linear_cross_entropy
 from tessel.parallel.tensor.tensor_parallel import TPContext, full_tensor
 from tessel.sharding import shard_axes
 from tessel.spawn import spawn
-from tessel.train.ps_trainer import train_rank_ps
+from tessel.train.ps.trainer import train_rank_ps
 from tests.helpers import build_trainer, tiny_config, train_and_collect
 
 STEPS = ["train.steps=3", "train.eval_every=3", "train.eval_batches=1", "train.sample_tokens=6"]

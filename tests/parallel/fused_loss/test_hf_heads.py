@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tessel.hf_head import hf_fused_loss_refusal
+from tessel.hf.head import hf_fused_loss_refusal
 from tessel.models.build import build_model
 from tests.helpers import tiny_config, train_and_collect
 
@@ -20,7 +20,7 @@ COMMON = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hi
           "eos_token_id": 2}
 CONFIGS = {
     "granite": {**COMMON, "model_type": "granite", "logits_scaling": 4.0},
-    # Cohere multiplies instead (logits * logit_scale): read from its forward as a scaling too (tessel.hf_head)
+    # Cohere multiplies instead (logits * logit_scale): read from its forward as a scaling too (tessel.hf.head)
     "cohere": {**COMMON, "model_type": "cohere", "logit_scale": 4.0},
     # the logits of a fresh model are ~0.1 (hidden states of norm ~1 times weights of std 0.02): a cap of
     # 0.05 bends them hard (tanh(2) = 0.96), so a cap left out of the loss, or left in the model to bend the
@@ -57,7 +57,7 @@ def test_a_head_that_rescales_or_caps_its_logits(tmp_path, kind):
 
 
 def test_what_a_forward_does_after_its_head_is_read_from_its_source():
-    """tessel.hf_head: the families above are accepted from their own forwards (scalings, the final soft-cap's
+    """tessel.hf.head: the families above are accepted from their own forwards (scalings, the final soft-cap's
     `if`), and a forward that does something else to its logits is refused naming the statement: Recurrent
     Gemma's soft-cap under another key (logits_soft_cap, which the fused loss does not take over), Inkling's
     slice of the padded vocabulary."""

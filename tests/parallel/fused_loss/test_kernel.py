@@ -192,7 +192,7 @@ def test_the_config_refuses_the_fused_loss_where_it_would_be_wrong(tmp_path):
     with pytest.raises(ConfigError) as err:  # a 2D grid splits the head's hidden dimension too
         tiny_config("train.fused_loss=true", "parallel.tp=4", 'parallel.tp_mode="2d"')
     assert err.value.field == "train.fused_loss" and "'2d'" in str(err.value)
-    # a family no table names is judged from its own forward (tessel.hf_head): OPT's does nothing after its
+    # a family no table names is judged from its own forward (tessel.hf.head): OPT's does nothing after its
     # head, so the fused loss takes it (the refusals of forwards that do more: tests/parallel/fused_loss/
     # test_hf_heads.py)
     opt = tmp_path / "opt.json"

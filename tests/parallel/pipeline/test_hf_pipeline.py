@@ -34,7 +34,7 @@ CONFIGS = {
               "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0},
-} | PLANNED | DERIVED | {"deepseek_v3": LATENT["deepseek_v3"]}  # cut by their own pipeline plans (tessel.hf_layout)
+} | PLANNED | DERIVED | {"deepseek_v3": LATENT["deepseek_v3"]}  # cut by their own pipeline plans (tessel.hf.layout)
 PP2 = ["parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="1f1b"']
 WORLD2 = {
     "llama_pp2": ("llama", PP2),

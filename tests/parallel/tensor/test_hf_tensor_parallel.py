@@ -303,7 +303,7 @@ def test_config_refuses_what_tensor_parallelism_cannot_split(configs, tmp_path):
     assert _cfg(configs["gpt2"], "parallel.tp=2", "checkpoint.every=2").checkpoint.every == 2
 
 
-# families the derivation from their plans refuses (tessel.hf_layout), on their config class's defaults shrunk:
+# families the derivation from their plans refuses (tessel.hf.layout), on their config class's defaults shrunk:
 # model type -> what the refusal must name
 REFUSED = {
     "minimax": r"cannot place 'model.layers.\d.self_attn.norm' \(MiniMaxRMSNorm\): inside model.layers.\*.self_attn",
@@ -320,17 +320,17 @@ REFUSED = {
 def test_the_derivation_refuses_what_the_plans_do_not_place(kind):
     """Before any process starts, the rules the ranks would run, on transformers' model built on the meta device:
     a family without a table entry is refused by the module or the plan entry they cannot place."""
-    from tessel.support import tiny_config as family_defaults
+    from tessel.commands.support import tiny_config as family_defaults
     why = hf_tp_refusal(family_defaults(kind))
     assert why is not None and re.search(REFUSED[kind], why), why
     assert why.startswith(f"model_type '{kind}': ")
 
 
 def test_a_module_runs_whole_in_a_split_region_only_before_the_split():
-    """tessel.hf_region_inputs reads a region's forward: a module the plan does not name runs whole on every rank
+    """tessel.hf.region_inputs reads a region's forward: a module the plan does not name runs whole on every rank
     (its gradients summed over tp) only where every call of it takes whole values and nothing made from it alone
     leaves the region; a norm after the split, or a gate on the whole input multiplying the output, is not."""
-    from tessel.hf_region_inputs import before_split
+    from tessel.hf.region_inputs import before_split
 
     class Latent(nn.Module):
         def __init__(self):
@@ -360,8 +360,8 @@ def test_a_module_runs_whole_in_a_split_region_only_before_the_split():
 def test_an_attention_its_plan_is_silent_on_takes_its_parent_familys_entries():
     """DeepSeek-V3's plan names no module of its attention; transformers' modular source derives the class from
     DeepSeek-V2's, whose plan splits it: those entries, and nothing of the MLP (its own plan names it)."""
-    from tessel.hf_layout import meta_model
-    from tessel.hf_lineage import inherited_entries
+    from tessel.hf.layout import meta_model
+    from tessel.hf.lineage import inherited_entries
     from transformers import DeepseekV2Config
     model = meta_model(LATENT["deepseek_v3"])
     want = {k: s for k, s in DeepseekV2Config.base_model_tp_plan.items() if k.startswith("layers.*.self_attn.")}
@@ -372,11 +372,11 @@ def test_an_attention_its_plan_is_silent_on_takes_its_parent_familys_entries():
 
 def test_without_a_pipeline_plan_tp_reads_the_cut_off_the_structure():
     """OLMoE's config declares a tensor-parallel plan and no pipeline plan: tensor parallelism finds its embedding,
-    layers, final norm and head in its base model's modules (tessel.hf_layout.structural_cut); a pipeline, which
+    layers, final norm and head in its base model's modules (tessel.hf.layout.structural_cut); a pipeline, which
     would also need what each part takes and gives, is refused naming the missing plan."""
     from tessel.config import hf_pp_refusal
-    from tessel.hf_layout import meta_model, structural_cut
-    from tessel.support import tiny_config as family_defaults
+    from tessel.hf.layout import meta_model, structural_cut
+    from tessel.commands.support import tiny_config as family_defaults
     doc = family_defaults("olmoe")
     assert hf_tp_refusal(doc) is None
     assert "OlmoeForCausalLM's config declares no base_model_pp_plan" in hf_pp_refusal(doc)
@@ -387,8 +387,8 @@ def test_without_a_pipeline_plan_tp_reads_the_cut_off_the_structure():
 def test_scalar_weights_inside_a_split_region_sum_their_gradients():
     """Apertus' xIELU activation holds scalar weights between its MLP's up and down projections: each rank applies
     them to its own columns, so each holds a part of their gradient, summed over tp (as the plan's q/k norms)."""
-    from tessel.support import tiny_config as family_defaults
-    from tessel.hf_layout import meta_model
+    from tessel.commands.support import tiny_config as family_defaults
+    from tessel.hf.layout import meta_model
     model = meta_model(family_defaults("apertus"))
     styles = match_plan(model, hf_tp_plan(model, tp_rules(model, family_of("apertus"))).styles)
     assert styles["model.layers.0.mlp.act_fn"] == "sum_grads" and styles["model.layers.0.mlp"] == "enter"

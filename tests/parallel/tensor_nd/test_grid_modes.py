@@ -24,7 +24,7 @@ from tessel.parallel.tensor_nd.apply import full_tensors
 from tessel.parallel.tensor_nd.cube import STREAM, Cube, Linear3D
 from tessel.parallel.tensor_nd.grid import build_grid
 from tessel.parallel.tensor_nd.summa import Linear2D, Summa
-from tessel.parallel.tensor_nd.traffic import CollectiveRecorder
+from tessel.testing.grid_traffic import CollectiveRecorder
 from tessel.planner.cluster import get_cluster
 from tessel.planner.cost import CostModel
 from tessel.planner.grid_cost import grid_of, layer_activation_bytes

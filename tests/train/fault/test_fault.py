@@ -18,7 +18,7 @@ import torch
 from torch.testing import assert_close
 
 from tessel.spawn import spawn
-from tessel.train.fault.elastic import replan
+from tessel.elastic.dp_only import replan
 from tessel.train.fault.injection import parse_faults
 from tessel.train.fault.stragglers import straggler_report
 from tests.helpers import ROOT, build_trainer, cli_env, metrics_rows, tiny_config, train_command, write_recipe

@@ -20,7 +20,7 @@ import statistics
 import torch
 from torch.testing import assert_close
 
-from tessel.adaptive import run_layouts
+from tessel.elastic.adaptive import run_layouts
 from tessel.planner.hetero import proportional_shares
 from tessel.spawn import spawn
 from tessel.train.fault.slow import SlowRanks

@@ -1,6 +1,6 @@
 """A Hugging Face config.json as transformers itself judges it, before any process starts.
 
-tessel.hf_shape reads the few fields tessel needs from the JSON, without transformers; what only transformers
+tessel.hf.shape reads the few fields tessel needs from the JSON, without transformers; what only transformers
 knows is asked here, once per file: whether the family's configuration class takes the file (its own strict
 validation: field types, layer_types, rope parameters), whether the model type has a causal LM, whether the
 padding id the embedding is built with lies in the vocabulary, and, where the config asks for the router's
@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from tessel.hf_shape import config_file, read_config
+from tessel.hf.shape import config_file, read_config
 
 # transformers' load_balancing_loss_func as Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, GraniteMoE, ... define it
 # (each family keeps its own copy): Switch's E * sum_i f_i * P_i over the top-k choices of every layer's rows

@@ -17,7 +17,7 @@ takes whole values only, and the region returns nothing computed from such modul
 whole input multiplying the output: every rank would hold its whole gradient, which summing would count tp
 times); one forward never calls itself (a helper method does) is not proven so.
 
-Duck-typed like tessel.hf_layout (no torch, no tessel.models): it reads classes and their source only.
+Duck-typed like tessel.hf.layout (no torch, no tessel.models): it reads classes and their source only.
 """
 
 from __future__ import annotations

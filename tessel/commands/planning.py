@@ -1,4 +1,4 @@
-"""The logic behind `tessel plan` and `tessel simulate` (tessel/cli.py only parses arguments).
+"""The logic behind `tessel plan` and `tessel simulate` (tessel/commands/cli.py only parses arguments).
 
 Here the measurement meets the cost model: for the cluster "this", tessel.calibrate probes this
 machine and profiles the model, and the planner is handed the Cluster and Calibration it built.

@@ -54,7 +54,7 @@ from tessel.planner.hetero import Gain, layer_capacity, min_per_coord, priced
 from tessel.planner.layout import config_layout, layout_config
 from tessel.planner.model_spec import from_config
 from tessel.planner.search import MICRO_BATCHES, search, simulated
-from tessel.train.fault.elastic import Previous, Replanned, previous_attempt, replan
+from tessel.elastic.dp_only import Previous, Replanned, previous_attempt, replan
 
 PROBE_BYTES = 1 << 20  # a link's bandwidth from 1 MiB messages: enough to see 1 Gbit/s from loopback
 PROFILE_ROUNDS = 3

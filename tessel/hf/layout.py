@@ -20,8 +20,8 @@ import functools
 import json
 from dataclasses import dataclass
 
-from tessel.hf_lineage import inherited_entries
-from tessel.hf_region_inputs import before_split
+from tessel.hf.lineage import inherited_entries
+from tessel.hf.region_inputs import before_split
 
 # transformers' styles (base_model_tp_plan) -> tessel's
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
@@ -309,7 +309,7 @@ def _layer_modules(model, blocks: str, linear: dict[str, str],
 
 def _before_the_split(model, name: str, region: str, linear: dict[str, str]) -> bool:
     """Whether the module `name` lies in a child of its region that the region's forward runs on whole values
-    only, before any column-parallel layer splits them (tessel.hf_region_inputs: latent attention's low-rank
+    only, before any column-parallel layer splits them (tessel.hf.region_inputs: latent attention's low-rank
     down projections and their norms): every rank computes it whole, each holding its own heads' share of its
     gradients."""
     parts = name.split(".")

@@ -1,7 +1,7 @@
 """`tessel launch k8s`: a Kubeflow PyTorchJob that runs a recipe on N pods, with its recipe and checkpoint volume.
 
 Three objects, one YAML stream (`kubectl apply -f`):
-- a ConfigMap holding the frozen recipe (tessel.launchers.job), mounted at
+- a ConfigMap holding the frozen recipe (tessel.commands.launchers.job), mounted at
   /etc/tessel/recipe.toml;
 - a PersistentVolumeClaim (ReadWriteMany: every pod writes there) for the run's
   folder and its checkpoints, mounted at /tessel/runs (or `--pvc NAME`, a claim
@@ -28,7 +28,7 @@ import re
 import yaml
 
 from tessel.config import ConfigError
-from tessel.launchers.job import ClusterJob, torchrun_argv
+from tessel.commands.launchers.job import ClusterJob, torchrun_argv
 
 RECIPE_DIR = "/etc/tessel"
 RUNS_DIR = "/tessel/runs"

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tessel.hf_layout import cached_meta_model
+from tessel.hf.layout import cached_meta_model
 
 if TYPE_CHECKING:
     import torch.nn as nn

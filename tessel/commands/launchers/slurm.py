@@ -1,7 +1,7 @@
 """`tessel launch slurm`: an sbatch script that runs a recipe on N nodes, survives preemption and time limits.
 
 The script asks for N nodes with one task each; `srun` starts one torchrun per
-node (tessel.launchers.job), all joining a c10d rendezvous on the first node's
+node (tessel.commands.launchers.job), all joining a c10d rendezvous on the first node's
 address (Slurm's NodeAddr for it) on a port derived from the job id. Every rank
 runs `tessel train RECIPE --resume auto`.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessel.config import ConfigError
-from tessel.launchers.job import ClusterJob, torchrun_argv
+from tessel.commands.launchers.job import ClusterJob, torchrun_argv
 
 # The rendezvous port: base + job id mod 1000, so that jobs sharing a first node rarely collide.
 PORT_SPAN = 1000
@@ -139,7 +139,7 @@ def _wrapped(words: list[str], width: int = 100) -> str:
 _TEMPLATE = """#!/bin/bash
 # Written by `tessel launch slurm`: {nodes} nodes x {per_node} {what} = {world} ranks, one torchrun per node.
 # Submit with sbatch. A preempted or requeued attempt saves a checkpoint on SIGTERM and the next one resumes
-# from it (--resume auto); see tessel/launchers/slurm.py.
+# from it (--resume auto); see tessel/commands/launchers/slurm.py.
 {directives}
 set -u
 # the rendezvous: the first node's address as Slurm knows it (NodeAddr), a port from the job id

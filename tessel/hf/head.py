@@ -32,7 +32,7 @@ def hf_fused_loss_refusal(doc: dict) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     kind = doc["model_type"]
     if kind not in CONFIG_MAPPING or CONFIG_MAPPING[kind] not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return None  # transformers' own check names a type without a causal LM (tessel.hf_check)
+        return None  # transformers' own check names a type without a causal LM (tessel.hf.check)
     return head_refusal(MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[kind]])
 
 

@@ -22,7 +22,7 @@ WorkerCohort: the workers form a dp mesh of their own, without the servers.
   the weights; MFU counts the workers' peak FLOP/s (the servers do no model
   flops).
 - Checkpoints are written by worker 0 alone from a snapshot of the servers, in
-  the all-reduce trainer's format (tessel.train.ps_checkpoint); the servers
+  the all-reduce trainer's format (tessel.train.ps.checkpoint); the servers
   restore theirs before serving.
 - Workers beat every fault.heartbeat_s without watching each other; servers
   drop a worker whose beat stops for fault.hang_timeout_s and go on. Forward
@@ -64,7 +64,7 @@ from tessel.train.fault.numerics import agree
 from tessel.train.fault.preempt import Stopped, StopRequest
 from tessel.train.mesh_cohort import mean_over
 from tessel.train.optim import build_optimizer, lr_at
-from tessel.train.ps_checkpoint import STATE_KEYS, ServerSnapshot, restore_servers
+from tessel.train.ps.checkpoint import STATE_KEYS, ServerSnapshot, restore_servers
 from tessel.train.state import TrainState
 from tessel.train.trainer import Summary, Trainer
 

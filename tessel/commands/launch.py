@@ -2,7 +2,7 @@
 
 The launcher (no torchrun in the environment) checks everything a user can get
 wrong before a single rank exists (exit 2, one line naming the field), claims
-the output folder, then runs torchrun under a tessel.supervise.Supervisor with
+the output folder, then runs torchrun under a tessel.commands.supervise.Supervisor with
 one process per rank. Ranks start as `python -m tessel _rank CONFIG`, reading
 the validated config from the run's control folder: paths and values travel as
 values, never re-parsed from the command line.
@@ -29,8 +29,8 @@ from tessel.comm.topology import Topology
 from tessel.config import Config, ConfigError, at_least, check_layout
 from tessel.errors import FatalError
 from tessel.observe.trackers import check_installed
-from tessel.supervise import Supervisor
-from tessel.train.fault.elastic import rendezvous_args, replan, shutdown_args
+from tessel.commands.supervise import Supervisor
+from tessel.elastic.dp_only import rendezvous_args, replan, shutdown_args
 from tessel.train.fault.preempt import ControlDir, Stopped, StopRequest
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -109,7 +109,7 @@ def ranks_per_node(cfg: Config, opts: LaunchOptions) -> int:
     """Ranks this launch starts on each node; a count the layout cannot take is refused here.
 
     With --nproc-per-node or an elastic --nnodes range the ranks re-plan dp for the world they
-    find (runtime.elastic; tessel.train.fault.elastic); here the smallest world is checked."""
+    find (runtime.elastic; tessel.elastic.dp_only); here the smallest world is checked."""
     low, _ = opts.node_range
     world = cfg.parallel.world_size
     nproc = opts.nproc or cfg.runtime.nproc_per_node or world // low
@@ -216,7 +216,7 @@ def preflight(cfg: Config, opts: LaunchOptions) -> Preflight:
 # ---- the launcher --------------------------------------------------------------------------------
 def torchrun_command(cfg: Config, opts: LaunchOptions, nproc: int, rank_args: list[str]) -> list[str]:
     """`python -m torch.distributed.run` with one process per rank: standalone on one node, c10d
-    rendezvous on TESSEL_RDZV_ENDPOINT for many nodes or an elastic range (tessel.train.fault.elastic)."""
+    rendezvous on TESSEL_RDZV_ENDPOINT for many nodes or an elastic range (tessel.elastic.dp_only)."""
     low, high = opts.node_range
     if low == high == 1 and not opts.nnodes:
         rdzv = ["--standalone", "--nnodes=1"]
@@ -318,7 +318,7 @@ def run_rank(cfg: Config, control: ControlDir | None = None, run_id: str | None 
 
 
 def _rank_now(rank: int) -> int:
-    """This rank's number now: an eviction renumbers the ranks that stay (tessel.adaptive.regroup)."""
+    """This rank's number now: an eviction renumbers the ranks that stay (tessel.elastic.adaptive.regroup)."""
     import torch.distributed as dist  # deferred: loaded by the run already
     return dist.get_rank() if dist.is_initialized() else rank
 
@@ -343,9 +343,9 @@ def _fatal(err: Exception, rank: int, control: ControlDir | None) -> int:
 
 
 def train_rank(cfg: Config, run_id: str | None = None, stop: StopRequest | None = None):
-    from tessel.adaptive import run_layouts  # deferred: loads torch and every strategy
+    from tessel.elastic.adaptive import run_layouts  # deferred: loads torch and every strategy
     from tessel.runtime import init_distributed  # deferred: loads torch
-    from tessel.train.ps_trainer import train_rank_ps  # deferred: loads torch and the trainer
+    from tessel.train.ps.trainer import train_rank_ps  # deferred: loads torch and the trainer
 
     r = cfg.runtime
     if stop is not None:  # the ranks stop after their step on SIGINT, SIGTERM, SIGHUP

@@ -6,11 +6,11 @@ Glm4MoeLiteAttention inherit DeepSeek-V3's. Some families' base_model_tp_plan na
 (DeepSeek-V3's names only its MLPs and experts) where the family it comes from splits it (DeepSeek-V2's plan:
 q_proj, q_b_proj and kv_b_proj by heads, kv_a_proj_with_mqa whole, o_proj by rows). For a module its own
 family's plan is silent on, tessel takes the entries of the nearest ancestor family's plan at the same place
-(the same key under the base model), read from the modular source transformers ships. tessel.hf_layout then
+(the same key under the base model), read from the modular source transformers ships. tessel.hf.layout then
 checks them on this model's modules as it checks the model's own entries (a linear layer for every split,
 every weight placed), and the parity sweep checks the forward that runs them.
 
-Duck-typed like tessel.hf_layout: classes and their source, no torch import of its own.
+Duck-typed like tessel.hf.layout: classes and their source, no torch import of its own.
 """
 
 from __future__ import annotations

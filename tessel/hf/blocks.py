@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessel.hf_shape import HFConfigError
+from tessel.hf.shape import HFConfigError
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ KNOWN: dict[str, Traits] = {
                                 "gemma", "helium", "internlm3", "ministral3", "smollm3", "vaultgemma", "phi3",
                                 "ernie4_5", "iquestcoder", "youtu", "glm4_moe",
                                 "deepseek_v2", "deepseek_v3", "minicpm3",  # these three: latent attention
-                                # experts under other names (tessel.hf_blocks.EXPERTS, SHARED_EXPERTS, TOP_K)
+                                # experts under other names (tessel.hf.blocks.EXPERTS, SHARED_EXPERTS, TOP_K)
                                 "aria_text", "glm4_moe_lite")},
     **{kind: QK_HEAD for kind in ("qwen3", "qwen3_moe", "exaone4")},
     **{kind: QK_WIDTH for kind in ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2")},
@@ -167,7 +167,7 @@ class Attention:
     @property
     def tp_whole_params(self) -> int:
         """What every tp rank holds whole: a latent attention's low-rank down projections (side "") and its norms
-        and biases (tessel.hf_layout runs them before the split by heads, on every rank)."""
+        and biases (tessel.hf.layout runs them before the split by heads, on every rank)."""
         return sum(i * o for i, o, side in self.projections if not side) + (self.vectors if self.latent else 0)
 
     def gemms(self, tp: int) -> tuple[tuple[int, int], ...]:

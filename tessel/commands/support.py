@@ -29,8 +29,8 @@ from pathlib import Path
 
 from tessel.config import build_config
 from tessel.errors import ConfigError
-from tessel.hf_blocks import KNOWN, read_model
-from tessel.hf_shape import HFConfigError
+from tessel.hf.blocks import KNOWN, read_model
+from tessel.hf.shape import HFConfigError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # config classes only, never the network
 
@@ -87,7 +87,7 @@ class Cell:
 class Row:
     model_type: str
     cells: dict[str, Cell]  # axis -> cell
-    planner: str  # "exact": tessel.hf_blocks counts it as transformers builds it; "estimate": Llama-like
+    planner: str  # "exact": tessel.hf.blocks counts it as transformers builds it; "estimate": Llama-like
 
 
 def families() -> list[str]:
@@ -247,7 +247,7 @@ def markdown(rows: list[Row]) -> str:
         "- **n/a**: expert parallelism of a dense family.",
         "",
         "The planner column: `exact` where `tessel plan` counts the family's parameters and FLOPs as transformers "
-        "builds it (tessel/hf_blocks.py, checked against the model on the meta device), `estimate` where it "
+        "builds it (tessel/hf/blocks.py, checked against the model on the meta device), `estimate` where it "
         "reads it as a Llama-like decoder.",
         "",
         "## Summary",

@@ -1,9 +1,9 @@
 """A rank's run across layouts: the world it starts in, and the layouts a slow rank makes it change to.
 
-`run_layouts` is what each rank of `tessel train` runs (tessel.launch.train_rank):
+`run_layouts` is what each rank of `tessel train` runs (tessel.commands.launch.train_rank):
 
     cfg for this world      an elastic world other than the recipe's is re-planned (fault.replan:
-                            dp-only, or full: tessel.replan), falling back to full where dp-only cannot
+                            dp-only, or full: tessel.elastic.replan), falling back to full where dp-only cannot
     shares for the devices  dp_split / pp_balance "speed" (tessel.calibrate.speeds)
     mesh, model, runner     tessel.apply's steps (TP/SP -> CP -> EP -> PP -> fused loss -> recompute -> compile ->
                             DP/ZeRO), then Trainer.fit
@@ -37,7 +37,7 @@ from tessel.models.build import build_model
 from tessel.models.emulated import emulate_device
 from tessel.parallel.tensor_nd.apply import describe_mode
 from tessel.runtime import job_store, make_deterministic
-from tessel.train.fault.elastic import Replanned, replan_for_world
+from tessel.elastic.dp_only import Replanned, replan_for_world
 from tessel.train.fault.preempt import StopRequest
 from tessel.train.fault.slow import Relayout, world_nodes
 from tessel.train.trainer import Summary, Trainer
@@ -123,7 +123,7 @@ def relayout(cfg: Config, device: torch.device, run_id: str | None) -> tuple[Con
             if rank == 0:
                 print(f"[tessel replan] dp-only cannot continue on {world} ranks ({err}): re-planning the whole "
                       "layout", flush=True)
-    from tessel.replan import full_replan  # deferred: loads the probe, the profiler and the planner
+    from tessel.elastic.replan import full_replan  # deferred: loads the probe, the profiler and the planner
     new, report = full_replan(cfg, device, run_id)
     if rank == 0:
         print("\n".join(report.lines()), flush=True)

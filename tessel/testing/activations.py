@@ -46,7 +46,7 @@ def step_peak(cfg: Config) -> int:
 
 def planned_peak(cfg: Config) -> float:
     """The cost model's activation bytes per rank for cfg's layout (its worst pipeline stage); the A100 preset,
-    as tessel.calibrate.dryrun.planned uses: the term depends on the model and layout, not on the device."""
+    as tessel.testing.dryrun.planned uses: the term depends on the model and layout, not on the device."""
     p, t = cfg.parallel, cfg.train
     spec = from_config(cfg.model, t.seq_len, t.global_batch)
     model = CostModel(spec, get_cluster("a100", p.world_size), t.precision, bucket_mb=p.bucket_mb,

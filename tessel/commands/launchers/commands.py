@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 
 from tessel.config import load_config, output_file
-from tessel.launchers import k8s as k8s_job
-from tessel.launchers import slurm as slurm_job
-from tessel.launchers.job import check_inputs, check_job
+from tessel.commands.launchers import k8s as k8s_job
+from tessel.commands.launchers import slurm as slurm_job
+from tessel.commands.launchers.job import check_inputs, check_job
 
 
 def slurm(recipe: str, overrides: list[str], nodes: int, gpus: int | None, procs: int | None, grace_s: int,

@@ -7,7 +7,7 @@ up the difference, so each rank's micro-batch stays as it was where it can.
 Because the BatchSampler's batch for a step depends on the step alone, the
 run continues on the same trajectory (up to the summation order of the
 gradient reduction). fault.replan = "full" chooses the whole layout again
-instead (tessel.replan); both print the same report (Replanned): the layout
+instead (tessel.elastic.replan); both print the same report (Replanned): the layout
 before and after, the step time the previous attempt measured, the one the
 planner predicts, and, once the new layout has run a few steps, its own.
 """

@@ -22,7 +22,7 @@ meta device (no memory, no weights) and read:
   those of its own chunks).
 
 transformers loads torch on import: tessel.config calls this only for a recipe naming model.hf_config with
-cp > 1, after transformers' own verdict on the config (tessel.hf_check), and caches it per config.
+cp > 1, after transformers' own verdict on the config (tessel.hf.check), and caches it per config.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import json
 import textwrap
 import warnings
 
-from tessel.hf_layout import cached_meta_model
+from tessel.hf.layout import cached_meta_model
 
 # keywords an attention module may hand the interface that tessel's function applies or that are None in
 # training (packed-sequence lengths, which tessel never passes); `dropout` is refused by the config's value

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tessel.config import ConfigError, ModelConfig
-from tessel.hf_shape import HFConfigError, config_file, model_shape, read_config
+from tessel.hf.shape import HFConfigError, config_file, model_shape, read_config
 from tessel.models.build import build_model, naming
 from tessel.models.hf.convert import NotConvertible, gpt_to_llama, llama_config
 from tessel.models.weights import WeightsError, match, write_weights

@@ -9,12 +9,12 @@ from typing import List, NoReturn, Optional
 
 import typer
 
-from tessel import launch
+from tessel.commands import launch
 from tessel.config import Config, ConfigError, load_config
-from tessel.combinations import combinations_markdown
-from tessel.config_doc import config_markdown
+from tessel.commands.combinations import combinations_markdown
+from tessel.commands.config_doc import config_markdown
 from tessel.planner.layout import ALIASES, KEY_HELP
-from tessel.supervise import Supervisor
+from tessel.commands.supervise import Supervisor
 from tessel.train.fault.preempt import ControlDir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -113,7 +113,7 @@ def plan(
                                  "and SHARP: what each gains, and the layout each chooses"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
-    from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
+    from tessel.commands import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         fixed = commands.check_plan_args(top, out, tokens, fix, layout, network, cluster)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -137,7 +137,7 @@ def simulate(
                                            "at these tp group sizes (8,64,512): each mode's best layout, simulated"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
-    from tessel import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
+    from tessel.commands import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
     try:
         commands.check_simulate_args(trace, png)
         sizes = commands.check_tp_modes_arg(tp_modes, layout)
@@ -175,7 +175,7 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty --out folder"),
 ) -> None:
     """Export a checkpoint's model: a Hugging Face model under its own names, the reference GPT as a Llama."""
-    from tessel.export import check_export, export_hf  # deferred: loads torch and the checkpoint reader
+    from tessel.commands.export import check_export, export_hf  # deferred: loads torch and the checkpoint reader
     try:
         job = check_export(checkpoint, fmt, out, config, dtype, shard_mb, overwrite)
     except ConfigError as err:
@@ -196,7 +196,7 @@ def support(
     if strategies:
         _write_or_print(combinations_markdown(), out)
         return
-    from tessel.support import support_markdown  # deferred: loads transformers' config classes
+    from tessel.commands.support import support_markdown  # deferred: loads transformers' config classes
     _write_or_print(support_markdown(), out)
 
 
@@ -279,8 +279,8 @@ def launch_slurm(
     submit: bool = typer.Option(False, "--submit", help="submit it with sbatch"),
 ) -> None:
     """Write an sbatch script: one torchrun per node, c10d rendezvous, requeue with --resume auto."""
-    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
-    from tessel.launchers.slurm import SlurmOptions  # deferred: as above
+    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.commands.launchers.slurm import SlurmOptions  # deferred: as above
     opts = SlurmOptions(job_name, partition, time, account, cpus_per_task, port, not no_requeue, list(sbatch_arg))
     try:
         launch_commands.slurm(recipe, set_, nodes, gpus, procs, grace, opts, out, submit)
@@ -305,7 +305,7 @@ def launch_k8s(
     out: Optional[str] = typer.Option(None, "--out", help="the YAML to write (default: print it)"),
 ) -> None:
     """Write a Kubeflow PyTorchJob (with its recipe ConfigMap and checkpoint volume): one torchrun per pod."""
-    from tessel.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
     try:
         launch_commands.k8s(recipe, set_, nodes, gpus, procs, grace, not no_requeue,
                             launch_commands.K8sOptions(image, name, namespace, storage, storage_class, pvc,
@@ -320,7 +320,7 @@ app.add_typer(bench_app, name="bench")
 
 def _standalone(nproc: int) -> int:
     """Re-run this command under torchrun on `nproc` local ranks, supervised like `tessel train`:
-    a signal stops every rank and nothing outlives the command (tessel.supervise)."""
+    a signal stops every rank and nothing outlives the command (tessel.commands.supervise)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", "-m", "tessel", *sys.argv[1:]]

@@ -1,14 +1,14 @@
 """Whether a tp grid (2D, 2.5D, 3D) can place a Hugging Face model: read from the model its own plan builds.
 
 The grid places a family from the rules 1D tensor parallelism derives from transformers' base_model_tp_plan
-(tessel.hf_layout, without the family's notes: the plan's own gathered fused projections), each style mapped to
+(tessel.hf.layout, without the family's notes: the plan's own gathered fused projections), each style mapped to
 a grid layer (tessel.parallel.tensor_nd.apply): a row or column split becomes the grid's linear layer, the
 embedding and head the grid's, a norm the grid's RMSNorm or the module run whole over the hidden split, a
 gathered region or a per-head module the module itself (tessel.parallel.tensor_nd.whole). So the model is built
 on the meta device (the one the tp, pp, ep and cp checks read) and refused, naming the module and the dimension,
 where the grid's shapes cannot hold it:
 
-- what 1D cannot place, the grid cannot either (tessel.hf_layout.tp_problem);
+- what 1D cannot place, the grid cannot either (tessel.hf.layout.tp_problem);
 - an MoE block is computed whole on every rank of the grid, on the whole micro-batch, as 1D computes it on
   every tp rank (its experts are not split over ep under a grid: tessel.config refuses ep > 1 there);
 - a layer the plan splits must be a torch Linear ([out, in]; GPT-2's Conv1D is not), its input and output
@@ -27,7 +27,7 @@ import fnmatch
 import functools
 import json
 
-from tessel.hf_layout import PlanNotes, cached_meta_model, rules_from_plan, tp_cut, tp_problem
+from tessel.hf.layout import PlanNotes, cached_meta_model, rules_from_plan, tp_cut, tp_problem
 
 
 def hf_grid_refusal(doc: dict, mode: str, side: int) -> str | None:
@@ -59,7 +59,7 @@ def _embedding_problem(model, name: str) -> str | None:
 
 def _whole_linear_problem(model, rules) -> str | None:
     """A projection 1D runs whole on every rank before its region's split by heads (multi-head latent attention's
-    down projections: tessel.hf_layout's sum_grads on a Linear): the grid's residual stream is split in hidden
+    down projections: tessel.hf.layout's sum_grads on a Linear): the grid's residual stream is split in hidden
     chunks, and the grid has no layer that runs a projection whole on the gathered stream."""
     whole = [p for p, style in rules.linear if style == "sum_grads"]
     for name, module in model.named_modules():

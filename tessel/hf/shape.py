@@ -10,7 +10,7 @@ families' configuration classes use where a key is absent
 
 FAMILIES names the architectures of tessel's table (tessel.models.hf.families),
 checked here without building anything; another whose config declares plans
-is placed on tp and pp by the derivation from those plans (tessel.hf_layout,
+is placed on tp and pp by the derivation from those plans (tessel.hf.layout,
 which the checks run on the model built on the meta device), and any causal LM
 trains under data parallelism, ZeRO and recompute.
 """

@@ -288,7 +288,7 @@ def cleanup_stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m tessel.calibrate.emulator [--nodes 2] [--nproc-per-node 2] [--rate 1gbit] -- <torchrun args>"""
+    """python -m tessel.testing.emulator [--nodes 2] [--nproc-per-node 2] [--rate 1gbit] -- <torchrun args>"""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--nproc-per-node", type=int, default=2)
