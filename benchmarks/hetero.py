@@ -83,7 +83,7 @@ def recipe(args, name: str, by_speed: bool) -> Config:
 
 
 def _trainer(cfg: Config) -> tuple[Trainer, EmulatedDevice]:
-    """What `tessel train` builds on each rank (tessel.commands.launch.train_rank), the blocks on emulated devices."""
+    """What `tessel train` builds on each rank (tessel.elastic.rank.train_rank), the blocks on emulated devices."""
     rank, world = dist.get_rank(), dist.get_world_size()
     flops = emulated_flops(cfg, rank, world)
     cfg = resolve(cfg, torch.device("cpu"), flops)

@@ -129,7 +129,7 @@ def _steps(configs: list[Config], steps: int, warmup: int) -> list[list[float]]:
 
 
 def _emulated(cfg: Config):
-    """(mesh, runner) as `tessel train` builds them (tessel.commands.launch.train_rank), blocks on emulated devices."""
+    """(mesh, runner) as `tessel train` builds them (tessel.elastic.rank.train_rank), blocks on emulated devices."""
     p = cfg.parallel
     mesh = make_mesh(p.axis_sizes, order=p.rank_order)
     torch.manual_seed(cfg.train.seed)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tessel.config import build_config
-from tessel.commands.launch import check_devices, rank_environment
+from tessel.commands.launch import check_devices
+from tessel.elastic.rank import rank_environment
 from tessel.runtime import ALLOC_CONF_VARS, auto_uses_cuda, make_deterministic, pick_device
 from tessel.spawn import rank_env
 

@@ -10,11 +10,12 @@ from typing import List, NoReturn, Optional
 import typer
 
 from tessel.commands import launch
-from tessel.config import Config, ConfigError, load_config
 from tessel.commands.combinations import combinations_markdown
 from tessel.commands.config_doc import config_markdown
-from tessel.planner.layout import ALIASES, KEY_HELP
 from tessel.commands.supervise import Supervisor
+from tessel.config import Config, ConfigError, load_config
+from tessel.elastic.rank import run_rank
+from tessel.planner.layout import ALIASES, KEY_HELP
 from tessel.train.fault.preempt import ControlDir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -63,7 +64,7 @@ def train(
     try:
         cfg = load_config(recipe, set_)
         if launch.under_torchrun():  # started by the user's torchrun: this process is a rank
-            launch.run_rank(launch.with_resume(cfg, resume), overwrite=overwrite)  # does not return
+            run_rank(launch.with_resume(cfg, resume), overwrite=overwrite)  # does not return
         checked = launch.preflight(cfg, opts)
         code = launch.launch(checked, opts)
     except ConfigError as err:
@@ -75,7 +76,7 @@ def train(
 def rank_entry(config: str = typer.Argument(..., help="the validated config the launcher wrote")) -> None:
     """One rank of a launched run (tessel train starts these through torchrun)."""
     cfg = Config.model_validate_json(Path(config).read_text())
-    launch.run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
+    run_rank(cfg, ControlDir(Path(config).parent), os.environ.get("TESSEL_RUN_ID"))
 
 
 _PLAN_OPTS = dict(

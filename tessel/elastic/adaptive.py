@@ -1,6 +1,6 @@
 """A rank's run across layouts: the world it starts in, and the layouts a slow rank makes it change to.
 
-`run_layouts` is what each rank of `tessel train` runs (tessel.commands.launch.train_rank):
+`run_layouts` is what each rank of `tessel train` runs (tessel.elastic.rank.train_rank):
 
     cfg for this world      an elastic world other than the recipe's is re-planned (fault.replan:
                             dp-only, or full: tessel.elastic.replan), falling back to full where dp-only cannot

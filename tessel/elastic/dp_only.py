@@ -15,10 +15,8 @@ planner predicts, and, once the new layout has run a few steps, its own.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,26 +189,3 @@ def _measured_before(path: Path, step: int, last: int = 8) -> tuple[float | None
     if not steps:
         return None, None
     return statistics.median(by_step[s] for s in steps), (steps[0], steps[-1])
-
-
-def shutdown_args(grace_s: int) -> list[str]:
-    """torchrun's wait between forwarding a stop signal to the ranks and killing them: the grace a
-    signalled run gets to finish its step and save. torch 2.13's torchrun has the flag, 2.11's refuses
-    it (a GPU machine's own torch build may be older than this project's pin), so it is passed only where
-    torchrun takes it; an older one keeps its own default, and tessel's supervisor still waits the whole
-    grace before it kills."""
-    from torch.distributed.run import get_args_parser  # deferred: loads torch
-    flag = f"--shutdown-timeout={grace_s}"
-    _, unknown = get_args_parser().parse_known_args([flag, "script.py"])
-    return [] if unknown else [flag]
-
-
-def rendezvous_args(nnodes: str) -> list[str]:
-    """torchrun arguments for an elastic node range. One machine by default; TESSEL_RDZV_ENDPOINT
-    (host:port, the same on every node) and TESSEL_RDZV_ID join several machines."""
-    from tessel.spawn import free_port  # deferred: loads torch; the launcher imports this module before torch
-    endpoint = os.environ.get("TESSEL_RDZV_ENDPOINT") or f"localhost:{free_port()}"
-    run_id = os.environ.get("TESSEL_RDZV_ID") or uuid.uuid4().hex[:12]
-    # once MIN nodes are in, wait only briefly for more before starting
-    return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            "--rdzv-conf=last_call_timeout=5"]

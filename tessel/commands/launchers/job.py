@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tessel.config import Config, ConfigError, at_least, check_layout, to_toml
 from tessel.observe.trackers import check_installed
-from tessel.elastic.dp_only import shutdown_args
+from tessel.commands.launch import shutdown_args
 
 
 @dataclass

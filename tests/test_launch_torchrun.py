@@ -1,4 +1,4 @@
-"""tessel.elastic.dp_only: the torchrun arguments that carry a run's grace period."""
+"""tessel.commands.launch: the torchrun arguments that carry a run's grace period."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import torch.distributed.run as torchrun
 
-from tessel.elastic.dp_only import shutdown_args
+from tessel.commands.launch import shutdown_args
 
 
 def _parser(*flags: str):
