@@ -37,7 +37,8 @@ def _store_client(timeout_s: float):
     """A connection of our own to the job's store (the threads must not share the trainer's); None outside a job."""
     if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         return None
-    regroup = os.environ.get("TESSEL_REGROUP", "0")  # the ranks left after an eviction (tessel.elastic.adaptive.regroup)
+    # the ranks left after an eviction (tessel.elastic.adaptive.regroup)
+    regroup = os.environ.get("TESSEL_REGROUP", "0")
     return dist.PrefixStore(f"tessel-hb/{regroup}/", job_store(timeout_s))
 
 

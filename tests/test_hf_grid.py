@@ -41,7 +41,8 @@ def test_what_the_grid_cannot_hold_is_named():
 
 
 def test_tessel_train_refuses_with_the_rule_in_one_line(tmp_path):
-    """The recipe check (tessel.config.tp_grid_refusal) and the support matrix (tessel.commands.support.refusal) give it."""
+    """The recipe check (tessel.config.tp_grid_refusal) and the support matrix (tessel.commands.support.refusal)
+    give it."""
     paths = {}
     for kind in ("gpt_neox", "qwen3_moe"):
         paths[kind] = tmp_path / f"{kind}.json"

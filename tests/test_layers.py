@@ -4,7 +4,8 @@
    parallel; the planner imports neither torch nor the trainer, the CLI or calibrate; parallel
    never imports train; comm imports no strategy; the commands on top (only tessel.__main__
    imports them), elastic training above train (only the commands import it), tessel.testing
-   imported by nothing in tessel; no import cycles (between the packages and modules of every folder). Imports inside functions count: deferring one hides nothing.
+   imported by nothing in tessel; no import cycles (between the packages and modules of every
+   folder). Imports inside functions count: deferring one hides nothing.
 2. What the static graph cannot see, checked in a fresh interpreter: importing a module also
    runs its packages' __init__ files, so the planner and the CLI's first imports are loaded for
    real and the modules they pull in are listed.

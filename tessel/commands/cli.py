@@ -114,7 +114,7 @@ def plan(
                                  "and SHARP: what each gains, and the layout each chooses"),
 ) -> None:
     """Choose the parallel layout from the cost model: rank every layout that fits, explain the winner."""
-    from tessel.commands import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
+    from tessel.commands import planning as commands  # deferred: the cost model and rich (`tessel train` needs neither)
     try:
         fixed = commands.check_plan_args(top, out, tokens, fix, layout, network, cluster)
         prob = commands.resolve(recipe, set_, cluster, world, model, global_batch, precision, layout,
@@ -138,7 +138,7 @@ def simulate(
                                            "at these tp group sizes (8,64,512): each mode's best layout, simulated"),
 ) -> None:
     """Simulate one step of a plan (the best one, or --layout) event by event; write a trace and a timeline."""
-    from tessel.commands import planning as commands  # deferred: the cost model and rich, which `tessel train` never needs
+    from tessel.commands import planning as commands  # deferred: the cost model and rich (`tessel train` needs neither)
     try:
         commands.check_simulate_args(trace, png)
         sizes = commands.check_tp_modes_arg(tp_modes, layout)
@@ -280,7 +280,7 @@ def launch_slurm(
     submit: bool = typer.Option(False, "--submit", help="submit it with sbatch"),
 ) -> None:
     """Write an sbatch script: one torchrun per node, c10d rendezvous, requeue with --resume auto."""
-    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml (`tessel train` never needs it)
     from tessel.commands.launchers.slurm import SlurmOptions  # deferred: as above
     opts = SlurmOptions(job_name, partition, time, account, cpus_per_task, port, not no_requeue, list(sbatch_arg))
     try:
@@ -306,7 +306,7 @@ def launch_k8s(
     out: Optional[str] = typer.Option(None, "--out", help="the YAML to write (default: print it)"),
 ) -> None:
     """Write a Kubeflow PyTorchJob (with its recipe ConfigMap and checkpoint volume): one torchrun per pod."""
-    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml, which `tessel train` never needs
+    from tessel.commands.launchers import commands as launch_commands  # deferred: yaml (`tessel train` never needs it)
     try:
         launch_commands.k8s(recipe, set_, nodes, gpus, procs, grace, not no_requeue,
                             launch_commands.K8sOptions(image, name, namespace, storage, storage_class, pvc,

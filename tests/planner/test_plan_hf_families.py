@@ -38,7 +38,8 @@ def _recipe(tmp_path, config, **train) -> dict:
 
 
 def _search(recipe: dict, world: int, **fixed):
-    """What `tessel plan` prices for the recipe on `world` A100s (tessel.commands.planning.plan's search, its filter)."""
+    """What `tessel plan` prices for the recipe on `world` A100s (tessel.commands.planning.plan's search, its
+    filter)."""
     base = build_config(recipe)
     spec = from_config(base.model, base.train.seq_len, base.train.global_batch)
     cm = CostModel(spec, get_cluster("a100", world), base.train.precision)
