@@ -74,7 +74,7 @@ WITHOUT_PLAN = ("gpt2",)  # families tessel splits from its own rules (tessel.mo
 # The parity sweep's record (tests/hf_matrix/sweep.py, `make hf-matrix`): per cell, the largest loss and weight
 # differences against the unmodified transformers model and pass/fail, with the versions it ran under. A cell the
 # rules accept is "trains" only where this record says it passed under the installed transformers.
-PARITY_RECORD = Path(__file__).resolve().parents[1] / "docs" / "support_parity.json"
+PARITY_RECORD = Path(__file__).resolve().parents[2] / "docs" / "support_parity.json"
 
 
 @dataclass(frozen=True)
