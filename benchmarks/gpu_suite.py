@@ -135,7 +135,7 @@ def tessel_step(cfg, device):
 def plain_step(cfg, device, backend: str):
     """The loop a user writes: torch.compile(model), the loss on its logits, fused AdamW (foreach on a CPU)."""
     from tessel.models.gpt import GPT, cross_entropy
-    from tessel.train.optim import param_groups
+    from tessel.parallel.weight_decay import param_groups
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
     compiled = torch.compile(model, backend=backend)

@@ -43,7 +43,7 @@ from tessel.mesh import make_mesh
 from tessel.models.gpt import GPT, cross_entropy
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.spawn import spawn
-from tessel.train.optim import param_groups
+from tessel.parallel.weight_decay import param_groups
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 

@@ -42,6 +42,7 @@ from tessel.observe.attention import check_attention
 from tessel.parallel.adamw import adamw
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.parallel.runner import Runner
+from tessel.parallel.weight_decay import param_groups
 from tessel.apply import parallelize as apply_layout
 from tessel.planner.layout import Layout, parse_fix, parse_layout
 from tessel.sharding import block_sizes, packed_dims
@@ -51,7 +52,7 @@ from tessel.train.checkpoint.optimizer_state import OptimizerState, OwnState, Pe
 from tessel.train.checkpoint.tensors import LocalTensors
 from tessel.train.data import cache_dir
 from tessel.train.mesh_cohort import mean_over
-from tessel.train.optim import optimizer_params, param_groups
+from tessel.train.optim import optimizer_params
 
 LayoutSpec = str | dict | Layout | None
 
@@ -218,7 +219,7 @@ class ParallelJob:
         if own is None:
             self._optimizer = adamw(param_groups(self.parameters(), weight_decay), lr=lr, betas=betas, eps=eps)
             return self._optimizer
-        decayed, plain = own.param_groups  # tessel.train.optim.param_groups' order: matrices, then the rest
+        decayed, plain = own.param_groups  # tessel.parallel.weight_decay.param_groups' order: matrices, then the rest
         for group, decay in ((decayed, weight_decay), (plain, 0.0)):
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=decay)
         self._optimizer = own

@@ -12,7 +12,8 @@ from tessel.config import TrainConfig
 from tessel.mesh import make_mesh
 from tessel.parallel import adamw as kernels
 from tessel.parallel.zero.zero_parallel import zero_parallel
-from tessel.train.optim import build_optimizer, param_groups
+from tessel.parallel.weight_decay import param_groups
+from tessel.train.optim import build_optimizer
 
 SHAPES = [(33, 17), (5,), (64, 64), (1,)]
 

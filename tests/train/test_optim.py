@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 
 from tessel.config import TrainConfig
-from tessel.train.optim import build_optimizer, build_scheduler, lr_at, optimizer_params, param_groups
+from tessel.parallel.weight_decay import param_groups
+from tessel.train.optim import build_optimizer, build_scheduler, lr_at, optimizer_params
 
 
 def _net() -> nn.Module:

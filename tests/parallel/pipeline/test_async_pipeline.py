@@ -26,7 +26,8 @@ from tessel.parallel.pipeline.partition import split_model, uniform_layout
 from tessel.parallel.pipeline.schedules import max_in_flight, simulate
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
-from tessel.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
+from tessel.parallel.weight_decay import param_groups
+from tessel.train.optim import build_optimizer, build_scheduler, lr_at
 from tessel.train.trainer import Trainer
 from tests.helpers import tiny_config
 

@@ -16,7 +16,7 @@ from tessel.parallel.zero.optim import ZeroAdamW
 from tessel.parallel.zero.parameters import GatheredParameters, WholeParameters
 from tessel.parallel.zero.pipeline import pipeline_zero3
 from tessel.parallel.zero.zero_parallel import zero_parallel
-from tessel.train.optim import param_groups
+from tessel.parallel.weight_decay import param_groups
 
 
 class Stack(nn.Module):

@@ -15,7 +15,7 @@ from tessel.parallel.zero.memory import state_bytes
 from tessel.parallel.zero.zero_parallel import zero_parallel
 from tessel.sharding import mark_sharded
 from tessel.spawn import spawn
-from tessel.train.optim import param_groups
+from tessel.parallel.weight_decay import param_groups
 from tests.helpers import build_trainer, tiny_config
 
 # 5 steps, two accumulation micro-steps (no_sync), tiny buckets so that several
