@@ -16,7 +16,7 @@ read here off their config keys, as transformers' modeling_<type>.py builds them
 - norms per block (Gemma 2's four, OLMo 2's two after, Phi's and Cohere's one), RMSNorm or LayerNorm, a tied
   or untied head (with Phi's bias) and learned positions (GPT-2).
 
-KNOWN names the model types whose counts tests/test_hf_blocks.py checks against transformers' own model
+KNOWN names the model types whose counts tests/hf/test_hf_blocks.py checks against transformers' own model
 built on the meta device; another type is read as a Llama-like decoder with whatever of the keys above its
 config has, an estimate (`ModelBlocks.exact` says which).
 """
@@ -70,7 +70,7 @@ KNOWN: dict[str, Traits] = {
     "gpt2": Traits(gated=False, norm=2, qkv_bias=True, out_bias=True, mlp_bias=True, positions="n_positions"),
 }
 # What a key means when a config.json leaves it out: the family's config class's default
-# (transformers/models/<type>/configuration_<type>.py) where it differs from GENERIC's; tests/test_hf_blocks.py
+# (transformers/models/<type>/configuration_<type>.py) where it differs from GENERIC's; tests/hf/test_hf_blocks.py
 # checks both against the classes. head_dim: where the class fixes it (else heads divide hidden_size).
 GENERIC = {"tie_word_embeddings": False, "attention_bias": False, "qkv_bias": False, "use_bias": False,
            "attention_out_bias": False, "mlp_bias": False, "decoder_sparse_step": 1, "first_k_dense_replace": 0,

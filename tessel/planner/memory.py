@@ -107,7 +107,7 @@ def zero_state_bytes(params: float, stage: int, group: int, param_bytes: int = 4
     are their own masters: 4 + 4 + 8/N (Adam's two moments).
 
     What tessel's runtime holds beyond that (tessel.parallel.zero.zero_parallel's table, checked
-    against the real model by tests/calibrate/test_dryrun.py):
+    against the real model by tests/testing/test_dryrun.py):
     "fp32_grads": its optimizer reads an fp32 gradient of the owned shard
     (tessel.parallel.zero.gradients): a view of the reduced buffer when that is fp32, a copy
     otherwise (stage 1: + 4/N); stages 2, 3 keep the reduced shard in fp32 (+ 2/N over the

@@ -8,7 +8,7 @@ plan's `--out` recipe trains exactly the model that was priced; a Hugging Face m
 its config as transformers builds them (tessel.hf.blocks: GPT-2's two-matrix GELU MLP and learned positions,
 biases, q/k norms, fused projections, multi-head latent attention, shared experts and first dense layers),
 so parameter counts equal the built model's (tests/planner/test_model_spec_hf.py,
-tests/test_hf_blocks.py). GPT-3 sizes follow Brown et al. 2020, Table 2.1 (layers, d_model, heads, batch
+tests/hf/test_hf_blocks.py). GPT-3 sizes follow Brown et al. 2020, Table 2.1 (layers, d_model, heads, batch
 in tokens, 2048-token context); the SwiGLU width ~8/3 d_model keeps the 8 d^2 MLP parameters of GPT-3's 4x
 GELU MLP. The vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128).
 """

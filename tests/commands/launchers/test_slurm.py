@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import cli_env, write_recipe
-from tests.launchers.local_slurm import LocalSlurm, why_not
+from tests.commands.launchers.local_slurm import LocalSlurm, why_not
 
 STEPS = 300  # short steps: each interruption lands mid-run
 

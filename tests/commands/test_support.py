@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from tessel.commands.cli import app
 from tessel.commands.support import Cell, accepted_cell, parity_record
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_support_md_is_what_tessel_support_writes(tmp_path):

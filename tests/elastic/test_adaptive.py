@@ -14,7 +14,7 @@ from tessel.spawn import spawn
 from tessel.train.fault.slow import evicted_with
 from tests.helpers import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _regroup_twice() -> dict:

@@ -14,7 +14,7 @@ import pytest
 from tessel.testing.emulator import Emulator, require_root
 from tests.helpers import cli_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def readme_lines() -> list[str]:

@@ -1,4 +1,4 @@
-"""`tessel launch k8s`: the manifest passes the PyTorchJob and core/v1 schema (tests/launchers/k8s_schema.py),
+"""`tessel launch k8s`: the manifest passes the PyTorchJob and core/v1 schema (tests/commands/launchers/k8s_schema.py),
 its pods run the job's torchrun on the operator's rendezvous variables, and docs/cluster.md shows it as written."""
 
 import re
@@ -15,9 +15,9 @@ from tessel.config import build_config
 from tessel.commands.launchers.job import check_job
 from tessel.commands.launchers.k8s import manifest, to_yaml
 from tests.helpers import tiny_config
-from tests.launchers.k8s_schema import validate
+from tests.commands.launchers.k8s_schema import validate
 
-CLUSTER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
+CLUSTER_PAGE = Path(__file__).resolve().parents[3] / "docs" / "cluster.md"
 ROOT = CLUSTER_PAGE.parents[1]
 OPERATOR_ENV = {"MASTER_ADDR", "MASTER_PORT"}  # what the Training Operator sets in every pod (envvar.go)
 
