@@ -2,16 +2,16 @@
 
 Everything is per device and per optimizer step, for tessel's reference GPT (or a Hugging Face family's
 blocks, tessel.planner.model_spec). CostModel composes the strategies' pricers (tessel.planner.pricing:
-data, zero, tensor, tensor_nd, context, pipeline, expert, recompute), each of which prices what its
+data, zero, tensor, tensor_nd, context, pipeline, expert, recompute, trainer), each of which prices what its
 strategy adds; what they share (the model's sizes, a collective's price on a group, a block's compute) is
 tessel.planner.pricing.base.Pricing, which CostModel is. The hand-checkable pieces (collective times,
 activation bytes, in-flight micro-batches, ZeRO shards) are small functions with unit tests in
 tests/planner/test_cost.py.
 
 The estimate walks every pipeline stage's chunks: each chunk's compute (Pricing.chunk_compute) plus what
-recomputation runs again and the collectives the pricers issue inside it; the pipeline's flush over the
-stages; then the step's terms (the data-parallel traffic's exposed part, the optimizer's update, the
-trainer's bookkeeping).
+recomputation runs again and the collectives the pricers issue inside it; then the pricers' step terms
+(the pipeline's flush over the stages, the data-parallel traffic's exposed part, the optimizer's update,
+the trainer's bookkeeping).
 
 Links are shared: every collective and message also holds its device's NVLink or NIC for a while, and a
 step is never shorter than its busiest link's total (nor than its compute), however much of that traffic
@@ -42,9 +42,10 @@ from tessel.planner.pricing.pipeline import PipelinePricer, chunk_layers, peak_c
 from tessel.planner.pricing.recompute import RecomputePricer
 from tessel.planner.pricing.tensor import TensorPricer
 from tessel.planner.pricing.tensor_nd import GridPricer
+from tessel.planner.pricing.trainer import TrainerPricer
 from tessel.planner.pricing.zero import ZeroPricer
 from tessel.planner.schedule import device_chunks
-from tessel.planner.traffic import Call, bookkeeping_calls, merged, pp_calls, times, trainer_calls
+from tessel.planner.traffic import Call, merged, pp_calls, times, trainer_calls
 
 
 # ---- alpha-beta collectives (Thakur et al. 2005; NCCL's bus-bandwidth factors) ----
@@ -161,11 +162,11 @@ class CostModel(Pricing):
         super().__init__(spec, cluster, precision, calibration, bucket_mb, reduce_dtype, compiled, fused_loss)
         self.data, self.zero, self.pipeline = DataPricer(self), ZeroPricer(self), PipelinePricer(self)
         self.tensor, self.grid, self.expert = TensorPricer(self), GridPricer(self), ExpertPricer(self)
-        self.context = ContextPricer(self)
+        self.context, self.trainer = ContextPricer(self), TrainerPricer(self)
         self.recompute = RecomputePricer(self, self.tensor, self.grid, self.context)
         # the order a chunk's collectives and a step's terms are added in (floats: the order is the number)
         self.pricers: tuple[Pricer, ...] = (self.tensor, self.grid, self.expert, self.context, self.recompute,
-                                            self.pipeline, self.data, self.zero)
+                                            self.pipeline, self.data, self.zero, self.trainer)
 
     # -- one chunk, one stage ------------------------------------------------------------
     def chunk_comm(self, layout: Layout, chunk: Chunk) -> ChunkComm:
@@ -200,21 +201,20 @@ class CostModel(Pricing):
 
     # -- the whole step ----------------------------------------------------------------
     def estimate(self, layout: Layout) -> Estimate:
-        """The step under `layout`: the stages walked, the flush over them, the pricers' step terms added."""
+        """The step under `layout`: the stages walked, the pricers' step terms (the flush over the stages among
+        them) added."""
         tokens = local_tokens(layout.micro_batch * self.spec.seq_len, layout.cp)  # one rank's share of a micro-batch
         all_chunks = chunk_layers(self.spec.cfg.n_layer, layout.pp, layout.virtual_stages)
         message = self.pipeline.message(layout)
         walk = self._walk(layout, all_chunks, tokens, message)
         chunk_times, stage_busy, mems = walk.chunk_times, walk.stage_busy, walk.memory
         memory = max(mems.values(), key=lambda mm: mm["total"])
-        t_pipe = self.pipeline.flush(layout, chunk_times, stage_busy, message.seconds)
-        compute_busy = max(stage_busy) * layout.micro_batches
         steps = [t for p in self.pricers if (t := p.step(layout, chunk_times, memory)) is not None]
-        book, book_links = self._bookkeeping_time(layout)
+        t_pipe, book = sum(t.flush_s for t in steps), sum(t.overhead_s for t in steps)
+        compute_busy = max(stage_busy) * layout.micro_batches
         busy = walk.busy
         for t in steps:
             busy = busy + t.links
-        busy = busy + book_links
         fixed = sum(t.fixed_s for t in steps) + self.cal.step_overhead_s  # no communication overlaps these
         path = layout.grad_accum * t_pipe + sum(t.exposed_s for t in steps) + fixed + book
         # links are shared: everything a device sends or receives queues on its NVLink and its NIC
@@ -292,23 +292,6 @@ class CostModel(Pricing):
                         hw_flops, {"nvlink": busy.nvlink_s, "nic": busy.nic_s}, path, t_pipe, link_bound,
                         "formula", dp["mb_s"], dp["step_s"], dp["gather_mb_s"])
 
-    # -- the trainer's bookkeeping ---------------------------------------------------------
-    def _bookkeeping(self, layout: Layout, stage: int = 0) -> dict[str, list[Call]]:
-        c = self.spec.cfg
-        tied = 4 * c.vocab_size * c.d_model / layout.tp if c.tie_embeddings and layout.pp > 1 else 0.0
-        return bookkeeping_calls(layout.tp, layout.pp, layout.token_shards, layout.zero_stage, stage, tied)
-
-    def _bookkeeping_time(self, layout: Layout) -> tuple[float, Cost]:
-        """Per-step collectives of the trainer beyond the calibration's overhead (which holds the
-        world-wide ones, tessel.planner.traffic.trainer_calls): the gradient norm's partial sums,
-        the pipeline's loss message, its two metric all-reduces and its tied-embedding gradient."""
-        geo = self.groups(layout)
-        groups = {"tp": geo["tp"], "pp": geo["pp"], "dp": geo["dp"], "tied": replace(geo["pp"], n=2)}
-        total = NONE
-        for group, calls in self._bookkeeping(layout).items():
-            total = total + self.price_group(calls, groups[group])
-        return total.seconds, total
-
     # -- every call of a step, for the tests that record a real one --------------------------
     def step_calls(self, layout: Layout, stage: int = 0) -> dict[str, list[Call]]:
         """Every collective and message one rank of pipeline stage `stage` issues in one optimizer
@@ -329,7 +312,7 @@ class CostModel(Pricing):
             dense, expert = self.stage_params(layout, mine, all_chunks)
             per_mb, per_step = self.data.calls(layout, 4 * (dense + expert), mine, all_chunks)
             out["dp"] += times(per_mb, layout.chunks) + per_step
-        for calls in (self._bookkeeping(layout, stage), trainer_calls(layout.world, layout.token_shards)):
+        for calls in (self.trainer.calls(layout, stage), trainer_calls(layout.world, layout.token_shards)):
             for group, more in calls.items():
                 out[group] += more
         return {group: merged(calls) for group, calls in out.items() if calls}

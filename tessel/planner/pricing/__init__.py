@@ -8,13 +8,14 @@ busiest link). A pricer answers three questions, each with nothing where its str
   expert and context parallelism issue them between the layers);
 - `memory`: the bytes it puts on one rank of a pipeline stage, by term (parameters, gradients and optimizer
   state, activations, buffers, ...; the composer adds them in MEMORY_TERMS' order);
-- `step`: what it adds to the step beyond the chunks (exposed communication, time no communication
-  overlaps, the links it holds, the bytes it sends).
+- `step`: what it adds to the step beyond the chunks (the pipeline's flush, exposed communication, time
+  no communication overlaps, the trainer's bookkeeping, the links it holds, the bytes it sends).
 
 The modules: data (the gradients' traffic over dp x ep x cp), zero (sharded state, its buffers, the
 optimizer's update), tensor (Megatron 1D and sequence parallelism), tensor_nd (2D/2.5D/3D grids), context
 (ring and Ulysses), pipeline (stages, schedules, flushes, messages), expert (the all-to-alls), recompute
-(what a block keeps and runs again). tessel.planner.pricing.base holds what they share: the model's sizes,
+(what a block keeps and runs again), trainer (the trainer's bookkeeping collectives around the step).
+tessel.planner.pricing.base holds what they share: the model's sizes,
 a collective's price on a group, a block's compute. A new strategy adds one module here and one entry in
 CostModel's list.
 """
@@ -79,10 +80,14 @@ class ChunkComm:
 
 @dataclass(frozen=True)
 class StepTerms:
-    """What a pricer adds to the whole step: communication on the critical path, time nothing overlaps,
-    the links it holds, the bytes one rank sends by axis, and anything the Estimate reports besides."""
+    """What a pricer adds to the whole step, each on the critical path: one flush of the schedule over the
+    stages (run grad_accum times), communication no compute hides, time nothing overlaps (nor any link's
+    traffic: it bounds the busiest link's wait too), and the trainer's bookkeeping (reported as overhead);
+    then the links it holds, the bytes one rank sends by axis, and anything the Estimate reports besides."""
+    flush_s: float = 0.0
     exposed_s: float = 0.0
     fixed_s: float = 0.0
+    overhead_s: float = 0.0
     links: Cost = NONE
     sent: dict[str, float] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)

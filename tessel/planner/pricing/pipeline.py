@@ -133,5 +133,8 @@ class PipelinePricer:
                      for i in stage.layers] or [0.0]
         return sum(per_layer) / len(per_layer)
 
-    def step(self, layout: Layout, chunk_times, memory) -> StepTerms | None:
-        return None  # the composer runs the flush (flush), which paces every other term
+    def step(self, layout: Layout, chunk_times, memory) -> StepTerms:
+        """One flush of the micro-batches over the stages (one stage without a pipeline), every chunk's
+        seconds as the stages' walk found them."""
+        stage_busy = [sum(f + b for f, b in row) for row in chunk_times]
+        return StepTerms(flush_s=self.flush(layout, chunk_times, stage_busy, self.message(layout).seconds))
