@@ -25,8 +25,9 @@ class GridPricer:
         grid = grid_cost.layout_grid(layout)
         if grid is None:
             return None
+        # what calls() and groups() read: the chunk's shape, the weights' dtype (the calls' bytes) and the degrees
         key = (grid, len(chunk.layers), chunk.first, chunk.last, layout.recompute == "full", chunk.tokens,
-               layout.dp, layout.pp, layout.ep)
+               self.pricing.param_bytes(layout), layout.dp, layout.pp, layout.ep)
         if key not in self._memo:  # thousands of layouts share a few chunk shapes
             self._memo[key] = self._priced(grid, layout, chunk)
         return self._memo[key]
