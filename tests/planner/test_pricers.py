@@ -12,9 +12,22 @@ from tests.planner.cases import flat_cluster, tiny_spec
 def test_every_strategy_has_one_pricer_with_the_three_terms():
     cm = CostModel(tiny_spec(), flat_cluster(), "fp32")
     names = {type(p).__module__.rsplit(".", 1)[1] for p in cm.pricers}
-    assert names == {"data", "zero", "tensor", "tensor_nd", "context", "pipeline", "expert", "recompute"}
+    # one per strategy, and the trainer's bookkeeping (its collectives around the step)
+    assert names == {"data", "zero", "tensor", "tensor_nd", "context", "pipeline", "expert", "recompute", "trainer"}
     for p in cm.pricers:
         assert all(callable(getattr(p, m, None)) for m in ("chunk_comm", "memory", "step")), p
+
+
+def test_the_flush_and_the_bookkeeping_are_step_terms():
+    """The pipeline's flush and the trainer's bookkeeping reach the step as their pricers' step terms."""
+    spec = preset("gpt3-350m")
+    cm = CostModel(spec, get_cluster("h100", 16), "bf16")
+    lay = Layout(dp=2, tp=2, pp=4, micro_batch=1, micro_batches=16, grad_accum=spec.global_batch // 32)
+    est = cm.estimate(lay)
+    flush = cm.pipeline.step(lay, est.chunk_times, est.memory)
+    book = cm.trainer.step(lay, est.chunk_times, est.memory)
+    assert est.flush_s == flush.flush_s > 0 and book.overhead_s > 0  # tp and pp: the norm's sums, the loss message
+    assert est.time["overhead"] == cm.cal.step_overhead_s + book.overhead_s
 
 
 def test_memory_is_the_pricers_terms_in_order():
