@@ -19,14 +19,12 @@ import torch.nn as nn
 
 from tessel.config import Config
 from tessel.mesh import Mesh
-from tessel.models.build import uses_every_parameter
 from tessel.models.family import model_family
 from tessel.models.gpt import cross_entropy
 from tessel.parallel.compile import apply_compile
 from tessel.parallel.context.apply import apply_context_parallel, whole_sequences
 from tessel.parallel.data.apply import apply_data_parallel
 from tessel.parallel.data.uneven import loss_weight
-from tessel.parallel.data.unused import mark_always_used
 from tessel.parallel.expert.apply import apply_expert_parallel
 from tessel.parallel.fused_loss.apply import apply_fused_loss
 from tessel.parallel.pipeline.apply import apply_pipeline, pipeline_runner
@@ -52,10 +50,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_fused_loss(plan, mesh, p, t.fused_loss, m.vocab_size, m.max_seq_len)
     plan = apply_recompute(plan, mesh, p.recompute, family)
     plan = apply_compile(plan, mesh, p, t, family)
-    if uses_every_parameter(m):  # no step asks which went unused: no host read (parallel/data/unused.py)
-        mark_always_used(plan.model.parameters())
-    plan = apply_zero(plan, mesh, p, t)  # DP/ZeRO: one door, over the model or a pipeline rank's chunks
-    plan = apply_data_parallel(plan, mesh, p, cfg.runtime)
+    plan = apply_zero(plan, mesh, p, t, family)  # DP/ZeRO: one door, over the model or a pipeline rank's chunks
+    plan = apply_data_parallel(plan, mesh, p, cfg.runtime, family)
     runner = pipeline_runner(plan, mesh, p, t, m) if mesh.size("pp") > 1 else _local_runner(plan, mesh, cfg)
     if plan.cp is not None:  # the trainer's samples continue whole prompts: every cp rank runs them whole
         runner.generate = whole_sequences(plan.cp, runner.generate)

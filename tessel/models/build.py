@@ -13,7 +13,6 @@ import torch.nn as nn
 
 from tessel.config import ModelConfig
 from tessel.errors import ConfigError
-from tessel.hf.shape import family
 from tessel.models.gpt import GPT
 from tessel.models.hf.build import build_hf
 from tessel.models.hf.convert import converted_by_transformers, hf_naming
@@ -27,15 +26,6 @@ def build_model(m: ModelConfig) -> nn.Module:
     if m.init_from is not None and not next(model.parameters()).is_meta:
         load_init_from(model, m)
     return model
-
-
-def uses_every_parameter(m: ModelConfig) -> bool:
-    """Whether every forward gives every parameter a gradient: the reference GPT without experts and the dense
-    Hugging Face families tessel knows (an expert may get no token; another architecture may hold a module its
-    forward skips)."""
-    if m.hf_config is None:
-        return m.n_experts == 0
-    return family(m.hf_config) not in (None, "mixtral") and m.n_experts == 0
 
 
 def load_init_from(model: nn.Module, m: ModelConfig) -> None:

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch.nn as nn
 
 from tessel.config import ModelConfig
-from tessel.hf.shape import read_config
+from tessel.hf.shape import family, read_config
 from tessel.models.gpt import Block
 from tessel.models.hf.families import Family, decoder_layers, family_of, pipeline_parts, tp_rules
 from tessel.models.hf.moe import RouterLoss, RouterLossSpec, router_loss, router_loss_spec
@@ -41,6 +41,9 @@ class ModelFamily(Protocol):
     tp_places_all: bool  # its tp plan is derived: 1D checks that it places every parameter before anything changes
     transformers_attention: bool  # attention through transformers' AttentionInterface (cp hooks that)
     experts_by_plan: bool  # its experts are the modules its base_model_ep_plan names (not tessel's MoE layers)
+    # every forward gives every parameter a gradient (no experts, no module its forward skips): DP/ZeRO need not
+    # ask which went unused, so a step reads nothing on the host (tessel/parallel/data/unused.py)
+    uses_every_parameter: bool
 
     def tp_plan(self, model: nn.Module) -> TPPlan:
         """1D tensor parallelism's plan: module pattern -> style, and what each style needs."""
@@ -69,6 +72,7 @@ class ModelFamily(Protocol):
 class GPTFamily:
     """tessel.models.gpt.GPT: its plan is tessel.models.plan's, its cut GPT_PARTS, its blocks Block."""
     n_layer: int
+    uses_every_parameter: bool  # without experts (an expert may get no token)
     owns_loss: bool = False
     tp_places_all: bool = False
     transformers_attention: bool = False
@@ -101,6 +105,7 @@ class GPTFamily:
 class HFFamily:
     """A transformers causal LM: its family's entry (tessel.models.hf.families), its plans read from the model."""
     family: Family
+    uses_every_parameter: bool  # the dense families tessel knows (another may hold a module its forward skips)
     owns_loss: bool = True
     tp_places_all: bool = True
     transformers_attention: bool = True
@@ -136,5 +141,7 @@ class HFFamily:
 def model_family(model: ModelConfig) -> ModelFamily:
     """The family of the model the config section describes: the reference GPT, or its Hugging Face family."""
     if model.hf_config is None:
-        return GPTFamily(model.n_layer)
-    return HFFamily(family_of(read_config(model.hf_config)["model_type"]))
+        return GPTFamily(model.n_layer, uses_every_parameter=model.n_experts == 0)
+    model_type = read_config(model.hf_config)["model_type"]
+    dense = family(model.hf_config) not in (None, "mixtral") and model.n_experts == 0
+    return HFFamily(family_of(model_type), uses_every_parameter=dense)

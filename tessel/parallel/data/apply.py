@@ -14,15 +14,20 @@ from __future__ import annotations
 from tessel.axes import TOKEN_AXES
 from tessel.config import ParallelConfig, RuntimeConfig
 from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
 from tessel.parallel.data.data_parallel import DataParallel, data_parallel
 from tessel.parallel.data.reducer import dp_reducer
+from tessel.parallel.data.unused import mark_always_used
 from tessel.parallel.plan import Plan
 
 
-def apply_data_parallel(plan: Plan, mesh: Mesh, parallel: ParallelConfig, runtime: RuntimeConfig) -> Plan:
+def apply_data_parallel(plan: Plan, mesh: Mesh, parallel: ParallelConfig, runtime: RuntimeConfig,
+                        family: ModelFamily) -> Plan:
     """dp, ep or cp > 1 without ZeRO: the model wrapped, or under pp plan.chunk_dp (one wrapper per chunk)."""
     if parallel.zero_stage > 0 or mesh.size(*TOKEN_AXES) == 1:
         return plan
+    if family.uses_every_parameter:  # no step asks which went unused: no host read (parallel/data/unused.py)
+        mark_always_used(plan.model.parameters())
     reducer = dp_reducer(parallel.dp_algorithm, mesh.world_size, runtime)
     if mesh.size("pp") > 1:
         plan.chunk_dp = [DataParallel(chunk, mesh, TOKEN_AXES, parallel.bucket_mb, reducer=reducer)

@@ -27,10 +27,11 @@ of None, never the reverse.
 
 Finding a gradient that is -0.0 everywhere means reading it on the host: on a
 GPU one wait for the device per step. A model whose every forward uses every
-parameter (one without experts: models.build.uses_every_parameter) has none to
-find, so tessel.apply marks its parameters `always_used` and the check skips
-them: its steps read nothing on the host. Its reductions still carry -0.0 for
-a parameter a rank did not use, so the marks change no gradient.
+parameter (one without experts: its family's uses_every_parameter,
+tessel.models.family) has none to find, so the DP/ZeRO step marks its
+parameters `always_used` and the check skips them: its steps read nothing on
+the host. Its reductions still carry -0.0 for a parameter a rank did not use,
+so the marks change no gradient.
 """
 
 from __future__ import annotations

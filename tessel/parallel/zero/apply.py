@@ -16,6 +16,8 @@ from __future__ import annotations
 from tessel.axes import TOKEN_AXES
 from tessel.config import ParallelConfig, TrainConfig
 from tessel.mesh import Mesh
+from tessel.models.family import ModelFamily
+from tessel.parallel.data.unused import mark_always_used
 from tessel.parallel.plan import Plan
 from tessel.parallel.weight_decay import param_groups
 from tessel.parallel.zero.optim import ZeroAdamW
@@ -23,11 +25,13 @@ from tessel.parallel.zero.pipeline import pipeline_zero3
 from tessel.parallel.zero.zero_parallel import zero_dtypes, zero_parallel
 
 
-def apply_zero(plan: Plan, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig) -> Plan:
+def apply_zero(plan: Plan, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig, family: ModelFamily) -> Plan:
     """ZeRO over the token axes (dp, ep, cp): plan.optimizer is its AdamW; the model is wrapped, or under pp
     plan.zero is the engine over the chunks."""
     if parallel.zero_stage == 0:
         return plan
+    if family.uses_every_parameter:  # no step asks which went unused: no host read (parallel/data/unused.py)
+        mark_always_used(plan.model.parameters())
     groups = param_groups(plan.model.parameters(), train.weight_decay)
     hyper = dict(lr=train.lr, betas=(train.beta1, train.beta2))
     if mesh.size("pp") > 1:
