@@ -123,6 +123,17 @@ class ModelConfig(Strict):
         return 16 * math.ceil(8 * self.d_model / 3 / 16)  # SwiGLU keeps ~the params of a 4x MLP
 
 
+# parallel.recompute's boolean spellings, which keep their meaning beside its named modes: a recipe's true/false,
+# and the text `--layout` also takes (1/0, yes/no, on/off)
+RECOMPUTE_BOOLEANS = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
+                      "yes": "full", "no": "none", "on": "full", "off": "none"}
+
+
+def recompute_named(value: Any) -> Any:
+    """The named mode (full, none) a boolean spelling of parallel.recompute means; any other value as it is."""
+    return RECOMPUTE_BOOLEANS.get(value.lower() if isinstance(value, str) else value, value)
+
+
 class ParallelConfig(Strict):
     """The layout: the mesh's degrees (world = pp*dp*ep*cp*tp, + ps_servers) and each strategy's knobs."""
 
@@ -192,7 +203,7 @@ class ParallelConfig(Strict):
     def _recompute_booleans(cls, data: Any) -> Any:
         """recompute = true/false keep their meaning (full, none) next to the named modes."""
         if isinstance(data, dict) and isinstance(data.get("recompute"), bool):
-            data = {**data, "recompute": "full" if data["recompute"] else "none"}
+            data = {**data, "recompute": recompute_named(data["recompute"])}
         if isinstance(data, dict) and isinstance(data.get("rank_order"), list):
             data = {**data, "rank_order": list(full_order(data["rank_order"]))}  # cp joins an older order
         return data

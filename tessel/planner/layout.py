@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal, get_args, get_origin
 
 from tessel.config import Config, ConfigError, ParallelConfig, TrainConfig, build_config
+from tessel.config.schema import recompute_named
 
 # The one table of short `--layout` spellings (and tessel.parallelize's): resolved at parsing, read nowhere else.
 ALIASES = {"zero": "zero_stage", "mb": "micro_batch", "m": "micro_batches", "ga": "grad_accum",
            "v": "virtual_stages", "sp": "sequence_parallel", "rc": "recompute", "param_dtype": "zero_param_dtype"}
 # micro_batch is the one layout field no recipe names: a recipe gives train.global_batch, which it divides
 MICRO_BATCH_HELP = "sequences per micro-batch (train.global_batch / (dp*ep*grad_accum*micro_batches))"
-RECOMPUTE = {True: "full", False: "none", "true": "full", "false": "none", "1": "full", "0": "none",
-             "yes": "full", "no": "none", "on": "full", "off": "none"}
 
 
 def _schema_field(key: str):
@@ -38,9 +37,10 @@ def _schema_field(key: str):
 
 def recompute_mode(value) -> str:
     """'none' | 'full' | 'selective' from what a recipe or --layout says (booleans keep their old meaning)."""
-    mode = RECOMPUTE.get(value.lower() if isinstance(value, str) else value, value)
+    mode = recompute_named(value)
     if mode not in CHOICES["recompute"]:
-        raise ConfigError("--layout", f"recompute={value}: expected one of none, full, selective (or true/false)")
+        named = ", ".join(CHOICES["recompute"])
+        raise ConfigError("--layout", f"recompute={value}: expected one of {named} (or true/false)")
     return mode
 
 
