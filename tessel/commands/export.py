@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tessel.config import ConfigError, ModelConfig
+from tessel.hf.config import transformers_config
 from tessel.hf.shape import HFConfigError, config_file, model_shape, read_config
 from tessel.models.build import build_model, naming
 from tessel.models.hf.convert import NotConvertible, gpt_to_llama, llama_config
@@ -207,10 +208,9 @@ def _llama_config(model: ModelConfig):
 
 
 def _hf_config(model: ModelConfig):
-    from transformers import AutoConfig  # deferred: transformers loads in seconds
     with torch.device("meta"):
         architecture = type(build_model(model)).__name__
     doc = read_config(model.hf_config)
-    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+    config = transformers_config(doc)
     config.architectures = [architecture]
     return config

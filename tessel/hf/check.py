@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from tessel.hf.config import transformers_config
 from tessel.hf.shape import config_file, read_config
 
 # transformers' load_balancing_loss_func as Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, GraniteMoE, ... define it
@@ -49,14 +50,13 @@ def _problem(file: str, mtime_ns: int, size: int) -> str | None:  # the stamp: a
 
 
 def _transformers_problem(doc: dict) -> str | None:
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     kind = doc.pop("model_type")
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"model_type {kind!r}: transformers has no causal LM for it (AutoModelForCausalLM takes "
                 f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model types, such as llama, qwen3, gemma2, mixtral)")
     try:
-        config = AutoConfig.for_model(kind, **doc)
+        config = transformers_config({"model_type": kind, **doc})
     except Exception as err:  # whatever the family's class raises is the user's answer, on one line
         return f"transformers' configuration class for {kind!r} rejects it: {' '.join(str(err).split())}"
     return _padding_problem(config) or _router_loss_problem(config)

@@ -34,6 +34,7 @@ import json
 import textwrap
 import warnings
 
+from tessel.hf.config import transformers_config
 from tessel.hf.layout import cached_meta_model
 
 # keywords an attention module may hand the interface that tessel's function applies or that are None in
@@ -53,14 +54,13 @@ def hf_cp_refusal(doc: dict) -> str | None:
 @functools.lru_cache(maxsize=32)
 def _refusal(text: str) -> str | None:
     # deferred: transformers loads torch; only a Hugging Face recipe under cp > 1 pays for it, once per config
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging
     doc = json.loads(text)
     logging.set_verbosity_error()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+        config = transformers_config(doc)
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         problem = _dropout_problem(config) or _layer_types_problem(config) or _positions_problem(model_class)
         if problem is not None:

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tessel.hf.config import transformers_config
 from tessel.hf.layout import cached_meta_model
 
 if TYPE_CHECKING:
@@ -135,8 +136,6 @@ def _refusal(doc_json: str, ep: int) -> str | None:  # one meta build per config
 
 def _config(doc: dict):
     # deferred: transformers loads torch; only a recipe naming a Hugging Face MoE under ep asks
-    from transformers import AutoConfig
     from transformers.utils import logging
     logging.set_verbosity_error()  # its warnings about a shrunk or hand-made config are hf_check's concern
-    doc = dict(doc)
-    return AutoConfig.for_model(doc.pop("model_type"), **doc)
+    return transformers_config(doc)

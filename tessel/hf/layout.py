@@ -20,6 +20,7 @@ import functools
 import json
 from dataclasses import dataclass
 
+from tessel.hf.config import transformers_config
 from tessel.hf.lineage import inherited_entries
 from tessel.hf.region_inputs import before_split
 
@@ -403,12 +404,10 @@ def meta_model(doc: dict):
     """transformers' causal LM for the config, its parameters on the meta device (no memory, no initialization),
     built in the context from_pretrained builds it in (get_init_context)."""
     # deferred: transformers loads torch (seconds); only a recipe naming a Hugging Face model asks
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils.generic import ContextManagers
     import torch  # deferred: transformers' init context takes a torch dtype, the default one training uses
-    doc = dict(doc)
-    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+    config = transformers_config(doc)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with ContextManagers(model_class.get_init_context(torch.get_default_dtype(), False, False, None)):
         return model_class(config)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from tessel.hf.config import transformers_config
 from tessel.models.gpt import cross_entropy
 from tessel.models.weights import read_weights, tied_names
 from tessel.spawn import spawn
@@ -136,11 +137,10 @@ def test_import_one_step_export_import_is_exact(doc, tmp_path):
     again, bit for bit. (Mixtral: save_pretrained writes its experts one by one, the hub's layout, which
     init_from reads through transformers' conversions; the export writes the model's own fused names,
     which from_pretrained reads as they are.)"""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     hf = config_file(tmp_path, doc)
-    config = {k: v for k, v in doc.items() if k != "model_type"}
     torch.manual_seed(3)
-    source = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc["model_type"], **config))
+    source = AutoModelForCausalLM.from_config(transformers_config(doc))
     source.save_pretrained(tmp_path / "in")
     cfg = tiny_config(f'model.hf_config="{hf}"', f'model.init_from="{tmp_path / "in"}"', "train.steps=1",
                       "train.warmup_steps=0", "checkpoint.every=1", f'checkpoint.dir="{tmp_path / "ck"}"',

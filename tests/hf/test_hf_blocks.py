@@ -13,6 +13,7 @@ import torch
 
 from tessel.config import ModelConfig
 from tessel.hf.blocks import KNOWN, read_model
+from tessel.hf.config import transformers_config
 from tessel.models.flops import experts_per_token, matmul_params
 from tessel.commands.support import tiny_config
 
@@ -30,10 +31,10 @@ CASES = {**{kind: (kind, {}) for kind in sorted(KNOWN)}, **VARIANTS}
 
 def _built(doc: dict, tmp_path):
     """transformers' causal LM for the config, on the meta device, and tessel's ModelConfig of it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     path = tmp_path / "config.json"
     path.write_text(json.dumps(doc))
-    config = AutoConfig.for_model(**{**doc, "model_type": doc["model_type"]})
+    config = transformers_config(doc)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return model, ModelConfig(hf_config=str(path))
@@ -60,7 +61,7 @@ def test_exact_is_every_family_of_the_matrix_that_counts_exactly(tmp_path):
     families KNOWN lists, so the planner column's "exact" is true and no family it counts right says "estimate".
     The others (their blocks hold modules the reading has no key for: linear attention, sinks, routers' biases,
     per-layer inputs) are estimates; each is printed with its error when this fails."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from tessel.commands.support import families
     exact, off, unbuilt = set(), {}, {}
     for kind in families():
@@ -69,7 +70,7 @@ def test_exact_is_every_family_of_the_matrix_that_counts_exactly(tmp_path):
             (tmp_path / "config.json").write_text(json.dumps(doc))
             ModelConfig(hf_config=str(tmp_path / "config.json"))  # one tessel refuses is never planned
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**doc))
+                model = AutoModelForCausalLM.from_config(transformers_config(doc))
         except Exception as err:  # transformers (or tessel) refuses the tiny config: nothing to count against
             unbuilt[kind] = f"{type(err).__name__}"
             continue

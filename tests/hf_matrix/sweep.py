@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tessel.hf.config import transformers_config
 from tessel.spawn import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,13 +138,13 @@ def run_tessel(path: str, axis: str, out_dir: str) -> dict:
 
 def run_transformers(path: str, axis: str, out_dir: str) -> dict:
     """The unmodified model on the whole batches, scored by its own loss, tessel's AdamW and clipping."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from tessel.train.data import BatchSampler, load_tokens
     from tessel.train.optim import build_optimizer
     cfg = cell_config(path, axis, out_dir)
     doc = json.loads(Path(path).read_text())
     torch.manual_seed(cfg.train.seed)  # the seed tessel's copy is drawn from (tests.helpers.build_runner)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+    model = AutoModelForCausalLM.from_config(transformers_config(doc))
     model.train()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
@@ -175,11 +176,11 @@ MAX_PARAMS = 10_000_000  # a tiny config builds ~0.2M; one far larger is a size 
 def too_large(path: str) -> str | None:
     """Why the family's tiny config is not swept (a model of more than MAX_PARAMS, counted on the meta device:
     a size under a key tessel.commands.support.SIZES does not know), None where it is small."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     doc = json.loads(Path(path).read_text())
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+            model = AutoModelForCausalLM.from_config(transformers_config(doc))
     except Exception:  # transformers cannot build it: the cells' runs say so, in their own words
         return None
     n = sum(p.numel() for p in model.parameters())
@@ -191,9 +192,9 @@ def transformers_fails(path: str) -> str | None:
     """Why transformers' own model cannot take one training step on the family's tiny config (its forward or
     backward raises), None where it can: such a family's cells are recorded as that, with no tessel run."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
         doc = json.loads(Path(path).read_text())
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+        model = AutoModelForCausalLM.from_config(transformers_config(doc))
         x = torch.randint(0, doc["vocab_size"] if "vocab_size" in doc else 2, (2, 8))
         model(input_ids=x, labels=x, shift_labels=x, use_cache=False).loss.backward()
     except Exception as err:  # whatever transformers raises is its own defect on this config, recorded as such

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tessel
+from tessel.hf.config import transformers_config
 from tessel.mesh import make_mesh
 from tessel.models.build import build_model
 from tests.helpers import build_runner, tiny_config
@@ -29,9 +30,8 @@ def _write(tmp_path, doc: dict) -> str:
 
 
 def _transformers(doc: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    doc = dict(doc)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(transformers_config(doc))
 
 
 @pytest.mark.parametrize("doc,attention", [(LLAMA, "sdpa"), (GEMMA2, "eager")], ids=["llama", "gemma2"])

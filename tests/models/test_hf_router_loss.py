@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from tessel.hf.config import transformers_config
 from tessel.models.hf.moe import RouterLoss, balance_loss, balance_statistics, router_loss_spec
 
 # transformers' MoE causal LMs that add a load-balancing loss (each module keeps its own copy of the function)
@@ -30,9 +31,9 @@ MOE = {
 
 
 def _model(kind: str, **extra):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    config = AutoConfig.for_model(kind, **{**SMALL, **MOE.get(kind, {}), **extra})
+    config = transformers_config({"model_type": kind, **SMALL, **MOE.get(kind, {}), **extra})
     return AutoModelForCausalLM.from_config(config)
 
 

@@ -25,6 +25,7 @@ from torch.testing import assert_close
 
 from tessel.commands import support
 from tessel.axes import TOKEN_AXES
+from tessel.hf.config import transformers_config
 from tessel.mesh import make_mesh
 from tessel.parallel.norms import clip_grad_norm_
 from tessel.spawn import spawn
@@ -122,11 +123,11 @@ def _dp2(paths: dict[str, str]) -> dict:
 
 def _transformers(path: str) -> dict:
     """The unmodified model on the whole batches, scored by its own loss (router loss included)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     cfg = _cfg(path)
     doc = json.loads(open(path).read())
     torch.manual_seed(cfg.train.seed)  # the seed build_runner draws tessel's copy from
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+    model = AutoModelForCausalLM.from_config(transformers_config(doc))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
     opt, sampler, mesh = build_optimizer(params, cfg.train), _batches(cfg), make_mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 1})

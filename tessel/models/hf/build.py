@@ -21,6 +21,7 @@ import os
 
 import torch.nn as nn
 
+from tessel.hf.config import transformers_config
 from tessel.hf.shape import read_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,12 +30,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def build_hf(hf_config: str) -> nn.Module:
     """transformers' model for the config at `hf_config` (a config.json or its folder), on the current device."""
     # deferred: transformers takes seconds to import; only recipes naming a Hugging Face model pay for it
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     logging.set_verbosity_error()  # its warnings about unused generation ids are not the user's concern here
     doc = read_config(hf_config)
-    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+    config = transformers_config(doc)
     attention = attention_implementation(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     as_training_model(model)

@@ -32,6 +32,7 @@ from torch.testing import assert_close
 
 import tessel.commands.cli
 from tessel.config import ConfigError
+from tessel.hf.config import transformers_config
 from tessel.hf.ep_plan import ep_problem
 from tessel.mesh import make_mesh
 from tessel.models.gpt import cross_entropy
@@ -212,11 +213,11 @@ def _run(paths: dict[str, str], layouts: dict, checkpoint_root: str | None = Non
 def transformers_reference(path: str, micro_batches: int = 1) -> dict:
     """The unmodified transformers model, trained on the whole batches with its own aux loss where its config
     asks for one (or on each of their `micro_batches` parts, the step's loss their mean)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cfg = _cfg(path)
     doc = json.loads(open(path).read())
-    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+    config = transformers_config(doc)
     torch.manual_seed(cfg.train.seed)  # the seed build_model draws tessel's copy from, the attention it picks
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attention_implementation(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]))
@@ -336,10 +337,10 @@ def test_an_experts_module_the_plan_does_not_fully_split_is_refused_by_name():
     """The rules read the built model: an experts parameter with one slice per expert that the plan leaves
     whole would be indexed by local ids on the wrong experts; a forward that takes other arguments than the
     routed tokens, ids and weights cannot be fed by the all-to-all."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     doc = dict(FAMILIES["qwen2_moe"])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(doc.pop("model_type"), **doc))
+        model = AutoModelForCausalLM.from_config(transformers_config(doc))
     assert ep_problem(model, 2) is None
     plan = dict(model.config.base_model_ep_plan)
     model.config.base_model_ep_plan = {k: v for k, v in plan.items() if not k.endswith("down_proj")}

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from tessel.hf.config import transformers_config
 from tessel.models.gpt import cross_entropy
 from tessel.models.hf.families import FAMILIES, pipeline_parts
 from tessel.spawn import spawn
@@ -167,7 +168,7 @@ def test_dp2_tp2_pp2_checkpoint_exports_to_transformers(world8, name, tmp_path):
 def test_a_model_without_pipeline_parts_is_refused_naming_a_module(configs):
     opt_cfg = {"model_type": "opt", "vocab_size": 128, "hidden_size": 32, "ffn_dim": 64,
                "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
-    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: transformers is heavy
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**opt_cfg))
+    from transformers import AutoModelForCausalLM  # deferred: transformers is heavy
+    model = AutoModelForCausalLM.from_config(transformers_config(opt_cfg))
     with pytest.raises(ValueError, match=r"cannot place model\.decoder\.embed_tokens \(Embedding\)"):
         pipeline_parts(model, FAMILIES.get("opt"))
