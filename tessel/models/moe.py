@@ -314,8 +314,8 @@ class ExpertLinear(nn.Module):
 def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch's grouped matmul takes x (M, K) @ w (G, K, N) here: the installed torch has it for the
     device (the CPU; a GPU of compute capability 9.0 or more) and the dtype (fp32 on the CPU, bf16 on a GPU),
-    and the rows are 16-byte aligned, as its kernels need."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    and the rows are 16-byte aligned, as its kernels need. Not for no rows at all (its backward refuses them)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.size(0) == 0:
         return False
     if x.device.type == "cuda":
         ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
@@ -336,11 +336,25 @@ def padded_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.T
     return torch.bmm(padded, w).view(G * width, w.size(-1)).index_select(0, slot)
 
 
+class ContiguousGrad(torch.autograd.Function):
+    """The identity whose backward makes its gradient contiguous: torch._grouped_mm's backward refuses the
+    stride-0 gradient an expanded one (a sum's) arrives as."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (M, K), rows grouped as counts (G,) -> group g's rows @ w[g] (G, K, N) -> (M, N): one grouped GEMM
     over the variable-size groups (torch._grouped_mm, whose offsets are the groups' ends), else padded_mm."""
     if grouped_mm_works(x, w):
-        return torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        y = torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        return ContiguousGrad.apply(y) if y.requires_grad else y
     return padded_mm(x, w, counts)
 
 

@@ -108,3 +108,4 @@ def test_grouped_experts_equal_the_per_expert_loop(counts):
         assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-6, atol=1e-7)
     w = moe.experts.w_up.weight.transpose(1, 2)
     assert_close(padded_mm(x, w, c), grouped_mm(x, w, c), rtol=1e-6, atol=1e-7)
+    moe.experts(x, c).sum().backward()  # a sum's gradient arrives expanded (stride 0)
