@@ -7,8 +7,8 @@ are split over ep (Pricing.stage_params) and their state over dp x cp (the zero 
 shared_expert_ops) and held whole by every ep rank.
 
 Dropless experts (model.capacity_factor = 0) take whatever the router sends, and the ranks wait for the
-busiest: tessel.planner.traffic.dropless_rows prices each rank's grouped GEMM, and its share of the all-to-all, at the busiest
-rank's rows.
+busiest: tessel.planner.traffic.dropless_rows prices each rank's grouped GEMM, and its share of the
+all-to-all, at the busiest rank's rows.
 """
 
 from __future__ import annotations
