@@ -11,13 +11,20 @@
    SwiGLU width, top-1 routing; data parallel over the same ranks).
 
     PYTHONPATH=. python benchmarks/moe_dispatch.py --world 2
+    PYTHONPATH=. python benchmarks/moe_dispatch.py --world 2 --dispatch-only --keep-freed-memory
 
 Medians over timed iterations after warm-up; ratios (tessel / peer) last.
+
+--keep-freed-memory: glibc keeps the buffers a rank frees (its mmap and trim thresholds raised) instead of
+returning each 4 MiB block to the kernel, as the CUDA caching allocator keeps them on a GPU; by default every
+fresh buffer of the dispatch (the floor's are allocated once) page-faults on the CPU, which costs more than
+the copies themselves.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -78,7 +85,7 @@ def bench_dispatch(tokens: int, d_model: int, n_experts: int, iters: int) -> dic
     disp = AllToAllDispatcher(n_experts, mesh.group("ep"), world)
 
     def tessel_round_trip():
-        grouped, _, state = disp.dispatch(x, r)
+        grouped, _, state = disp.dispatch(x, r)  # the experts would run here (not timed)
         disp.combine(grouped, state)
 
     # the floor: the same rows with the same splits, already sorted, buffers ready
@@ -130,7 +137,8 @@ def bench_models(d_model: int, n_experts: int, steps: int, batch: int, seq: int)
 
 def _rank(args) -> dict:
     out = bench_dispatch(args.tokens, args.d_model, args.experts, args.iters)
-    out.update(bench_models(args.model_d, args.experts, args.steps, args.batch, args.seq))
+    if not args.dispatch_only:
+        out.update(bench_models(args.model_d, args.experts, args.steps, args.batch, args.seq))
     return out
 
 
@@ -146,12 +154,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dispatch-only", dest="dispatch_only", action="store_true", help="skip the training half")
+    ap.add_argument("--keep-freed-memory", dest="keep_freed", action="store_true",
+                    help="glibc keeps freed buffers, as a GPU's caching allocator does (module docstring)")
     args = ap.parse_args()
+    if args.keep_freed:  # read by glibc when each rank's process starts
+        os.environ["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
     r = spawn(_rank, args.world, args, timeout=1200, backend=args.backend)[0]
     print(f"world {args.world} ({args.backend}), {args.experts} experts, top-1, capacity factor 1.25")
     print(f"dispatch+combine, {r['rows']} rows x {args.d_model} fp32 ({r['mb_each_way']:.2f} MiB/rank each way)")
     print(f"  tessel AllToAllDispatcher       median {r['tessel_ms']:8.3f} ms")
     print(f"  all_to_all_single x2 (floor)    median {r['floor_ms']:8.3f} ms")
+    if args.dispatch_only:
+        print(f"ratio dispatch/all_to_all_single (tessel/floor): {r['tessel_ms'] / r['floor_ms']:.3f}")
+        return
     print(f"training, d_model {args.model_d}, 4 layers, batch {args.batch}x{args.seq}")
     print(f"  MoE GPT (ep={args.world})             median {r['moe_tps']:10,.0f} tokens/s")
     print(f"  dense GPT, same active params (dp={args.world}) median {r['dense_tps']:10,.0f} tokens/s")

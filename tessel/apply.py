@@ -53,6 +53,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_zero(plan, mesh, p, t, family)  # DP/ZeRO: one door, over the model or a pipeline rank's chunks
     plan = apply_data_parallel(plan, mesh, p, cfg.runtime, family)
     runner = pipeline_runner(plan, mesh, p, t, m) if mesh.size("pp") > 1 else _local_runner(plan, mesh, cfg)
+    runner.after_update = tuple(plan.after_update)
     if plan.cp is not None:  # the trainer's samples continue whole prompts: every cp rank runs them whole
         runner.generate = whole_sequences(plan.cp, runner.generate)
     return runner

@@ -47,11 +47,12 @@ class ModelConfig(Strict):
     # mixture of experts (every moe_every-th block is an MoE block when n_experts > 0)
     n_experts: int = Field(0, ge=0, description="experts per MoE block; 0: a dense model")
     moe_every: int = Field(1, ge=1, description="every moe_every-th block is an MoE block (when n_experts > 0)")
-    # the reference MoE routes to 1 or 2 experts (model._shapes); a Hugging Face MoE to what its config declares
-    moe_top_k: int = Field(1, ge=1, description="experts a token is routed to: 1 (Switch) or 2 (GShard)")
-    capacity_factor: float = Field(1.25, gt=0,
+    # the reference MoE routes to any k up to n_experts (model._shapes); a Hugging Face MoE to what its config declares
+    moe_top_k: int = Field(1, ge=1, description="experts a token is routed to: 1 (Switch), 2 (GShard), more for "
+                                                "fine-grained experts (DeepSeekMoE: 8 of 256)")
+    capacity_factor: float = Field(1.25, ge=0,
         description="each expert takes at most ceil(tokens/n_experts x capacity_factor) tokens; the rest ride the "
-                    "residual")
+                    "residual. 0: dropless (every expert takes all its tokens)")
     aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss; 0 disables it")
     z_loss_coef: float = Field(0.0, ge=0, description="weight of the router z-loss; 0 disables it")
     router_jitter: float = Field(0.0, ge=0, lt=1, description="multiplicative noise on the router input")
@@ -60,6 +61,30 @@ class ModelConfig(Strict):
         "global", description="load-balancing statistics over the ranks that split the batch, as one process "
                               "computes them (global), or per rank (local); over one micro-batch (or "
                               "accumulation chunk), or, under a GPipe pipeline (global), the whole step")
+    n_shared_experts: int = Field(0, ge=0,
+        description="always-on experts (DeepSeekMoE), each as wide as a routed expert (ffn width), that every token "
+                    "visits: one SwiGLU of n_shared_experts x that width, added to the routed output")
+    moe_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="the router's affinity of a token for each expert: softmax over the experts (Switch, "
+                               "GShard) or a sigmoid of each (DeepSeek-V3)")
+    moe_norm_topk: bool | None = Field(
+        None, description="the k chosen scores divided by their sum to make the gates; None: when moe_top_k > 1 "
+                          "(GShard's top-2; Switch's top-1 keeps its probability, whose gradient trains the router)")
+    moe_route_groups: int = Field(1, ge=1,
+        description="group-limited routing (DeepSeek-V3): the experts in this many groups of consecutive ids; a "
+                    "token's top-k only from its best moe_route_group_limit groups. Under ep the groups are ep "
+                    "ranks or whole sets of them (a node's)")
+    moe_route_group_limit: int | None = Field(
+        None, ge=1, description="groups a token's experts may come from (a group scores the sum of its top-2 "
+                                "scores); None: every group")
+    balance: Literal["aux_loss", "bias", "none"] = Field(
+        "aux_loss", description="load balancing: Switch's auxiliary loss (aux_loss_coef), DeepSeek-V3's bias "
+                                "added to the scores for the choice only and nudged after each step by the sign "
+                                "of the load error (balance_bias_rate; aux_loss_coef > 0 adds the loss as its "
+                                "complement), or none")
+    balance_bias_rate: float = Field(0.001, gt=0,
+        description="balance = 'bias': after each optimizer step each expert's bias moves by this much, up for an "
+                    "expert below the mean load of the step's global batch, down above it")
     # a Hugging Face architecture instead of the reference GPT
     hf_config: str | None = Field(None, description="a transformers config.json (or its folder): train that "
                                                     "architecture; the shape fields above are read from it")
@@ -103,9 +128,6 @@ class ModelConfig(Strict):
         if self.document_separator is not None and self.document_separator >= self.vocab_size:
             raise ValueError(f"model.document_separator: ({self.document_separator}) is no token id: model.vocab_size "
                              f"is {self.vocab_size}")
-        if self.moe_top_k > 2:
-            raise ValueError(f"model.moe_top_k: must be 1 or 2 for tessel's MoE (got {self.moe_top_k}); a Hugging Face "
-                             "MoE routes to the num_experts_per_tok its config declares")
         if self.n_experts and self.moe_top_k > self.n_experts:
             raise ValueError("model.moe_top_k must not exceed model.n_experts")
         if self.moe_random_routing and self.moe_top_k != 2:

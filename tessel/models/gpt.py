@@ -182,14 +182,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Every matmul weight costs 2 FLOPs per token forward (the embedding lookup
     costs none, the output head does count). Attention scores and the weighted
     sum add 2 * 2 * T * d_model per layer forward (Kaplan et al. 2020; PaLM's
-    6N + 12 L d T). MoE blocks count only the top_k experts a token visits.
+    6N + 12 L d T). MoE blocks count only the top_k experts a token visits, and the shared ones.
     """
     d, L = cfg.d_model, cfg.n_layer
     hd = d // cfg.n_head
     attn = d * (cfg.n_head * hd) * 2 + d * (cfg.kv_heads * hd) * 2
     dense_mlp = 3 * d * cfg.ffn_dim
     n_moe = sum(1 for i in range(L) if cfg.n_experts > 0 and (i + 1) % cfg.moe_every == 0)
-    moe_mlp = cfg.moe_top_k * dense_mlp + d * cfg.n_experts  # experts visited + router
+    moe_mlp = (cfg.moe_top_k + cfg.n_shared_experts) * dense_mlp + d * cfg.n_experts  # experts visited + router
     matmul_params = L * attn + (L - n_moe) * dense_mlp + n_moe * moe_mlp + d * cfg.vocab_size
     # the band's keys; packed documents (model.document_separator) shorten attention by an amount each batch's
     # separators decide, so their keys count as the whole sequence's (as tessel.models.flops counts them)

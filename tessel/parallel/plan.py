@@ -26,6 +26,8 @@ class Plan:
     full_logits: Callable | None = None  # logits over the whole vocabulary, for sampling
     optimizer: Any = None  # a strategy that shards the optimizer (ZeRO) supplies it
     extra_metrics: Callable[[], dict] | None = None  # per-step metrics for the trainer's row
+    # what runs after each optimizer step (MoE bias balancing), collective over the ranks that split the batch
+    after_update: list[Callable[[], None]] = field(default_factory=list)
     gather_vocab: Callable | None = None  # vocab-sharded logits -> full (a pipeline's last stage samples)
     parts: ModelParts = GPT_PARTS  # where a pipeline cuts the model (a Hugging Face family's, or the GPT's)
     cp: Any = None  # CPContext (tessel.parallel.context): generation switches it to whole sequences

@@ -17,7 +17,7 @@ builds AdamW over `parameters()`, whose state a checkpoint keeps per parameter
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,8 @@ class Runner(Protocol):
     """What the trainer (tessel.train.trainer), its guard and its checkpoints call."""
 
     optimizer: CheckpointableOptimizer | None  # a strategy that shards the optimizer (ZeRO) brings its own
+    # what the trainer runs after each optimizer step (MoE bias balancing: tessel.parallel.plan.Plan.after_update)
+    after_update: Sequence[Callable[[], None]]
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once."""
@@ -104,6 +106,8 @@ def strip_wrappers(name: str) -> str:
 
 class LocalRunner:
     """Forward/backward for a model that is whole on this rank (plain, DP, TP, EP)."""
+
+    after_update: Sequence[Callable[[], None]] = ()  # tessel.apply sets the plan's
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunks: int, device: torch.device,
                  precision: str = "fp32", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,

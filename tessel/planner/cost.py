@@ -332,7 +332,7 @@ class CostModel(Pricing):
                                      chunk.last)
             out["tp"] += times(f + b, layout.chunks)
         if n_moe and layout.ep > 1:
-            f, b = self.expert.calls(n_moe, chunk.tokens, full)
+            f, b = self.expert.calls(n_moe, chunk.tokens, full, layout.ep)
             out["ep"] += times(f + b, layout.chunks)
         if layout.cp > 1:
             f, b = self.context.calls(layout, chunk.tokens)

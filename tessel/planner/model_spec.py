@@ -30,7 +30,8 @@ def reference_blocks(c: ModelConfig) -> ModelBlocks:
     attention = Attention(((d, q, "out"), (d, kv, "out"), (d, kv, "out"), (q, d, "in")), 0, c.n_head, c.kv_heads,
                           hd, hd)
     mlp = FeedForward(d, c.ffn_dim, 3, 0)
-    moe = Block(attention, 2 * d, experts=Experts(c.n_experts, c.moe_top_k, mlp, d * c.n_experts))
+    shared = FeedForward(d, c.n_shared_experts * c.ffn_dim, 3, 0) if c.n_shared_experts else None
+    moe = Block(attention, 2 * d, experts=Experts(c.n_experts, c.moe_top_k, mlp, d * c.n_experts, shared))
     dense = Block(attention, 2 * d, mlp=mlp)
     blocks = tuple(moe if c.n_experts and (i + 1) % c.moe_every == 0 else dense for i in range(c.n_layer))
     return ModelBlocks("gpt", d, c.vocab_size, blocks, c.vocab_size * d, d, 0 if c.tie_embeddings else c.vocab_size * d,

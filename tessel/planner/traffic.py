@@ -140,6 +140,22 @@ def ep_block_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capaci
     return fwd, [Call("all_to_all", routed, 2)]
 
 
+def dropless_rows(mean_rows: float, ep: int) -> float:
+    """The busiest of ep ranks' rows when each holds mean_rows on average, routed without a cap: a balanced
+    router (bias or aux loss) leaves the counts at best as if each assignment picked a rank at random, whose
+    largest of ep near-Poisson counts is ~ mean + sqrt(2 mean ln ep) (the Gaussian maximum); one rank (ep = 1)
+    holds every row."""
+    return mean_rows + math.sqrt(2 * mean_rows * math.log(ep)) if ep > 1 else mean_rows
+
+
+def sent_rows_factor(capacity_factor: float, assignments: float, ep: int) -> float:
+    """Rows a rank sends (and receives) per assignment: the capacity's bound, or dropless, the busiest rank's
+    share of the assignments over the mean."""
+    if capacity_factor > 0:
+        return capacity_factor
+    return dropless_rows(assignments, ep) / assignments if assignments else 1.0
+
+
 def ep_chunk_calls(d_model: int, tokens: int, act_bytes: int, top_k: int, capacity: float, n_experts: int,
                    n_moe: int, recompute: bool) -> tuple[list[Call], list[Call]]:
     """(forward, backward) all-to-alls of a chunk's n_moe MoE blocks for one micro-batch."""

@@ -299,9 +299,13 @@ def build_optimizer_state(runner: Runner, t: TrainConfig) -> tuple[torch.optim.O
     steps only this rank's shard and checkpoints it itself), or AdamW over the runner's parameters,
     whose state follows them."""
     if runner.optimizer is not None:
-        return runner.optimizer, OwnState(runner.optimizer)
-    optimizer = build_optimizer(runner.parameters(), t)
-    return optimizer, PerParameterState(optimizer)
+        optimizer, state = runner.optimizer, OwnState(runner.optimizer)
+    else:
+        optimizer = build_optimizer(runner.parameters(), t)
+        state = PerParameterState(optimizer)
+    for hook in runner.after_update:  # MoE bias balancing: after every update the optimizer takes
+        optimizer.register_step_post_hook(lambda *_, hook=hook: hook())
+    return optimizer, state
 
 
 def summary_from_metrics(cfg: Config) -> Summary:

@@ -162,8 +162,10 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "model.n_layer=100000"], "memory"),
     (["train", "{tmp}/tiny.toml", "--set", 'model.aux_loss_scope="batch"'], "model.aux_loss_scope"),
     (["train", "{tmp}/tiny.toml", "--set", 'parallel.recompute="attention"'], "parallel.recompute"),
-    # tessel's MoE routes to 1 or 2 experts (a Hugging Face MoE to what its config declares)
-    (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_top_k=3"], "model.moe_top_k"),
+    # tessel's MoE routes to at most n_experts experts (a Hugging Face MoE to what its config declares)
+    (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_top_k=5"], "model.moe_top_k"),
+    (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_route_groups=3"],
+     "model.moe_route_groups"),
     (["train", "{tmp}/tiny.toml", "--set", "train.global_batch=1000000000"], "memory"),
     # train: folders
     (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/a_file"'], "logging.out_dir"),

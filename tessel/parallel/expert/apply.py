@@ -19,9 +19,9 @@ from tessel.config import ParallelConfig
 from tessel.mesh import Mesh
 from tessel.models.family import ModelFamily
 from tessel.models.hf.moe import with_router_loss
-from tessel.models.moe import moe_layers, with_aux_losses
+from tessel.models.moe import bias_routers, moe_layers, with_aux_losses
 from tessel.parallel.context.moe import whole_sequence_capacity
-from tessel.parallel.expert.balance import (balance_over_batch, balance_over_sequences, global_balance,
+from tessel.parallel.expert.balance import (BiasUpdate, balance_over_batch, balance_over_sequences, global_balance,
                                             sequence_balance)
 from tessel.parallel.expert.expert_parallel import moe_metrics, shard_experts
 from tessel.parallel.expert.hf_experts import shard_hf_experts
@@ -43,6 +43,8 @@ def apply_expert_parallel(plan: Plan, mesh: Mesh, parallel: ParallelConfig, fami
         balance_over_sequences(plan.model, mesh)
     if plan.cp is not None:  # capacity of the whole sequences (tessel.parallel.context.moe)
         whole_sequence_capacity(plan.model, plan.cp)
+    if bias_routers(plan.model):  # DeepSeek-V3's bias balancing, after each optimizer step
+        plan.after_update.append(BiasUpdate(plan, mesh))
     if mesh.size("pp") > 1:  # the pipeline adds each stage's aux losses itself (pipeline/aux.py)
         layers = []  # the stats of this rank's blocks are chosen once the model is split
     else:

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from tessel.axes import TOKEN_AXES
 from tessel.mesh import Mesh
-from tessel.models.moe import BalanceStatistics, local_balance, moe_layers
+from tessel.models.moe import BalanceStatistics, bias_routers, local_balance, moe_layers, update_biases
 
 
 class AllReduceBalanceStatistics(torch.autograd.Function):
@@ -168,3 +168,23 @@ def balance_over_sequences(model: nn.Module, mesh: Mesh) -> None:
     """aux_loss_scope = "local" under cp: every MoE router takes f and P over its shard's whole sequences."""
     for moe in moe_layers(model):
         moe.router.balance = sequence_balance(mesh)
+
+
+class BiasUpdate:
+    """model.balance = "bias" (DeepSeek-V3's auxiliary-loss-free balancing) after each optimizer step: each
+    router's bias from its load over the step's global batch, the loads of every router of this rank's model
+    summed in one all-reduce over the ranks that split the batch (dp x ep, and cp's chunks of the same
+    sequences; tp ranks route the same tokens, pp stages hold other routers), so that every rank that holds a
+    router holds the same bias. Reads the plan's model when it runs: the model the steps left (a pipeline
+    rank's chunks)."""
+
+    def __init__(self, plan, mesh: Mesh):
+        self.plan, self.group = plan, mesh.group(*TOKEN_AXES)
+
+    def _sum(self, loads: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(loads, group=self.group)
+        return loads
+
+    def __call__(self) -> None:
+        update_biases(bias_routers(self.plan.model), self._sum)

@@ -57,39 +57,52 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+def block_shift(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """counts (A, B) of `rows` rows in blocks laid out A-major (a's blocks b = 0..B-1, then a + 1's) -> for
+    each row of the B-major layout (b's blocks a = 0..A-1, then b + 1's), its index in the A-major one.
+    Arithmetic on the block offsets, not a sort, and no host read (`rows` is known). With counts (source
+    rank, local expert) it regroups the rows that arrived by source as rows by expert; with its transpose,
+    back."""
+    a_major = counts.reshape(-1)
+    b_major = counts.t().reshape(-1)
+    a_starts = (torch.cumsum(a_major, 0) - a_major).view(counts.shape).t().reshape(-1)  # in B-major order
+    shift = a_starts - (torch.cumsum(b_major, 0) - b_major)  # (A*B,) each block's start there - here
+    return torch.arange(rows, device=counts.device) + torch.repeat_interleave(shift, b_major, output_size=rows)
 
 
 class AllToAllDispatcher:
-    """Same interface as tessel.models.moe.LocalDispatcher, for experts sharded over ep."""
+    """Same interface as tessel.models.moe.LocalDispatcher, for experts sharded over ep.
+
+    The dispatch at the floor of its collective: one sort of the assignments by expert (whose order the
+    all-to-all needs: rows bound for rank j are contiguous), one small all-to-all of the per-expert counts
+    (the split sizes, both ways, for the dispatch and the combine), one host read of the split sizes (the
+    collective takes them as lists), and, with more than one local expert, one gather by an index computed
+    from the counts (block_shift), no per-expert loop."""
 
     def __init__(self, n_experts: int, group, ep: int):
         self.n_experts, self.group, self.ep = n_experts, group, ep
         self.local = n_experts // ep
 
-    def dispatch(self, x: torch.Tensor, r: Routing) -> tuple[torch.Tensor, list[int], object]:
+    def dispatch(self, x: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor, object]:
         # x: (N, C) my tokens; rows bound for rank j are contiguous once sorted by global expert id
         rows, s = sort_by_expert(x, r, self.n_experts)  # (M, C), s.counts (E,) rows I send per expert
         recv = torch.empty_like(s.counts)  # (ep*El,) rows each source sends to each of my experts
         dist.all_to_all_single(recv, s.counts, group=self.group)  # counts first: they are the splits
-        send_splits = s.counts.view(self.ep, self.local).sum(1).tolist()
         recv_counts = recv.view(self.ep, self.local)  # (source rank, local expert)
-        recv_splits = recv_counts.sum(1).tolist()
+        splits = torch.cat([s.counts.view(self.ep, self.local).sum(1), recv_counts.sum(1)]).tolist()  # one read
+        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
         arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)
         regroup = None
-        if self.local > 1:  # arrived rows are ordered (source, expert): regroup as (expert, source)
-            local_id = torch.arange(self.local, device=x.device).repeat(self.ep)
-            regroup = torch.argsort(local_id.repeat_interleave(recv_counts.reshape(-1)), stable=True)
-            arrived = arrived.index_select(0, regroup)
-        return arrived, recv_counts.sum(0).tolist(), (s, regroup, send_splits, recv_splits)
+        if self.local > 1:  # arrived rows are ordered (source, expert): regroup as (expert, source), and back
+            rows_in = sum(recv_splits)
+            regroup = (block_shift(recv_counts, rows_in), block_shift(recv_counts.t(), rows_in))
+            arrived = arrived.index_select(0, regroup[0])
+        return arrived, recv_counts.sum(0), (s, regroup, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, state: object) -> torch.Tensor:
         s, regroup, send_splits, recv_splits = state
         if regroup is not None:
-            y = y.index_select(0, _inverse(regroup))  # back to (source, expert) order
+            y = y.index_select(0, regroup[1])  # back to (source, expert) order
         back = AllToAll.apply(y, send_splits, recv_splits, self.group)  # (M, C), my sorted rows
         return weighted_scatter(back, s)  # (N, C)
 

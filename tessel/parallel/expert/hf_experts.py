@@ -64,7 +64,7 @@ class ExpertParallelForward:
         out = self.dispatcher.combine(self._local_experts(rows, counts), state)  # (N, C), weighted by the gates
         return out.to(hidden_states.dtype)
 
-    def _local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The module's forward on the rows that arrived: local ids by their group, weight 1 (the combine weighs)."""
         if not rows.size(0):
             # no row came: one zero row (still on the graph) runs expert 0, so that every rank's experts get
@@ -73,10 +73,10 @@ class ExpertParallelForward:
         return self.forward(rows, *_local_ids(counts, rows))
 
 
-def _local_ids(counts: list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_ids(counts: torch.Tensor | list[int], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows grouped by local expert as the module's arguments: top-1 choices (M, 1) of local ids, weight 1."""
     local = torch.arange(len(counts), device=rows.device)
-    local = local.repeat_interleave(torch.tensor(counts, device=rows.device))
+    local = local.repeat_interleave(torch.as_tensor(counts, device=rows.device))
     return local[:, None], torch.ones(local.numel(), 1, dtype=rows.dtype, device=rows.device)
 
 

@@ -16,7 +16,7 @@ ranks of its own dp/ep/tp coordinates) and the loss is the vocab-parallel one.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,8 @@ from tessel.parallel.zero.zero_parallel import ZeroDataParallel
 
 class PipelineRunner:
     """One pipeline rank's chunks behind the Runner protocol."""
+
+    after_update: Sequence[Callable[[], None]] = ()  # tessel.apply sets the plan's
 
     def __init__(self, chunks: Sequence[nn.Module], mesh: Mesh, spec: PipelineSpec, sync: GradientSync,
                  optimizer: CheckpointableOptimizer | None = None,

@@ -25,6 +25,7 @@ from tessel.parallel.runner import LocalRunner
 
 class WorkerRunner:
     optimizer = None  # the servers apply the update (tessel.parallel.runner.Runner)
+    after_update = ()  # nothing after it (no MoE bias balancing: tessel.config.rules.expert)
 
     def __init__(self, local: LocalRunner, ps: ParameterServer, lead: bool):
         self.local, self.ps, self.lead = local, ps, lead

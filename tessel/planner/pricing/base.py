@@ -29,7 +29,7 @@ from tessel.planner.layout import Layout
 from tessel.planner.model_spec import ModelSpec
 from tessel.planner.network import NONE, Cost, collective
 from tessel.planner.pricing import Chunk
-from tessel.planner.traffic import Call
+from tessel.planner.traffic import Call, dropless_rows
 
 ORDER = AXES  # tessel.mesh lays ranks out in this order by default
 # dp: the gradients' group, every axis that sees different tokens (tessel.axes.TOKEN_AXES)
@@ -188,7 +188,7 @@ class Pricing:
                      resid=2 if act == 2 and bf16_storage else 4,  # fp32 weights keep the residual fp32
                      cast=act == 2 and not bf16_storage, fused=self.cluster.fused_attention,
                      experts=local_experts, cp=layout.cp,
-                     expert_rows=max(1, round(tokens * layout.ep * spec.moe_top_k / spec.n_experts)) if moe else 0,
+                     expert_rows=expert_rows(spec, tokens, layout.ep) if moe else 0,
                      router=spec.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss,
                      shared_ffn=spec.shared_ffn if moe else 0, attn_gemms=latent)
 
@@ -215,3 +215,14 @@ class Pricing:
     def largest_block_bytes(self, tp: int) -> float:  # tp: the pieces a weight is split into
         """fp32 bytes of the biggest block's parameters on one tp rank: what ZeRO-3 gathers at once."""
         return 4 * max(sum(p) for p in self.layer_params) / tp
+
+
+def expert_rows(spec: ModelSpec, tokens: int, ep: int) -> int:
+    """Token rows each of a rank's experts computes for `tokens` tokens a rank: the mean, within the capacity;
+    dropless (model.capacity_factor = 0), the busiest rank's rows (its grouped GEMM) spread over its experts
+    (tessel.planner.traffic.dropless_rows)."""
+    mean = tokens * ep * spec.moe_top_k / spec.n_experts  # each of ep ranks routes `tokens` to k experts
+    if spec.cfg.capacity_factor == 0:
+        local = spec.n_experts // ep
+        mean = dropless_rows(mean * local, ep) / local
+    return max(1, round(mean))
