@@ -19,6 +19,7 @@ from torch.testing import assert_close
 from tessel.config import ConfigError
 from tessel.parallel.tensor import comm, overlap
 from tessel.parallel.tensor.tensor_parallel import ColumnParallelLinear
+from tessel.parallel.tensor_nd import summa
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
@@ -30,7 +31,8 @@ LAYOUTS_2 = {"tp2_sp": ["parallel.tp=2", *SP],
              "tp2_sp_tied_bf16": ["parallel.tp=2", *SP, "model.tie_embeddings=true", "train.precision='bf16'"]}
 LAYOUTS_4 = {"tp4_sp": ["parallel.tp=4", *SP],
              "dp2_tp2_sp": ["parallel.dp=2", "parallel.tp=2", *SP],
-             "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", *SP, "parallel.micro_batches=2"]}
+             "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", *SP, "parallel.micro_batches=2"],
+             "grid2d": ["parallel.tp=4", "parallel.tp_mode='2d'"]}  # SUMMA on 2 x 2, its broadcasts prefetched
 # fp32. The overlapped reduce-scatter adds the tp partial sums of each chunk in ring order (from rank d + 1
 # round to d) where gloo's collective uses its own order, and the weight gradients are summed chunk by chunk
 # rather than in one matmul: each sum of k fp32 terms may move by ~k * 2^-24 relative to its largest term,
@@ -87,6 +89,11 @@ def _counting():
     fallback matmul on the gathered input): the overlapped path must be the one that ran."""
     counts = collections.Counter()
     ring_gather, ring_scatter, linear = overlap.ring_gather, overlap.ring_reduce_scatter, ColumnParallelLinear._linear
+    bcast = summa._bcast
+
+    def prefetched(*args, async_op=False):
+        counts["prefetched"] += async_op
+        return bcast(*args, async_op=async_op)
 
     def took(layer, x):
         counts["columns"] += 1
@@ -95,11 +102,12 @@ def _counting():
 
     overlap.ring_gather = lambda *a: counts.update(["gathers"]) or ring_gather(*a)
     overlap.ring_reduce_scatter = lambda *a: counts.update(["scatters"]) or ring_scatter(*a)
-    ColumnParallelLinear._linear = took
+    ColumnParallelLinear._linear, summa._bcast = took, prefetched
     try:
         yield counts
     finally:
         overlap.ring_gather, overlap.ring_reduce_scatter, ColumnParallelLinear._linear = ring_gather, ring_scatter, linear
+        summa._bcast = bcast
 
 
 def _functions() -> dict:
@@ -154,9 +162,12 @@ def _check(results: list[dict], name: str) -> None:
         where = lambda n: (lambda m: f"rank {rank} {name} {n}: {m}")  # noqa: E731
         assert_close(torch.tensor(over["losses"]), torch.tensor(plain["losses"]), **loss_tol, msg=where("loss"))
         assert over["grads"].keys() == plain["grads"].keys() and plain["grads"]
-        counts = over["counts"]  # every block's 5 column layers took their region's output; rings both ways
-        assert counts["made"] >= counts["columns"] - 2 * STEPS > 0, where("columns")(counts)
-        assert counts["gathers"] > 0 and counts["scatters"] > 0, where("rings")(counts)
+        counts = over["counts"]
+        if "grid" in name:  # every SUMMA step's panels broadcast ahead
+            assert counts["prefetched"] > 0 and not counts["gathers"], where("panels")(counts)
+        else:  # every block's 5 column layers took their region's output; rings both ways
+            assert counts["made"] >= counts["columns"] - 2 * STEPS > 0, where("columns")(counts)
+            assert counts["gathers"] > 0 and counts["scatters"] > 0, where("rings")(counts)
         for n, g in plain["grads"].items():
             assert_close(over["grads"][n], g, **grad_tol, msg=where(f"grad {n}"))
         for n, w in plain["weights"].items():
@@ -190,6 +201,7 @@ def test_functions_equal_the_collectives(world2, world4):
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.tp_overlap=true"], "tp > 1"),
     (["parallel.tp=2", "parallel.tp_overlap=true"], "sequence_parallel"),
+    (["parallel.tp=8", "parallel.tp_mode='3d'", "parallel.tp_overlap=true"], "3d"),
     (["parallel.tp=2", *SP, "parallel.tp_overlap=true", "train.compile='blocks'"], "compile"),
     (["parallel.pp=2", "parallel.tp=2", *SP, "parallel.tp_overlap=true", "parallel.schedule='zb-h1'"], "zb-h1"),
 ])
