@@ -5,8 +5,8 @@ Its collectives per chunk are tessel.planner.traffic.tp_chunk_calls (the f/g ope
 what they measurably cost between the matmuls. Under tp_overlap (tessel.parallel.tensor.overlap) each dense
 block's sequence gathers and reduce-scatters run as tp - 1 ring steps beside the matmuls they feed or take
 from, and only what outlasts those matmuls is on the critical path (exposed_ring). Its memory term is
-autocast's bf16 copies of the fp32 weights; what a block keeps for backward under tp is tessel.planner.memory.layer_activation_bytes (read by
-the recompute pricer, which decides what is kept).
+autocast's bf16 copies of the fp32 weights; what a block keeps for backward under tp is
+tessel.planner.memory.layer_activation_bytes (read by the recompute pricer, which decides what is kept).
 """
 
 from __future__ import annotations
