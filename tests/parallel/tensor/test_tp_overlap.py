@@ -23,12 +23,21 @@ from tessel.parallel.tensor_nd import summa
 from tessel.spawn import spawn
 from tessel.train.data import BatchSampler, load_tokens
 from tessel.train.optim import build_optimizer
-from tests.helpers import build_runner, tiny_config
+from tests.helpers import build_runner, tiny_config, write_configs
 
 STEPS = 3
 SP = ["parallel.sequence_parallel=true"]
 LAYOUTS_2 = {"tp2_sp": ["parallel.tp=2", *SP],
              "tp2_sp_tied_bf16": ["parallel.tp=2", *SP, "model.tie_embeddings=true", "train.precision='bf16'"]}
+# Hugging Face families, whose regions are hooks on transformers' own modules: Llama's separate q, k, v and
+# gate, up (one ring feeding several layers), recomputed; GPT-2's Conv1D layers ([in, out]) and fused q|k|v
+HF = {"llama": {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2},
+      "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}}
+HF_LAYOUTS_2 = {"hf_llama_tp2_sp_recompute": ("llama", ["parallel.tp=2", *SP, "parallel.recompute=true"]),
+                "hf_gpt2_tp2_sp": ("gpt2", ["parallel.tp=2", *SP])}
 LAYOUTS_4 = {"tp4_sp": ["parallel.tp=4", *SP],
              "dp2_tp2_sp": ["parallel.dp=2", "parallel.tp=2", *SP],
              "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", *SP, "parallel.micro_batches=2"],
@@ -52,6 +61,10 @@ BF16_GRAD_TOL = dict(rtol=5e-2, atol=5e-4)
 # and a weight whose bf16 gradient is near zero can take AdamW steps of ~lr in other directions: 3 steps of
 # lr = 1e-3 bound that by 3e-3 (measured 2.1e-3 on 15 of 4096 embedding entries); a bug moves all of them
 BF16_WEIGHT_TOL = dict(rtol=1e-2, atol=4e-3)
+# the logits sampled after the 3 steps: sums over d_model = 32 of weights within WEIGHT_TOL, so ~1e-4 in fp32;
+# in bf16 a logit of magnitude ~2 has an ulp of 2^-7 * 2 ~ 1.6e-2, and the weights differ by up to 4e-3
+LOGIT_TOL = dict(rtol=1e-4, atol=1e-4)
+BF16_LOGIT_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
 def _run(overrides: list[str]) -> dict:
@@ -73,6 +86,9 @@ def _run(overrides: list[str]) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)
     out["weights"] = {n: q.detach().clone() for n, q in named.items()}
+    if mesh.size("pp") == 1:
+        with torch.no_grad():  # sampling: whole-vocabulary logits of a prompt tp does not divide
+            out["full_logits"] = runner.full_logits(torch.arange(5).unsqueeze(0) * 7 % cfg.model.vocab_size)
     return out
 
 
@@ -135,8 +151,9 @@ def _functions() -> dict:
     return out
 
 
-def _world2() -> dict:
-    return {"functions": _functions(), **{name: _pair(o) for name, o in LAYOUTS_2.items()}}
+def _world2(paths: dict[str, str]) -> dict:
+    hf = {name: _pair([f'model.hf_config="{paths[kind]}"', *o]) for name, (kind, o) in HF_LAYOUTS_2.items()}
+    return {"functions": _functions(), **{name: _pair(o) for name, o in LAYOUTS_2.items()}, **hf}
 
 
 def _world4() -> dict:
@@ -144,8 +161,8 @@ def _world4() -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return spawn(_world2, 2)
+def world2(tmp_path_factory):
+    return spawn(_world2, 2, write_configs(tmp_path_factory.mktemp("hf"), HF), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +189,9 @@ def _check(results: list[dict], name: str) -> None:
             assert_close(over["grads"][n], g, **grad_tol, msg=where(f"grad {n}"))
         for n, w in plain["weights"].items():
             assert_close(over["weights"][n], w, **weight_tol, msg=where(f"weight {n}"))
+        if "full_logits" in plain:
+            assert_close(over["full_logits"], plain["full_logits"], **(BF16_LOGIT_TOL if bf16 else LOGIT_TOL),
+                         msg=where("full logits"))
 
 
 def _check_functions(results: list[dict]) -> None:
@@ -183,7 +203,7 @@ def _check_functions(results: list[dict]) -> None:
             assert_close(g_over, g_plain, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS_2))
+@pytest.mark.parametrize("name", [*LAYOUTS_2, *HF_LAYOUTS_2])
 def test_overlap_equals_plain_world2(world2, name):
     _check(world2, name)
 
