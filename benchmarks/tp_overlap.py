@@ -182,6 +182,37 @@ def _shape_argv(args) -> list[str]:
                                                                     "batch", "vocab", "flops")]
 
 
+def rate_bytes(rate: str) -> float:
+    """tc's rate syntax (SI units): 200mbit -> 2.5e7 bytes/s."""
+    for unit, mult in {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * mult / 8
+    raise ValueError(f"rate {rate!r}: expected e.g. 1gbit or 200mbit")
+
+
+def predicted(args) -> dict[str, float]:
+    """The planner's exposed tp seconds per step (forward + backward, the one chunk of tp2 with SP), plain and
+    overlapped, on a cluster of the emulated devices and the shaped link (tessel.planner.pricing.tensor)."""
+    from tessel.config import ModelConfig
+    from tessel.planner.cluster import Cluster, Link
+    from tessel.planner.cost import CostModel
+    from tessel.planner.layout import Layout
+    from tessel.planner.model_spec import from_config
+    from tessel.planner.pricing import Chunk
+    model = ModelConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                        max_seq_len=args.seq)
+    link = Link(rate_bytes(args.rate), 1e-4)
+    cluster = Cluster("emulated", 1, 2, {"fp32": args.flops, "bf16": args.flops}, 2**33, link, link, 1e10)
+    cm = CostModel(from_config(model, args.seq, args.batch), cluster, "fp32")
+    chunk = Chunk(tuple(range(args.layers)), True, True, args.batch * args.seq)
+    out = {}
+    for m in MODES:
+        lay = Layout(tp=2, sequence_parallel=True, tp_overlap=m == "overlap", micro_batch=args.batch)
+        comm = cm.chunk_comm(lay, chunk)
+        out[m] = comm.fwd_s + comm.bwd_s
+    return out
+
+
 def report(args, slow: dict, fast: dict) -> None:
     med = lambda run, key, m: statistics.median(run[key][m])  # noqa: E731
     tokens = args.batch * args.seq
@@ -194,6 +225,9 @@ def report(args, slow: dict, fast: dict) -> None:
         for m in MODES:
             print(f"{link:>5} {m:>8} {med(run, 'times', m) * 1e3:>10.1f} {med(run, 'comm', m) * 1e3:>21.1f} "
                   f"{tokens / med(run, 'times', m):>9.0f}")
+    plan = predicted(args)
+    print(f"planner, slow link: exposed tp comm plain {plan['plain'] * 1e3:.1f} ms, overlap "
+          f"{plan['overlap'] * 1e3:.1f} ms: hides {1 - plan['overlap'] / plan['plain']:.0%}")
     hidden = 1 - med(slow, "comm", "overlap") / med(slow, "comm", "plain")
     print(f"slow link: overlap hides {hidden:.0%} of the exposed tp communication; tokens/s overlap / plain "
           f"{med(slow, 'times', 'plain') / med(slow, 'times', 'overlap'):.2f}x")
