@@ -13,7 +13,8 @@ from tessel.errors import ConfigError
 # The order is the order refusals are reported in: where a recipe breaks several rules, the first is named.
 ORDER: tuple[list[Rule[Config]], ...] = (
     ps.RULES, mesh.RULES, tensor.RULES, tensor_nd.RULES, context.RULES, documents.RULES, fused_loss.RULES,
-    pipeline.RULES, compile.RULES, zero.RULES, expert.RULES, tensor.SEQUENCE_PARALLEL, train.RULES,
+    pipeline.RULES, compile.RULES, zero.RULES, expert.RULES, tensor.SEQUENCE_PARALLEL, tensor.TP_OVERLAP,
+    train.RULES,
     hf.RULES,  # transformers' verdict loads it: after the rules that need neither transformers nor torch
     data.RULES, runtime.RULES, uneven.RULES, fault.RULES, runtime.NODES,
 )

@@ -183,6 +183,9 @@ class ParallelConfig(Strict):
     micro_batches: int = Field(1, ge=1, description="pipeline micro-batches per accumulation step")
     sequence_parallel: bool = Field(False,
         description="under tp: norms and residuals split along the sequence (Korthikanti et al. 2022); needs tp > 1")
+    tp_overlap: bool = Field(False,
+        description="tp's communication decomposed into ring steps that overlap the matmuls using them (Wang et al."
+                    " 2023): 1d with sequence_parallel, or 2d; see tessel.parallel.tensor.overlap")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "pipedream", "2bw"] = Field(
         "1f1b", description="pipeline schedule; zb-h1 | zb-h2 | zbv split the backward (Qi et al. 2023), zbv "
                             "holds 2 virtual stages per rank in a V (tessel.parallel.pipeline.zero_bubble); "

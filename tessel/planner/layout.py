@@ -60,6 +60,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    tp_overlap: bool = False
     recompute: str = "none"
     zero_param_dtype: str = "fp32"
     tp_mode: str = "1d"
@@ -112,6 +113,8 @@ class Layout:
             parts.append(f"zero{self.zero_stage}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.tp_overlap:
+            parts.append("overlap")
         if self.recompute != "none":
             parts.append("recompute" if self.recompute == "full" else "selective")
         if self.zero_param_dtype != "fp32":

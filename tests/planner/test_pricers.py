@@ -52,3 +52,36 @@ def test_a_chunks_collectives_are_the_pricers_summed():
     whole = cm.chunk_comm(lay, chunk)
     assert whole.sent == {"tp": parts[0].sent["tp"], "ep": parts[1].sent["ep"], "cp": parts[2].sent["cp"]}
     assert whole.fwd_s == parts[0].fwd_s + parts[1].fwd_s + parts[2].fwd_s
+
+
+def _tp_comm(spec, cluster, overlap: bool) -> ChunkComm:
+    cm = CostModel(spec, cluster, "fp32")
+    lay = Layout(tp=4, sequence_parallel=True, tp_overlap=overlap, micro_batch=1)
+    return cm.chunk_comm(lay, Chunk(tuple(range(spec.cfg.n_layer)), True, True, spec.seq_len))
+
+
+def test_tp_overlap_hides_the_blocks_gathers_behind_a_compute_heavy_layer():
+    from tessel.planner.pricing.tensor import exposed_ring
+    spec, slow = tiny_spec(), flat_cluster(flops=1e9)  # 1 GFLOP/s: each matmul piece outlasts its transfer
+    plain, over = _tp_comm(spec, slow, False), _tp_comm(spec, slow, True)
+    cm = CostModel(spec, slow, "fp32")
+    pricing = cm.tensor.pricing
+    geo = pricing.groups(Layout(tp=4, sequence_parallel=True))["tp"]
+    act = spec.seq_len * spec.cfg.d_model * 4
+    per_block = pricing.cost("all_gather", act, geo).seconds + pricing.cost("reduce_scatter", act, geo).seconds
+    # every dense block's two gathers and two reduce-scatters hidden, both ways; the edges' calls stay
+    hidden = 2 * spec.cfg.n_layer * per_block
+    assert abs((plain.fwd_s - over.fwd_s) - hidden) < 1e-12 and abs((plain.bwd_s - over.bwd_s) - hidden) < 1e-12
+    assert over.fwd_s > 0 and over.sent == plain.sent  # the same bytes, only less of their time exposed
+    assert exposed_ring(1.0, 10.0, 4) == 0.0
+
+
+def test_tp_overlap_never_prices_below_zero_for_a_comm_heavy_layer():
+    from tessel.planner.pricing.tensor import exposed_ring
+    spec, fast = tiny_spec(), flat_cluster(flops=1e18, bw=1e6)  # compute ~0 beside a 1 MB/s link
+    plain, over = _tp_comm(spec, fast, False), _tp_comm(spec, fast, True)
+    assert 0 < plain.fwd_s - over.fwd_s < 1e-3 * plain.fwd_s  # nearly nothing to hide behind
+    assert over.fwd_s > 0 and over.bwd_s > 0
+    for comm, compute in ((1.0, 0.0), (1.0, 0.5), (1.0, 3.0), (0.0, 1.0)):
+        assert 0.0 <= exposed_ring(comm, compute, 4) <= comm
+    assert exposed_ring(1.0, 0.0, 4) == 1.0 and exposed_ring(1.0, 0.0, 1) == 1.0

@@ -27,3 +27,22 @@ SEQUENCE_PARALLEL = [
          lambda c: f"({c.train.seq_len}) must be divisible by tp ({c.parallel.tp}) under sequence parallelism",
          when=lambda c: c.parallel.sequence_parallel),
 ]
+
+_SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zbv")
+
+TP_OVERLAP = [
+    Rule("parallel.tp_overlap", lambda c: c.parallel.tp > 1, "needs tp > 1", when=lambda c: c.parallel.tp_overlap),
+    Rule("parallel.tp_overlap", lambda c: c.parallel.tp_mode in ("1d", "2d"),
+         lambda c: f"overlaps 1d (Megatron with sequence_parallel) and 2d (SUMMA), not tp_mode {c.parallel.tp_mode!r}",
+         when=lambda c: c.parallel.tp_overlap),
+    Rule("parallel.tp_overlap", lambda c: c.parallel.sequence_parallel or c.parallel.tp_mode != "1d",
+         "in 1d needs sequence_parallel = true (it overlaps the sequence all-gather and reduce-scatter)",
+         when=lambda c: c.parallel.tp_overlap),
+    Rule("parallel.tp_overlap", lambda c: c.train.compile == "off",
+         "needs train.compile = 'off' (its ring of point-to-point sends is driven eagerly, step by step)",
+         when=lambda c: c.parallel.tp_overlap),
+    Rule("parallel.tp_overlap", lambda c: c.parallel.pp == 1 or c.parallel.schedule not in _SPLIT_BACKWARD,
+         lambda c: f"cannot run under schedule {c.parallel.schedule!r}: a split backward would need each "
+                   "overlapped linear's input and weight gradients apart, which its ring computes together",
+         when=lambda c: c.parallel.tp_overlap),
+]

@@ -22,7 +22,7 @@ def apply_tensor_parallel(plan: Plan, mesh: Mesh, parallel: ParallelConfig, fami
     """tp > 1 in 1D: the family's plan applied to the model's modules, in place."""
     if mesh.size("tp") == 1 or parallel.tp_mode != "1d":
         return plan
-    ctx = TPContext.from_mesh(mesh, parallel.sequence_parallel)
+    ctx = TPContext.from_mesh(mesh, parallel.sequence_parallel, overlap=parallel.tp_overlap)
     tp_plan = family.tp_plan(plan.model)
     apply_plan(plan.model, tp_plan.styles, ctx, place_all=family.tp_places_all, widths=tp_plan.widths,
                blocks=tp_plan.blocks)

@@ -19,12 +19,15 @@ class TPContext:
     rank: int = 0
     sequence_parallel: bool = False
     seq_dim: int = 1
+    overlap: bool = False  # parallel.tp_overlap, under sequence parallelism only (tessel.parallel.tensor.overlap)
 
     @classmethod
-    def from_mesh(cls, mesh: Mesh, sequence_parallel: bool = False, axis: str = "tp") -> "TPContext":
+    def from_mesh(cls, mesh: Mesh, sequence_parallel: bool = False, axis: str = "tp",
+                  overlap: bool = False) -> "TPContext":
         group = mesh.group(axis)
         rank = dist.get_rank(group) if group is not None else 0
-        return cls(group, mesh.size(axis), rank, sequence_parallel and group is not None)
+        sp = sequence_parallel and group is not None
+        return cls(group, mesh.size(axis), rank, sp, overlap=overlap and sp)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a region of column-parallel layers: f, or g under sequence parallelism."""

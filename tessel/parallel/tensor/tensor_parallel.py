@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tessel.parallel.tensor import comm, regions
+from tessel.parallel.tensor import comm, overlap, regions
 from tessel.parallel.tensor.context import TPContext
 from tessel.sharding import (block_sizes, logical_shape, mark_packed, mark_sharded, packed_dims, set_logical_shape,
                              shard_dims)
@@ -107,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias, self.ctx, self.in_out = weight, bias, ctx, in_out
         self.in_features, self.out_features = weight.size(0 if in_out else 1), out_features
         self.enter, self.gather_output = enter, gather_output
+        self.pending = None  # (gathered input, output) an OverlappedRegion made for this layer (tp_overlap)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, shared_weight: nn.Parameter | None = None,
@@ -131,13 +132,25 @@ class ColumnParallelLinear(nn.Module):
             bias = _sharded_param(_shard(linear.bias, 0, ctx, padded), 0, linear.bias.shape if logical else None)
         return cls(weight, bias, ctx, out, in_out=in_out, **kw)
 
+    def matmul_weight(self) -> torch.Tensor:
+        """The weight as F.linear takes it, [out / tp, in]."""
+        return self.weight.t() if self.in_out else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter:
-            x = self.ctx.enter(x)
-        y = F.linear(x, self.weight.t() if self.in_out else self.weight, self.bias)  # (.., out / tp)
+        y = self._linear(x)  # (.., out / tp)
         if self.gather_output:
             y = comm.gather_last_dim(y, self.ctx.group)[..., : self.out_features]
         return y
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] is x:  # made by the region's overlapped gather
+            return pending[1]
+        if self.enter and self.ctx.overlap:
+            return overlap.gather_linear(x, [self.matmul_weight()], [self.bias], self.ctx.seq_dim, self.ctx.group)[1]
+        if self.enter:
+            x = self.ctx.enter(x)
+        return F.linear(x, self.matmul_weight(), self.bias)
 
     def extra_repr(self) -> str:
         local = self.weight.size(1 if self.in_out else 0)
@@ -175,7 +188,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_last_dim(x, self.ctx.group)
         w = self.weight.t() if self.in_out else self.weight
-        y = self.ctx.exit(F.linear(x, w))  # partial sums -> whole (or sequence shard)
+        if self.ctx.overlap:  # the partial sums reduce-scattered round the ring as they are made
+            y = overlap.linear_reduce_scatter(x, w, self.ctx.seq_dim, self.ctx.group)
+        else:
+            y = self.ctx.exit(F.linear(x, w))  # partial sums -> whole (or sequence shard)
         if self.bias is not None:
             # under sequence parallelism each rank adds the bias to its own tokens only
             bias = comm.copy_to_tp(self.bias, self.ctx.group) if self.ctx.sequence_parallel else self.bias
@@ -299,8 +315,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ct
 # ---- plans: module name pattern -> style ---------------------------------------
 
 def _enter_region(module: nn.Module, ctx: TPContext, memo: dict) -> nn.Module:
-    regions.enter_region(module, ctx)  # its input by position or by name (HF calls attention by keyword)
+    if ctx.overlap:  # the gather overlapped with the region's column layers
+        region = overlap.OverlappedRegion(partial(_region_layers, module), ctx.seq_dim, ctx.group)
+        regions.on_input(module, region)
+    else:
+        regions.enter_region(module, ctx)  # its input by position or by name (HF calls attention by keyword)
     return module
+
+
+def _region_layers(module: nn.Module) -> list[ColumnParallelLinear]:
+    """The column-parallel layers a region's entry feeds (those that do not enter one themselves)."""
+    return [m for m in module.modules() if isinstance(m, ColumnParallelLinear) and not m.enter]
 
 
 def _vocab_embedding(module: nn.Embedding, ctx: TPContext, memo: dict, whole_output: bool = False) -> nn.Module:

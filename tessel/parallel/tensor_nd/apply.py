@@ -118,9 +118,10 @@ def _done(hook: Callable, module: nn.Module, *args) -> nn.Module:
     return module
 
 
-def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
-    """2D, and 2.5D (SUMMA in each depth layer). "tied_head" takes the embedding's grid layer."""
-    s = Summa(grid)
+def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module, overlap: bool = False) -> Mode:
+    """2D, and 2.5D (SUMMA in each depth layer). "tied_head" takes the embedding's grid layer. overlap: each
+    SUMMA step's broadcasts in flight while the step before multiplies (parallel.tp_overlap)."""
+    s = Summa(grid, overlap)
     linear = lambda m: Linear2D(m, s)  # noqa: E731
     split = HiddenSplit(s.row_group, (s.col_group, s.depth_group))  # hidden chunk j; batch chunk (k, i)
     layers = {"colwise": linear, "rowwise": linear, "vocab_head": linear,
@@ -129,8 +130,10 @@ def _summa_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> M
     return layers, Loss2D(s, vocab_size), FullLogits2D(model, s), GatherVocab(s.row_group)
 
 
-def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module) -> Mode:
+def _cube_mode(grid: Grid, hidden: int, vocab_size: int, model: nn.Module, overlap: bool = False) -> Mode:
     """3D: layers that read the residual stream take its layout to the mixed one, those that write it back."""
+    if overlap:
+        raise ValueError("tp_overlap overlaps 1d and 2d, not 3d")
     cube = Cube(grid)
     g = cube.groups
     # a layout L(s, r): hidden chunk on axis r, batch chunk a*c + coord[s] (inner s, outer axis 0)
@@ -148,11 +151,12 @@ MODES = {"2d": _summa_mode, "2.5d": _summa_mode, "3d": _cube_mode}
 
 
 def apply_grid_mode(model: nn.Module, plan: dict[str, str], mesh: Mesh, mode: str, depth: int,
-                    vocab_size: int, hidden: int) -> GridModel:
+                    vocab_size: int, hidden: int, overlap: bool = False) -> GridModel:
     """Swap the plan's modules for the mode's grid layers, in place (collective: builds the grid's groups).
-    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face family's (tessel.models.hf.tp_plan)."""
+    The plan is the reference GPT's (tessel.models.plan) or a Hugging Face family's (tessel.models.hf.tp_plan).
+    overlap: parallel.tp_overlap (2d)."""
     grid = build_grid(mesh, grid_shape(mode, mesh.size("tp"), depth))
-    layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model)
+    layers, loss_fn, full_logits, gather_vocab = MODES[mode](grid, hidden, vocab_size, model, overlap)
     embeddings = {}  # id of a table -> its grid embedding: a head with the same weight is tied to it
     for name, style in match_plan(model, plan).items():  # parents before children, the embedding before the head
         style = HF_STYLES.get(style, style)
@@ -210,6 +214,7 @@ def apply_tensor_grid(plan: Plan, mesh: Mesh, parallel: ParallelConfig, family: 
     styles = family.grid_tp_plan(plan.model)
     if family.owns_loss:  # its loss on the grid's logits would be wrong
         refuse_own_loss(plan.model)
-    done = apply_grid_mode(plan.model, styles, mesh, parallel.tp_mode, parallel.tp_depth, vocab_size, hidden)
+    done = apply_grid_mode(plan.model, styles, mesh, parallel.tp_mode, parallel.tp_depth, vocab_size, hidden,
+                           parallel.tp_overlap)
     plan.loss_fn, plan.full_logits, plan.gather_vocab = done.loss_fn, done.full_logits, done.gather_vocab
     return plan

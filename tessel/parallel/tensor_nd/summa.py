@@ -26,6 +26,8 @@ tessel's gradient norm sums it over tp like a 1D shard.
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,8 +47,8 @@ class Summa:
     is split over depth x rows (chunk k*q + i), the weights are the same on every layer, and their
     gradients are summed over the depth group (reduce_over_depth)."""
 
-    def __init__(self, grid: Grid):
-        self.grid = grid
+    def __init__(self, grid: Grid, overlap: bool = False):
+        self.grid, self.overlap = grid, overlap  # overlap: parallel.tp_overlap (each next panel prefetched)
         self.q = grid.shape[-1]
         self.i, self.j = grid.coords[-2], grid.coords[-1]
         self.row_group, self.col_group = grid.groups[-1], grid.groups[-2]  # same i over j; same j over i
@@ -67,20 +69,40 @@ class Summa:
         return self.grid.src(len(self.grid.shape) - 2, k)  # rank (k, j)
 
 
-def _bcast(x: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
+def _bcast(x: torch.Tensor, mine: bool, src: int, group, async_op: bool = False):
     # a contiguous buffer: empty_like would copy a transposed weight's strides, and the collective
     # writes the bytes in row-major order
     buf = x.contiguous() if mine else x.new_empty(x.shape)
-    dist.broadcast(buf, src=src, group=group)
-    return buf
+    work = dist.broadcast(buf, src=src, group=group, async_op=async_op)
+    return (buf, work) if async_op else buf
+
+
+def _panels(specs: Callable[[int], list[tuple]], s: Summa) -> Iterator[list[torch.Tensor]]:
+    """The broadcast panels of each of SUMMA's q steps; specs(k) lists step k's broadcasts as
+    (tensor, mine, src, group). Under s.overlap, step k + 1's broadcasts are in flight while step k's
+    panels multiply: the decomposition of Wang et al. 2023 ("Overlap Communication with Dependent
+    Computation via Decomposition", ASPLOS '23) applied to SUMMA's broadcasts, which are already one
+    per step; one step's panels at a time per group, so every rank issues them in the same order."""
+    if not s.overlap:
+        for k in range(s.q):
+            yield [_bcast(*spec) for spec in specs(k)]
+        return
+    ahead = [_bcast(*spec, async_op=True) for spec in specs(0)]
+    for k in range(s.q):
+        for _, work in ahead:
+            work.wait()
+        panels = [buf for buf, _ in ahead]
+        if k + 1 < s.q:
+            ahead = [_bcast(*spec, async_op=True) for spec in specs(k + 1)]
+        yield panels
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_k A_ik B_kj: broadcast A_ik along row i, B_kj along column j, multiply-accumulate."""
     c = a.new_zeros(a.size(0), b.size(1))
-    for k in range(s.q):
-        a_k = _bcast(a, s.j == k, s.row_src(k), s.row_group)
-        b_k = _bcast(b, s.i == k, s.col_src(k), s.col_group)
+    steps = _panels(lambda k: [(a, s.j == k, s.row_src(k), s.row_group), (b, s.i == k, s.col_src(k), s.col_group)],
+                    s)
+    for a_k, b_k in steps:
         c.addmm_(a_k, b_k)
     return c
 
@@ -89,8 +111,7 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_m A_im B_jm^T: for each target column k, broadcast B_kj down column j, multiply,
     reduce the partial products along row i onto rank (i, k)."""
     out = None
-    for k in range(s.q):
-        b_k = _bcast(b, s.i == k, s.col_src(k), s.col_group)
+    for k, (b_k,) in enumerate(_panels(lambda k: [(b, s.i == k, s.col_src(k), s.col_group)], s)):
         part = a @ b_k.t()
         dist.reduce(part, dst=s.row_src(k), group=s.row_group)
         if s.j == k:
@@ -102,8 +123,7 @@ def summa_atb(a: torch.Tensor, b: torch.Tensor, s: Summa) -> torch.Tensor:
     """C_ij = sum_n A_ni^T B_nj: for each target row k, broadcast A_nk along row n, multiply,
     reduce the partial products down column j onto rank (k, j)."""
     out = None
-    for k in range(s.q):
-        a_k = _bcast(a, s.j == k, s.row_src(k), s.row_group)
+    for k, (a_k,) in enumerate(_panels(lambda k: [(a, s.j == k, s.row_src(k), s.row_group)], s)):
         part = a_k.t() @ b
         dist.reduce(part, dst=s.col_src(k), group=s.col_group)
         if s.i == k:

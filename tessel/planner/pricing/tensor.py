@@ -2,9 +2,11 @@
 
 Its collectives per chunk are tessel.planner.traffic.tp_chunk_calls (the f/g operators, Shoeybi et al.
 2019; SP's g/g-bar, Korthikanti et al. 2022), priced on the tp group and, on a profiled machine, scaled by
-what they measurably cost between the matmuls. Its memory term is autocast's bf16 copies of the fp32
-weights; what a block keeps for backward under tp is tessel.planner.memory.layer_activation_bytes (read by
-the recompute pricer, which decides what is kept).
+what they measurably cost between the matmuls. Under tp_overlap (tessel.parallel.tensor.overlap) each dense
+block's sequence gathers and reduce-scatters run as tp - 1 ring steps beside the matmuls they feed or take
+from, and only what outlasts those matmuls is on the critical path (exposed_ring). Its memory term is
+autocast's bf16 copies of the fp32 weights; what a block keeps for backward under tp is
+tessel.planner.memory.layer_activation_bytes (read by the recompute pricer, which decides what is kept).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from tessel.planner.pricing.base import Pricing
 from tessel.planner.traffic import Call, sent_bytes, tp_chunk_calls
 
 
+def exposed_ring(comm_s: float, compute_s: float, tp: int) -> float:
+    """Seconds of a collective that a ring decomposition leaves exposed beside the matmul it feeds or takes
+    from (Wang et al. 2023): its tp - 1 transfers of comm_s / (tp - 1) each run beside one of the matmul's tp
+    pieces (compute_s / tp), so each step exposes max(0, comm - overlapped compute); summed."""
+    if tp <= 1:
+        return comm_s
+    steps = tp - 1
+    return steps * max(0.0, comm_s / steps - compute_s / tp)
+
+
 class TensorPricer:
     def __init__(self, pricing: Pricing):
         self.pricing = pricing
@@ -30,18 +42,49 @@ class TensorPricer:
             return None
         n_moe = sum(self.pricing.moe_flags[i] for i in chunk.layers)
         full = layout.recompute == "full"
-        key = (len(chunk.layers) - n_moe, n_moe, chunk.first, chunk.last, layout.tp, layout.sequence_parallel, full, chunk.tokens)
+        overlap = layout.tp_overlap and layout.sequence_parallel
+        key = (len(chunk.layers) - n_moe, n_moe, chunk.first, chunk.last, layout.tp, layout.sequence_parallel, full,
+               chunk.tokens, overlap)
         if key not in self._memo:  # thousands of layouts share a few chunk shapes (tp is innermost: its
             # group's geometry is tp's alone)
             self._memo[key] = self._priced(*key, self.pricing.groups(layout)["tp"])
         return self._memo[key]
 
     def _priced(self, n_dense: int, n_moe: int, first: bool, last: bool, tp: int, sp: bool, recompute: bool,
-                tokens: int, geo: Geometry) -> ChunkComm:
+                tokens: int, overlap: bool, geo: Geometry) -> ChunkComm:
         f, b = self.calls(n_dense, n_moe, tokens, sp, recompute, first, last)
         k = self._in_step_factor(tp, tokens, geo)
         tf, tb = self.pricing.price_group(f, geo), self.pricing.price_group(b, geo)
-        return ChunkComm(k * tf.seconds, k * tb.seconds, {"tp": sent_bytes(f + b, tp)}, (tf, tb))
+        hf, hb = self.hidden(n_dense, tokens, tp, recompute, k, geo) if overlap else (0.0, 0.0)
+        return ChunkComm(k * tf.seconds - hf, k * tb.seconds - hb, {"tp": sent_bytes(f + b, tp)}, (tf, tb))
+
+    def hidden(self, n_dense: int, tokens: int, tp: int, recompute: bool, k: float,
+               geo: Geometry) -> tuple[float, float]:
+        """(forward, backward) seconds of the dense blocks' sequence gathers and reduce-scatters that tp_overlap
+        hides behind their matmuls. Forward: the gather beside the region's column matmuls, the reduce-scatter
+        beside the row matmul; backward the conjugates, beside the input and weight gradients' matmuls (twice
+        the forward's FLOPs). A recomputed block's forward hides its collectives again."""
+        act = tokens * self.pricing.spec.cfg.d_model * self.pricing.act_bytes
+        ag = k * self.pricing.cost("all_gather", act, geo).seconds
+        rs = k * self.pricing.cost("reduce_scatter", act, geo).seconds
+        speed = self.pricing.flops_per_s(tokens, tp)  # the tp group's: a rank's share of a matmul / speed
+        fwd = bwd = 0.0
+        for column, row in self._regions():
+            col_s, row_s = column * tokens / speed, row * tokens / speed
+            fwd += ag + rs - exposed_ring(ag, col_s, tp) - exposed_ring(rs, row_s, tp)
+            bwd += rs + ag - exposed_ring(rs, 2 * col_s, tp) - exposed_ring(ag, 2 * row_s, tp)
+        return n_dense * fwd, n_dense * (bwd + (fwd if recompute else 0.0))
+
+    def _regions(self) -> list[tuple[float, float]]:
+        """(column, row) forward FLOPs per token of a dense block's two regions (attention, feed-forward)."""
+        block = next((b for b in self.pricing.spec.blocks if b.mlp is not None), None)
+        if block is None:
+            return []
+        heads = block.attention.projections
+        attention = (sum(2 * i * o for i, o, side in heads if side == "out"),
+                     sum(2 * i * o for i, o, side in heads if side == "in"))
+        mlp = block.mlp
+        return [attention, (2 * (mlp.matrices - 1) * mlp.d_model * mlp.width, 2 * mlp.width * mlp.d_model)]
 
     def calls(self, n_dense: int, n_moe: int, tokens: int, sp: bool, recompute: bool, first: bool,
               last: bool) -> tuple[list[Call], list[Call]]:
