@@ -107,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias, self.ctx, self.in_out = weight, bias, ctx, in_out
         self.in_features, self.out_features = weight.size(0 if in_out else 1), out_features
         self.enter, self.gather_output = enter, gather_output
+        self.matmul = F.linear  # (x, weight, bias); train.precision = "fp8" swaps in tessel.parallel.float8's
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, shared_weight: nn.Parameter | None = None,
@@ -134,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter:
             x = self.ctx.enter(x)
-        y = F.linear(x, self.weight.t() if self.in_out else self.weight, self.bias)  # (.., out / tp)
+        y = self.matmul(x, self.weight.t() if self.in_out else self.weight, self.bias)  # (.., out / tp)
         if self.gather_output:
             y = comm.gather_last_dim(y, self.ctx.group)[..., : self.out_features]
         return y
@@ -159,6 +160,7 @@ class RowParallelLinear(nn.Module):
         local_in, out = (weight.size(0), weight.size(1)) if in_out else (weight.size(1), weight.size(0))
         self.in_features, self.out_features = local_in * ctx.size, out
         self.input_is_parallel = input_is_parallel
+        self.matmul = F.linear  # (x, weight, bias); train.precision = "fp8" swaps in tessel.parallel.float8's
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, **kw) -> "RowParallelLinear":
@@ -175,7 +177,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_last_dim(x, self.ctx.group)
         w = self.weight.t() if self.in_out else self.weight
-        y = self.ctx.exit(F.linear(x, w))  # partial sums -> whole (or sequence shard)
+        y = self.ctx.exit(self.matmul(x, w))  # partial sums -> whole (or sequence shard)
         if self.bias is not None:
             # under sequence parallelism each rank adds the bias to its own tokens only
             bias = comm.copy_to_tp(self.bias, self.ctx.group) if self.ctx.sequence_parallel else self.bias
