@@ -7,7 +7,8 @@ set -euo pipefail
 PIP="${PIP:-python -m pip}"
 mkdir -p .whl
 $PIP download --no-deps -d .whl/ torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard \
-    typing-extensions pydantic==2.14.3 annotated-types typing-inspection rich==15.0.0 markdown-it-py mdurl pygments
+    typing-extensions pydantic==2.14.3 annotated-types typing-inspection rich==15.0.0 markdown-it-py mdurl pygments \
+    torchao==0.18.0
 for py in 310 311 312 313; do
     $PIP download --no-deps -d .whl/ --only-binary=:all: --platform manylinux2014_x86_64 \
         --python-version "$py" --implementation cp pydantic_core==2.50.4

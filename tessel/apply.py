@@ -4,7 +4,7 @@ The trainer calls `parallelize(model, mesh, cfg)` here; a user's own loop calls 
 public `tessel.parallelize(model, mesh, layout)` (tessel.api), which builds the same
 config and calls it.
 
-TP/SP -> CP -> EP -> PP split -> fused loss -> recompute -> compile -> DP/ZeRO, with
+TP/SP -> CP -> EP -> PP split -> fused loss -> float8 -> recompute -> compile -> DP/ZeRO, with
 and without a pipeline. Each step lives in its strategy's folder
 (tessel/parallel/<strategy>/apply.py; recompute and compile in their modules),
 takes the Plan (tessel.parallel.plan), the mesh and its config sections, and
@@ -26,6 +26,7 @@ from tessel.parallel.context.apply import apply_context_parallel, whole_sequence
 from tessel.parallel.data.apply import apply_data_parallel
 from tessel.parallel.data.uneven import loss_weight
 from tessel.parallel.expert.apply import apply_expert_parallel
+from tessel.parallel.float8.apply import apply_float8
 from tessel.parallel.fused_loss.apply import apply_fused_loss
 from tessel.parallel.pipeline.apply import apply_pipeline, pipeline_runner
 from tessel.parallel.plan import Plan
@@ -48,6 +49,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     plan = apply_expert_parallel(plan, mesh, p, family, m.n_experts, m.aux_loss_scope, t.grad_accum)
     plan = apply_pipeline(plan, mesh, p, t, m, family)
     plan = apply_fused_loss(plan, mesh, p, t.fused_loss, m.vocab_size, m.max_seq_len)
+    plan = apply_float8(plan, mesh, t, family)
     plan = apply_recompute(plan, mesh, p.recompute, family)
     plan = apply_compile(plan, mesh, p, t, family)
     plan = apply_zero(plan, mesh, p, t, family)  # DP/ZeRO: one door, over the model or a pipeline rank's chunks

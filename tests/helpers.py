@@ -117,7 +117,7 @@ def train_command(recipe: Path, out: Path, *args: str) -> list[str]:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run: this checkout on the path, one thread per rank."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "OMP_NUM_THREADS": "1", **extra}
 
 
 def build_runner(cfg: Config, init_seed: int | None = None):

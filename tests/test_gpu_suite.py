@@ -44,3 +44,19 @@ def test_smoke_prints_every_row_beside_the_planner_and_writes_its_tables(tmp_pat
     table = GemmTable.from_dict(json.loads((tmp_path / "gemm_h100.json").read_text()))
     assert len(table.points) == len(gemm_rows) and all(s > 0 for _, s in table.points)
     assert table.gpu == "cpu" and "--smoke" in table.command
+
+
+def test_fp8_benchmark_smoke_trains_both_precisions_and_prints_the_ratios_last(tmp_path):
+    """benchmarks/fp8.py --smoke: bf16 and emulated fp8 on the CPU, the loss gap, the planner's ratio, the
+    measured ratio last."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/fp8.py", "--smoke", "--steps", "28"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1].startswith("ratio tokens/s fp8 / bf16: ") and float(lines[-1].split()[-1]) > 0
+    gap = next(line for line in lines if line.startswith("loss gap"))
+    assert abs(float(gap.split()[-1])) < 0.05  # 28 steps of a toy model: float8's rounding, not a divergence
+    result = json.loads((tmp_path / "fp8.json").read_text())
+    assert set(result["runs"]) == {"bf16", "fp8"} and not result["errors"]
+    assert all(len(r["losses"]) == 28 for r in result["runs"].values())

@@ -63,6 +63,7 @@ STRATEGIES = (
     Strategy("CB", "compiled blocks", {"train.compile": "blocks"}),
     Strategy("CM", "compiled model", {"train.compile": "model"}),
     Strategy("FL", "fused loss", {"train.fused_loss": True}),
+    Strategy("F8", "FP8 matmuls (train.precision fp8)", {"train.precision": "fp8"}),
 )
 
 SAME_KNOB = "-"  # two settings of one knob (two schedules, two tp sizes): alternatives, not a combination

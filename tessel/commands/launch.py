@@ -128,6 +128,10 @@ def check_devices(cfg: Config, nproc: int) -> None:
     r = cfg.runtime
     if r.device == "auto" and r.backend != "nccl":
         _say_auto_device(nproc)
+        if cfg.train.precision == "fp8":  # the GPUs "auto" takes, if it takes them, must multiply in float8
+            from tessel.runtime import auto_uses_cuda  # deferred: loads torch
+            if auto_uses_cuda(nproc):
+                _check_float8(cfg)
         return
     if r.device != "cuda" and r.backend != "nccl":
         return
@@ -139,6 +143,17 @@ def check_devices(cfg: Config, nproc: int) -> None:
     if torch.cuda.device_count() < nproc:
         raise ConfigError(field, f"{nproc} ranks per node need {nproc} GPUs; this machine has "
                           f"{torch.cuda.device_count()}")
+    _check_float8(cfg)
+
+
+def _check_float8(cfg: Config) -> None:
+    """train.precision = "fp8" on a GPU without float8 matmuls: refused here, naming the GPU (the CPU emulates)."""
+    if cfg.train.precision != "fp8":
+        return
+    from tessel.parallel.float8.device import float8_refusal  # deferred: loads torch
+    refusal = float8_refusal()
+    if refusal:
+        raise ConfigError("train.precision", refusal)
 
 
 def _say_auto_device(nproc: int) -> None:

@@ -107,8 +107,8 @@ def check_problem_args(cluster: str, world: int | None, model: str | None, globa
         get_cluster(cluster, world)
     if model is not None:
         preset(model)
-    if precision is not None and precision not in ("fp32", "bf16"):
-        raise ConfigError("--precision", f"'{precision}' is not one of fp32, bf16")
+    if precision is not None and precision not in ("fp32", "bf16", "fp8"):
+        raise ConfigError("--precision", f"'{precision}' is not one of fp32, bf16, fp8")
 
 
 def resolve(recipe: str | None, overrides: list[str], cluster: str, world: int | None, model: str | None,

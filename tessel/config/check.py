@@ -5,16 +5,16 @@ so a bad recipe fails in a second with a message that names the field."""
 from __future__ import annotations
 
 from tessel.config.rule import Rule, check_rules
-from tessel.config.rules import (compile, context, data, documents, expert, fault, fused_loss, hf, mesh, pipeline,
-                                 ps, runtime, tensor, tensor_nd, train, uneven, zero)
+from tessel.config.rules import (compile, context, data, documents, expert, fault, float8, fused_loss, hf, mesh,
+                                 pipeline, ps, runtime, tensor, tensor_nd, train, uneven, zero)
 from tessel.config.schema import Config
 from tessel.errors import ConfigError
 
 # The order is the order refusals are reported in: where a recipe breaks several rules, the first is named.
 ORDER: tuple[list[Rule[Config]], ...] = (
     ps.RULES, mesh.RULES, tensor.RULES, tensor_nd.RULES, context.RULES, documents.RULES, fused_loss.RULES,
-    pipeline.RULES, compile.RULES, zero.RULES, expert.RULES, tensor.SEQUENCE_PARALLEL, tensor.TP_OVERLAP,
-    train.RULES,
+    pipeline.RULES, compile.RULES, float8.RULES, zero.RULES, expert.RULES, tensor.SEQUENCE_PARALLEL,
+    tensor.TP_OVERLAP, train.RULES,
     hf.RULES,  # transformers' verdict loads it: after the rules that need neither transformers nor torch
     data.RULES, runtime.RULES, uneven.RULES, fault.RULES, runtime.NODES,
 )

@@ -264,8 +264,11 @@ class TrainConfig(Strict):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    precision: Literal["fp32", "bf16"] = Field("fp32",
-        description="compute dtype: fp32, or bf16 autocast over fp32 weights")
+    precision: Literal["fp32", "bf16", "fp8"] = Field("fp32",
+        description="compute dtype: fp32; bf16 autocast over fp32 weights; or fp8: bf16 with the transformer "
+                    "blocks' linear layers multiplying in float8 (torchao; emulated on the CPU)")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise",
+        description="train.precision = 'fp8': one scale per tensor (fastest) or per row (robust to outliers)")
     seed: int = Field(1234, ge=0, lt=2**63, description="numpy and torch seeds (0 <= seed < 2**63)")
     eval_every: int = Field(50, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(4, ge=1, description="validation batches per evaluation")

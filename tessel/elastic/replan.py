@@ -123,7 +123,7 @@ def rank_speeds(cfg: Config, ranks: list[dict]) -> tuple[float, ...]:
     if declared is not None and len(declared) == len(ranks):
         speeds = list(declared) if cfg.runtime.emulate_flops else [v / min(declared) for v in declared]
     elif len({info["kind"] for info in ranks}) > 1:
-        key = "bf16" if cfg.train.precision == "bf16" else "fp32"
+        key = "bf16" if cfg.train.precision in ("bf16", "fp8") else "fp32"
         speeds = [info[key] / min(i[key] for i in ranks) for info in ranks]
     else:
         return ()

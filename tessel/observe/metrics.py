@@ -85,7 +85,7 @@ def device_peak_flops(device: torch.device, precision: str) -> float:
     merely because the chosen dtype is the slow one.
     """
     if device.type == "cuda":
-        return measure_matmul_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        return measure_matmul_flops(device, torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32)
     return max(measure_matmul_flops(device, torch.float32), measure_matmul_flops(device, torch.bfloat16))
 
 

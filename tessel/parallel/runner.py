@@ -82,7 +82,7 @@ class Runner(Protocol):
 
 
 def autocast_for(device: torch.device, precision: str):
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):  # fp8: what is not a block's float8 matmul runs in bf16
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -93,7 +93,7 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def flops(self, precision: str) -> float:
-        dtype = "bf16" if precision == "bf16" else "fp32"
+        dtype = "bf16" if precision in ("bf16", "fp8") else "fp32"
         return self.peak_flops[dtype] * self.efficiency
 
     def workspace(self) -> dict:
@@ -183,8 +183,8 @@ def _a100(nodes: int) -> Cluster:
 def _h100(nodes: int) -> Cluster:
     return Cluster(
         "h100", nodes, 8,
-        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense BF16, 67 TFLOP/s FP32
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense BF16, 1979 dense FP8, 67 FP32
+        peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
         memory=80 * 2**30,  # datasheet: 80 GB HBM3
         # datasheet: NVLink 900 GB/s = 450 GB/s per direction. NCCL's ring all-reduce on a DGX H100
         # reaches ~360 GB/s bus bandwidth (nccl-tests all_reduce_perf, 8 GPUs, without NVLink SHARP): 0.8
@@ -251,7 +251,7 @@ def cluster_fields() -> list[str]:
         if f.name in ("intra", "inter"):
             out += [f"{f.name}.{g.name}" for g in fields(Link)]
         elif f.name == "peak_flops":
-            out += ["peak_flops.bf16", "peak_flops.fp32"]
+            out += ["peak_flops.bf16", "peak_flops.fp8", "peak_flops.fp32"]
         elif f.name == "attention_efficiency":
             out += ["attention_efficiency.fwd", "attention_efficiency.bwd"]
         else:

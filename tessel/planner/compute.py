@@ -65,6 +65,15 @@ class Stream:
 
 
 @dataclass(frozen=True)
+class Float8Gemm:
+    """A block linear's GEMM under train.precision = "fp8" (tessel.parallel.float8): at the device's float8
+    peak, plus its dynamic scaling, memory-bound: each high-precision operand read twice (its amax, then the
+    cast) and written once in float8. cast_bytes: those bytes for this GEMM's operands."""
+    gemm: Gemm
+    cast_bytes: float
+
+
+@dataclass(frozen=True)
 class FusedAttention:
     flops: float  # what the kernel computes (causal: half of the T x T square)
     backward: bool = False
@@ -96,11 +105,15 @@ class Shape:
     # the attention's projections as (out, in) per tp rank where they are not q, k, v and o (multi-head latent
     # attention: tessel.hf.blocks.Attention.gemms); the last one is the output projection
     attn_gemms: tuple[tuple[int, int], ...] = ()
+    fp8: bool = False  # train.precision = "fp8": the attention's and the dense MLP's GEMMs in float8
 
 
 def op_seconds(op, cl: Cluster, dtype: str) -> float:
     if isinstance(op, Gemm):
         return gemm_seconds(op, cl, dtype)
+    if isinstance(op, Float8Gemm):  # a device without a float8 peak is refused fp8 before it runs (bf16 here)
+        fp8 = "fp8" if "fp8" in cl.peak_flops else dtype
+        return gemm_seconds(op.gemm, cl, fp8) + op.cast_bytes / (cl.mem_bandwidth * cl.hbm_efficiency)
     if isinstance(op, Stream):
         return op.nbytes / (cl.mem_bandwidth * cl.hbm_efficiency)
     eff = cl.attention_efficiency[1 if op.backward else 0]
@@ -114,9 +127,9 @@ def block_forward(s: Shape) -> tuple[list, list]:
     t, tn, d, r, a = s.tokens, s.sp_tokens, s.d_model, s.resid, s.act
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     into, out = attention_gemms(s)
-    ops: list = norm_and_cast(s, 3) + [Gemm(t, n, k) for n, k in into]
+    ops: list = norm_and_cast(s, 3) + [linear(s, t, n, k) for n, k in into]
     core = attention_core(s)
-    ops += [Stream(2 * a * q * t), Gemm(t, *out)]  # y transposed; wo
+    ops += [Stream(2 * a * q * t), linear(s, t, *out)]  # y transposed; wo
     if s.compiled and tn == t:  # the residual add, the MLP norm and its cast in one kernel
         ops.append(Stream((2 * r + 2 * a) * d * tn))
     else:
@@ -125,12 +138,21 @@ def block_forward(s: Shape) -> tuple[list, list]:
         ops += moe_ops(s) + shared_expert_ops(s)
     else:
         f = s.ffn
-        ops += [Gemm(t, f, d)] * (s.mlp_matrices - 1)
-        ops += [Stream(activation_bytes(s) * a * f * t), Gemm(t, d, f)]  # silu(g) * u (or GELU)
+        ops += [linear(s, t, f, d)] * (s.mlp_matrices - 1)
+        ops += [Stream(activation_bytes(s) * a * f * t), linear(s, t, d, f)]  # silu(g) * u (or GELU)
     ops.append(Stream((2 * r + a) * d * tn))  # residual
     if s.cast:
         ops.append(Stream(CAST_BYTES * block_weights(s)))
     return ops, core
+
+
+def linear(s: Shape, m: int, n: int, k: int):
+    """A block linear layer's forward GEMM (m tokens, n outputs, k inputs): in float8 under fp8 where its
+    dimensions allow (multiples of 16, as tessel.parallel.float8 requires); the casts of its input (act bytes)
+    and of its fp32 weight, each read twice and written once in float8."""
+    if not s.fp8 or n % 16 or k % 16:
+        return Gemm(m, n, k)
+    return Float8Gemm(Gemm(m, n, k), (2 * s.act + 1) * m * k + (2 * 4 + 1) * n * k)
 
 
 def attention_gemms(s: Shape) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -216,6 +238,10 @@ def backward(ops: list) -> list:
     for op in ops:
         if isinstance(op, Gemm):
             out += [Gemm(op.m, op.k, op.n, op.batch), Gemm(op.n, op.k, op.m, op.batch)]
+        elif isinstance(op, Float8Gemm):  # the output's gradient cast for each product, the input and weight again
+            g, dy = op.gemm, (2 * 2 + 1) * op.gemm.m * op.gemm.n
+            out += [Float8Gemm(Gemm(g.m, g.k, g.n), dy + 9 * g.n * g.k),
+                    Float8Gemm(Gemm(g.n, g.k, g.m), dy + op.cast_bytes - 9 * g.n * g.k)]
         elif isinstance(op, Stream):
             out.append(Stream(2 * op.nbytes))
         else:

@@ -281,7 +281,7 @@ class CostModel(Pricing):
         model_flops = self.model_flops_tok * global_tokens / t_step / layout.world
         recomputed = self.model_flops_tok + self.recompute.flops_per_token(layout)
         hw_flops = recomputed * global_tokens / t_step / layout.world
-        peak = self.cluster.peak_flops["bf16" if self.precision == "bf16" else "fp32"]
+        peak = self.cluster.peak_flops["bf16" if self.precision in ("bf16", "fp8") else "fp32"]
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         geo = self.groups(layout)
         sizes = layout.axis_sizes

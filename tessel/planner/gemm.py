@@ -117,7 +117,7 @@ class _Device:
 
 def _device(cl, dtype: str) -> _Device:
     return _Device(cl.peak_flops[dtype], cl.sms, cl.gemm_efficiency, cl.gemm_tile_feed, cl.gemm_k_overhead,
-                   cl.gemm_persistent, cl.mem_bandwidth * cl.hbm_efficiency, 2 if dtype == "bf16" else 4)
+                   cl.gemm_persistent, cl.mem_bandwidth * cl.hbm_efficiency, {"fp8": 1, "bf16": 2}.get(dtype, 4))
 
 
 @lru_cache(maxsize=65536)

@@ -281,13 +281,13 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, g: Grid, precision: str
     chunk (every hidden chunk of the row needs it). tests/parallel/tensor_nd measures it, to the byte.
     """
     c = spec.cfg
-    a = 2 if precision == "bf16" else 4
+    a = 2 if precision in ("bf16", "fp8") else 4
     qw = c.n_head * spec.head_dim
     stream = 4 * c.d_model * 4
     split = (5 * qw + 4 * c.ffn_dim) * a + c.n_head * 4
     norms = tokens * 2 * 4 / g.batch_chunks + 2 * c.d_model / g.side * 4  # the rms per row, the gathered weights
     if g.mode != "3d":
-        casts = 5 * c.d_model * 2 if precision == "bf16" else 2 * c.d_model * 4
+        casts = 5 * c.d_model * 2 if precision in ("bf16", "fp8") else 2 * c.d_model * 4
         return tokens * (stream + casts + split) / g.size + norms
     side = g.side
     inputs = 5 * c.d_model * a * side + (qw + c.ffn_dim) * a * (side - 1)  # gathered; wo's and down's replace theirs

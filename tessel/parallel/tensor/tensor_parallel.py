@@ -108,6 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.size(0 if in_out else 1), out_features
         self.enter, self.gather_output = enter, gather_output
         self.pending = None  # (gathered input, output) an OverlappedRegion made for this layer (tp_overlap)
+        self.matmul = F.linear  # (x, weight, bias); train.precision = "fp8" swaps in tessel.parallel.float8's
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, shared_weight: nn.Parameter | None = None,
@@ -150,7 +151,7 @@ class ColumnParallelLinear(nn.Module):
             return overlap.gather_linear(x, [self.matmul_weight()], [self.bias], self.ctx.seq_dim, self.ctx.group)[1]
         if self.enter:
             x = self.ctx.enter(x)
-        return F.linear(x, self.matmul_weight(), self.bias)
+        return self.matmul(x, self.matmul_weight(), self.bias)
 
     def extra_repr(self) -> str:
         local = self.weight.size(1 if self.in_out else 0)
@@ -172,6 +173,7 @@ class RowParallelLinear(nn.Module):
         local_in, out = (weight.size(0), weight.size(1)) if in_out else (weight.size(1), weight.size(0))
         self.in_features, self.out_features = local_in * ctx.size, out
         self.input_is_parallel = input_is_parallel
+        self.matmul = F.linear  # (x, weight, bias); train.precision = "fp8" swaps in tessel.parallel.float8's
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, **kw) -> "RowParallelLinear":
@@ -191,7 +193,7 @@ class RowParallelLinear(nn.Module):
         if self.ctx.overlap:  # the partial sums reduce-scattered round the ring as they are made
             y = overlap.linear_reduce_scatter(x, w, self.ctx.seq_dim, self.ctx.group)
         else:
-            y = self.ctx.exit(F.linear(x, w))  # partial sums -> whole (or sequence shard)
+            y = self.ctx.exit(self.matmul(x, w))  # partial sums -> whole (or sequence shard)
         if self.bias is not None:
             # under sequence parallelism each rank adds the bias to its own tokens only
             bias = comm.copy_to_tp(self.bias, self.ctx.group) if self.ctx.sequence_parallel else self.bias

@@ -55,7 +55,7 @@ class Pricing:
         # buffer padded to the capacity; the profile converts its times with the same count
         self.layer_flops = [spec.layer_fwd_flops_per_token(i) for i in range(n_layer)]
         self.layer_params = [spec.layer_params(i) for i in range(n_layer)]
-        self.act_bytes = 2 if precision == "bf16" else 4
+        self.act_bytes = 2 if precision in ("bf16", "fp8") else 4
         self.moe_flags = [spec.is_moe(i) for i in range(n_layer)]
         self.model_flops_tok = spec.model_flops_per_token()
         # the per-op device model prices compute where nothing was measured and the cluster has one
@@ -77,7 +77,7 @@ class Pricing:
         return 2 if bf16 and layout.zero_stage >= 1 and layout.pp == 1 else 4
 
     def dtype(self) -> str:
-        return "bf16" if self.precision == "bf16" else "fp32"
+        return "bf16" if self.precision in ("bf16", "fp8") else "fp32"
 
     # -- communication -------------------------------------------------------------------
     def groups(self, layout: Layout) -> dict[str, Geometry]:
@@ -190,7 +190,7 @@ class Pricing:
                      experts=local_experts, cp=layout.cp,
                      expert_rows=expert_rows(spec, tokens, layout.ep) if moe else 0,
                      router=spec.n_experts if moe else 0, compiled=self.compiled, fused_loss=self.fused_loss,
-                     shared_ffn=spec.shared_ffn if moe else 0, attn_gemms=latent)
+                     shared_ffn=spec.shared_ffn if moe else 0, attn_gemms=latent, fp8=self.precision == "fp8")
 
     # -- what a rank holds -----------------------------------------------------------------
     def stage_params(self, layout: Layout, chunks, all_chunks) -> tuple[float, float]:

@@ -60,7 +60,7 @@ class ContextPricer:
         if layout.cp == 1 or layout.cp_mode != "ring":
             return 0.0
         q, kv = self._widths(layout)
-        return ring_kv_saving(tokens, q, kv, 2 if self.pricing.precision == "bf16" else 4)
+        return ring_kv_saving(tokens, q, kv, 2 if self.pricing.precision in ("bf16", "fp8") else 4)
 
     def ring_buffers(self, layout: Layout, tokens: int) -> float:
         """What the ring's backward adds to a block's: its buffers, less the MLP half's saved bytes already freed."""
@@ -69,7 +69,7 @@ class ContextPricer:
         q, kv = self._widths(layout)
         p, c = self.pricing, self.pricing.spec.cfg
         freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, layout.tp, layout.sequence_parallel, p.precision)
-        return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if p.precision == "bf16" else 4) - freed)
+        return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if p.precision in ("bf16", "fp8") else 4) - freed)
 
     def memory(self, layout: Layout, stage: Stage) -> dict[str, float]:
         return {}
