@@ -318,6 +318,9 @@ class LoggingConfig(Strict):
     tensorboard: bool = Field(True, description="write TensorBoard events (when logging.trackers is not set)")
     progress: bool = Field(True,
         description="rank 0 draws a progress bar (a plain line every 10 steps when not a terminal)")
+    plots: bool = Field(True, description="at the run's end rank 0 draws curves.png and, under a pipeline, the "
+                                          "last step's pipeline_trace.json and pipeline_gantt.png (matplotlib: "
+                                          "about 2 s of CPU a run)")
     peak_flops: float | None = Field(None, gt=0, description="per device; default measured")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
         None, description="experiment trackers fed the metrics rows, the config and the summary; default: "

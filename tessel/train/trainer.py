@@ -80,14 +80,17 @@ def speed_fields(elapsed: float, tokens: int, flops_per_token: float, peak_flops
             "mfu": flops_per_token * tokens / elapsed / peak_flops, "peak_mem_mb": peak_memory_mb(device)}
 
 
-def close_log(log: MetricsLog, tensorboard: bool = True, summary: dict | None = None) -> dict[str, str]:
-    """Close rank 0's metrics log (its trackers get `summary`) and plot its curves; the files the run wrote."""
-    from tessel.observe.plots import plot_metrics  # deferred: matplotlib, for the run's last moment
+def close_log(log: MetricsLog, tensorboard: bool = True, summary: dict | None = None,
+              plots: bool = True) -> dict[str, str]:
+    """Close rank 0's metrics log (its trackers get `summary`) and, with `plots`, plot its curves; the files the
+    run wrote."""
     log.close(summary)
     files = {"metrics": str(log.path)}
     if tensorboard:
         files["tensorboard"] = str(Path(log.dir) / "tensorboard")
-    files["curves"] = str(plot_metrics(log.path, Path(log.dir) / "curves.png"))
+    if plots:
+        from tessel.observe.plots import plot_metrics  # deferred: matplotlib, for the run's last moment
+        files["curves"] = str(plot_metrics(log.path, Path(log.dir) / "curves.png"))
     return files
 
 
@@ -286,11 +289,12 @@ class Trainer:
             if self.log is not None:
                 self.log.close({})  # finished, nothing new for the trackers
             return summary_from_metrics(self.cfg)
-        # collective: every rank hands in its events
-        files = dict(self.runner.write_timeline(self.cfg.logging.out_dir))
+        plots = self.cfg.logging.plots
+        # collective: every rank hands in its events (every rank reads the same logging.plots)
+        files = dict(self.runner.write_timeline(self.cfg.logging.out_dir)) if plots else {}
         if self.log is not None:
             for_trackers = tracker_summary(summarize(self.history, val_loss, self.n_params, "", {}))
-            files.update(close_log(self.log, "tensorboard" in self.cfg.logging.active_trackers, for_trackers))
+            files.update(close_log(self.log, "tensorboard" in self.cfg.logging.active_trackers, for_trackers, plots))
         return summarize(self.history, val_loss, self.n_params, self.sample(), files)
 
 
