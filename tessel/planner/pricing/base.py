@@ -61,6 +61,7 @@ class Pricing:
         # the per-op device model prices compute where nothing was measured and the cluster has one
         self.roofline = cluster.sms > 0 and not (self.cal.flops_points or self.cal.tp_points)
         self._block_memo: dict = {}
+        self._shape_memo: dict = {}
         self._groups_memo: dict = {}
 
     # -- dtypes --------------------------------------------------------------------------
@@ -176,6 +177,13 @@ class Pricing:
 
     def shape(self, layout: Layout, tokens: int, moe: bool) -> Shape:
         """The block one tp rank of a 1d layout computes for `tokens` tokens (tessel.planner.compute)."""
+        # every block of a chunk asks, for each of the search's layouts: memoised on what the shape reads
+        key = (layout.tp, layout.ep, layout.cp, layout.sequence_parallel, self.param_bytes(layout), tokens, moe)
+        if key not in self._shape_memo:
+            self._shape_memo[key] = self._shape(layout, tokens, moe)
+        return self._shape_memo[key]
+
+    def _shape(self, layout: Layout, tokens: int, moe: bool) -> Shape:
         spec, c = self.spec, self.spec.cfg
         bf16_storage = self.param_bytes(layout) == 2
         act = self.act_bytes
