@@ -50,7 +50,7 @@ BAD = [
     (["plan", "--top", "0"], "--top"),
     (["plan", "--cluster", "tpu"], "--cluster"),
     (["plan", "--model", "gpt-17"], "--model"),
-    (["plan", "--precision", "fp8"], "--precision"),
+    (["plan", "--precision", "fp4"], "--precision"),  # fp8 is a precision since issue 33
     (["plan", "--out", "{tmp}"], "--out"),  # a folder
     (["plan", "--out", UNWRITABLE + "/plan.toml"], "--out"),
     (["plan", "--out", "{tmp}/a_file/plan.toml"], "--out"),  # its parent is a file
