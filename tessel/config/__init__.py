@@ -3,7 +3,8 @@
 tessel.config.check). Torch-free: `import tessel.config` loads neither torch nor transformers."""
 
 from tessel.config.schema import (CheckpointConfig, Config, DataConfig, FaultConfig, LoggingConfig, ModelConfig,
-                                  ParallelConfig, RuntimeConfig, Strict, TrainConfig)
+                                  ParallelConfig, RuntimeConfig, Strict, TrainConfig, compute_bytes,
+                                  compute_dtype)
 from tessel.config.check import check_layout
 from tessel.config.flags import at_least, output_file
 from tessel.config.io import apply_overrides, build_config, load_config, parse_override, to_toml
@@ -14,5 +15,5 @@ from tessel.errors import ConfigError
 
 __all__ = ["BPE_VOCAB", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultConfig", "LoggingConfig",
            "ModelConfig", "ParallelConfig", "RuntimeConfig", "Strict", "TrainConfig", "apply_overrides", "at_least",
-           "build_config", "builtin_bpe_vocab", "check_layout", "check_tokenizer", "hf_pp_refusal", "hf_tp_refusal",
+           "build_config", "builtin_bpe_vocab", "check_layout", "check_tokenizer", "compute_bytes", "compute_dtype", "hf_pp_refusal", "hf_tp_refusal",
            "load_config", "output_file", "parse_override", "to_toml", "tp_grid_refusal"]

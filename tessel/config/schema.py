@@ -248,6 +248,17 @@ class ParallelConfig(Strict):
         return self.dp * self.ep
 
 
+def compute_dtype(precision: str) -> str:
+    """What train.precision computes in outside the blocks' float8 matmuls: "bf16" (autocast) for "bf16" and
+    "fp8", "fp32" otherwise. The one place that says fp8 is bf16 everywhere else."""
+    return "bf16" if precision in ("bf16", "fp8") else "fp32"
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of an activation element under train.precision (compute_dtype's)."""
+    return 2 if compute_dtype(precision) == "bf16" else 4
+
+
 class TrainConfig(Strict):
     """The optimisation: steps, batch, AdamW and its schedule, precision, evaluation, sampling, speed."""
 

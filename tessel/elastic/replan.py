@@ -45,7 +45,7 @@ from tessel.calibrate.cache import cache_path, cached_probe
 from tessel.calibrate.device import device_budget
 from tessel.calibrate.profile import calibration, profile_ranks, profiled_tp_degrees, summarize_profile
 from tessel.calibrate.topology_probe import measure
-from tessel.config import Config, ConfigError, check_layout
+from tessel.config import Config, ConfigError, check_layout, compute_dtype
 from tessel.observe.metrics import measure_matmul_flops
 from tessel.planner.cluster import Cluster, Link
 from tessel.planner.cost import CostModel, Estimate
@@ -123,7 +123,7 @@ def rank_speeds(cfg: Config, ranks: list[dict]) -> tuple[float, ...]:
     if declared is not None and len(declared) == len(ranks):
         speeds = list(declared) if cfg.runtime.emulate_flops else [v / min(declared) for v in declared]
     elif len({info["kind"] for info in ranks}) > 1:
-        key = "bf16" if cfg.train.precision in ("bf16", "fp8") else "fp32"
+        key = compute_dtype(cfg.train.precision)
         speeds = [info[key] / min(i[key] for i in ranks) for info in ranks]
     else:
         return ()

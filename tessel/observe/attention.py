@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tessel.config import Config
+from tessel.config import Config, compute_dtype
 from tessel.heartbeat import log
 
 NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn",
@@ -80,7 +80,7 @@ def check_attention(cfg: Config, device: torch.device, say: Callable[[str], None
     p, m = cfg.parallel, cfg.model
     if m.document_separator is not None or (m.sliding_window or cfg.train.seq_len) < cfg.train.seq_len:
         return "flex"  # a masked attention trains through FlexAttention's compiled kernel (tessel.models.documents)
-    dtype = torch.bfloat16 if cfg.train.precision in ("bf16", "fp8") else torch.float32
+    dtype = torch.bfloat16 if compute_dtype(cfg.train.precision) == "bf16" else torch.float32
     heads, seq_len, head_dim = attention_shape(cfg)
     key = (heads, seq_len, head_dim, dtype, str(device), p.cp > 1 and p.cp_mode == "ring")
     if p.cp > 1 and p.cp_mode == "ring":

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from tessel.config import compute_dtype
+
 # Dense peaks per device from vendor spec sheets (no sparsity), FLOP/s: bf16 (and fp16) on tensor cores; tf32,
 # the tensor cores' fp32 matmuls, which torch uses only when allowed (torch.set_float32_matmul_precision);
 # plain fp32 on the CUDA cores, torch's default for fp32 matmuls. The first name found in the device's wins.
@@ -85,7 +87,7 @@ def device_peak_flops(device: torch.device, precision: str) -> float:
     merely because the chosen dtype is the slow one.
     """
     if device.type == "cuda":
-        return measure_matmul_flops(device, torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32)
+        return measure_matmul_flops(device, torch.bfloat16 if compute_dtype(precision) == "bf16" else torch.float32)
     return max(measure_matmul_flops(device, torch.float32), measure_matmul_flops(device, torch.bfloat16))
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tessel.config import compute_dtype
 from tessel.parallel.data.data_parallel import GradientSyncWrapper
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,7 +83,7 @@ class Runner(Protocol):
 
 
 def autocast_for(device: torch.device, precision: str):
-    if precision in ("bf16", "fp8"):  # fp8: what is not a block's float8 matmul runs in bf16
+    if compute_dtype(precision) == "bf16":  # fp8: what is not a block's float8 matmul runs in bf16
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

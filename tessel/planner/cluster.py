@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 
-from tessel.config import ConfigError
+from tessel.config import ConfigError, compute_dtype
 from tessel.planner.gemm import GemmTable, load_table
 
 GB = 1e9
@@ -93,7 +93,7 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def flops(self, precision: str) -> float:
-        dtype = "bf16" if precision in ("bf16", "fp8") else "fp32"
+        dtype = compute_dtype(precision)
         return self.peak_flops[dtype] * self.efficiency
 
     def workspace(self) -> dict:

@@ -27,6 +27,7 @@ tessel.parallel.context.layout). Beyond that, per block:
 
 from __future__ import annotations
 
+from tessel.config import compute_bytes, compute_dtype
 from tessel.planner.traffic import Call
 
 
@@ -64,9 +65,9 @@ def mlp_half_bytes(tokens: int, d_model: int, ffn: int, tp: int, sp: bool, preci
     """What a dense block's MLP half saves for backward (tessel.planner.memory.layer_activation_bytes' terms
     of the second norm and the SwiGLU): the norm's input, normalised input and rms, the matmuls' input (a
     bf16 copy for each of gate and up under autocast), gate, silu(gate), up and their product."""
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     norm = (2 * d_model * 4 + 4) / (tp if sp else 1)
-    matmul_input = 2 * d_model * 2 if precision in ("bf16", "fp8") else d_model * 4
+    matmul_input = 2 * d_model * 2 if compute_dtype(precision) == "bf16" else d_model * 4
     return tokens * (norm + matmul_input + 4 * ffn * a / tp)
 
 

@@ -24,6 +24,7 @@ import collections
 import math
 from dataclasses import dataclass, field, replace
 
+from tessel.config import compute_dtype
 from tessel.planner import grid_cost
 from tessel.planner.calibration import Calibration
 from tessel.planner.cluster import Cluster, Link, link_for
@@ -294,7 +295,7 @@ class CostModel(Pricing):
         model_flops = self.model_flops_tok * global_tokens / t_step / layout.world
         recomputed = self.model_flops_tok + self.recompute.flops_per_token(layout)
         hw_flops = recomputed * global_tokens / t_step / layout.world
-        peak = self.cluster.peak_flops["bf16" if self.precision in ("bf16", "fp8") else "fp32"]
+        peak = self.cluster.peak_flops[compute_dtype(self.precision)]
         fits = memory["total"] <= self.cluster.memory * self.cluster.usable_memory
         geo = self.groups(layout)
         sizes = layout.axis_sizes

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from tessel.config import compute_bytes, compute_dtype
 from tessel.planner.cluster import Cluster, Geometry, group_geometry
 from tessel.planner.compute import (Gemm, Shape, backward, block_forward, block_weights, embedding_ops,
                                     grad_accumulation, head_ops, op_seconds)
@@ -281,13 +282,13 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, g: Grid, precision: str
     chunk (every hidden chunk of the row needs it). tests/parallel/tensor_nd measures it, to the byte.
     """
     c = spec.cfg
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     qw = c.n_head * spec.head_dim
     stream = 4 * c.d_model * 4
     split = (5 * qw + 4 * c.ffn_dim) * a + c.n_head * 4
     norms = tokens * 2 * 4 / g.batch_chunks + 2 * c.d_model / g.side * 4  # the rms per row, the gathered weights
     if g.mode != "3d":
-        casts = 5 * c.d_model * 2 if precision in ("bf16", "fp8") else 2 * c.d_model * 4
+        casts = 5 * c.d_model * 2 if compute_dtype(precision) == "bf16" else 2 * c.d_model * 4
         return tokens * (stream + casts + split) / g.size + norms
     side = g.side
     inputs = 5 * c.d_model * a * side + (qw + c.ffn_dim) * a * (side - 1)  # gathered; wo's and down's replace theirs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from tessel.config import compute_bytes, compute_dtype
 from tessel.parallel.fused_loss.chunks import chunk_tokens
 from tessel.planner.model_spec import ModelSpec
 
@@ -33,10 +34,10 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, tp: int, sp: bool, prec
     experts (DeepSeek's, Qwen2-MoE's) keep a SwiGLU's 4 terms of their width, split by tp.
     """
     c = spec.cfg
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     q = c.n_head * spec.head_dim
     stream = 4 * c.d_model * 4 + 2 * 4
-    casts = (3 + (1 if moe else 2)) * c.d_model * 2 if precision in ("bf16", "fp8") else 2 * c.d_model * 4
+    casts = (3 + (1 if moe else 2)) * c.d_model * 2 if compute_dtype(precision) == "bf16" else 2 * c.d_model * 4
     split = (5 * q + (4 * spec.shared_ffn if moe else 4 * c.ffn_dim)) * a + c.n_head * 4
     per_token = stream / (tp if sp else 1) + casts + split / tp
     if moe:
@@ -52,7 +53,7 @@ def attention_core_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, 
     probabilities of every head (the 2 a s^2 b / t term of the paper's 5 a s^2 b / t, which without
     dropout is all of it that is saved)."""
     c = spec.cfg
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     q, kv = c.n_head * spec.head_dim, c.kv_heads * spec.head_dim
     per_token = (3 * q - 2 * kv) * a + c.n_head * 4
     if not fused:
@@ -62,7 +63,7 @@ def attention_core_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str, 
 
 def unfused_attention_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str) -> float:
     """The T x T softmax probabilities an unfused attention keeps per block (a bytes per head and key)."""
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     return tokens * a * spec.cfg.n_head * spec.seq_len / tp
 
 
@@ -80,7 +81,7 @@ def head_activation_bytes(spec: ModelSpec, tokens: int, tp: int, precision: str,
     gradient of the hidden states (tokens x d) and the head's fp32 weight gradient (Liger Kernel's
     fused linear cross-entropy, Hsu et al. 2024; tessel.planner.compute says what it runs).
     """
-    a = 2 if precision in ("bf16", "fp8") else 4
+    a = compute_bytes(precision)
     c = spec.cfg
     norm = tokens * 2 * c.d_model * 4
     if not fused_loss:

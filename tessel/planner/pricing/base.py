@@ -21,6 +21,7 @@ import math
 from dataclasses import replace
 
 from tessel.axes import AXES
+from tessel.config import compute_bytes, compute_dtype
 from tessel.planner import grid_cost
 from tessel.planner.calibration import Calibration
 from tessel.planner.cluster import Cluster, Geometry, group_geometry
@@ -55,7 +56,7 @@ class Pricing:
         # buffer padded to the capacity; the profile converts its times with the same count
         self.layer_flops = [spec.layer_fwd_flops_per_token(i) for i in range(n_layer)]
         self.layer_params = [spec.layer_params(i) for i in range(n_layer)]
-        self.act_bytes = 2 if precision in ("bf16", "fp8") else 4
+        self.act_bytes = compute_bytes(precision)
         self.moe_flags = [spec.is_moe(i) for i in range(n_layer)]
         self.model_flops_tok = spec.model_flops_per_token()
         # the per-op device model prices compute where nothing was measured and the cluster has one
@@ -78,7 +79,7 @@ class Pricing:
         return 2 if bf16 and layout.zero_stage >= 1 and layout.pp == 1 else 4
 
     def dtype(self) -> str:
-        return "bf16" if self.precision in ("bf16", "fp8") else "fp32"
+        return compute_dtype(self.precision)
 
     # -- communication -------------------------------------------------------------------
     def groups(self, layout: Layout) -> dict[str, Geometry]:

@@ -6,6 +6,7 @@ computed meanwhile. Per block kept: the ring's saving (k and v at kv width) and 
 
 from __future__ import annotations
 
+from tessel.config import compute_bytes
 from tessel.planner.cluster import Geometry
 from tessel.planner.context import cp_block_calls, mlp_half_bytes, ring_backward_bytes, ring_exposed, ring_kv_saving
 from tessel.planner.layout import Layout
@@ -60,7 +61,7 @@ class ContextPricer:
         if layout.cp == 1 or layout.cp_mode != "ring":
             return 0.0
         q, kv = self._widths(layout)
-        return ring_kv_saving(tokens, q, kv, 2 if self.pricing.precision in ("bf16", "fp8") else 4)
+        return ring_kv_saving(tokens, q, kv, compute_bytes(self.pricing.precision))
 
     def ring_buffers(self, layout: Layout, tokens: int) -> float:
         """What the ring's backward adds to a block's: its buffers, less the MLP half's saved bytes already freed."""
@@ -69,7 +70,7 @@ class ContextPricer:
         q, kv = self._widths(layout)
         p, c = self.pricing, self.pricing.spec.cfg
         freed = mlp_half_bytes(tokens, c.d_model, c.ffn_dim, layout.tp, layout.sequence_parallel, p.precision)
-        return max(0.0, ring_backward_bytes(tokens, q, kv, 2 if p.precision in ("bf16", "fp8") else 4) - freed)
+        return max(0.0, ring_backward_bytes(tokens, q, kv, compute_bytes(p.precision)) - freed)
 
     def memory(self, layout: Layout, stage: Stage) -> dict[str, float]:
         return {}
