@@ -251,7 +251,7 @@ def bias_routers(model: nn.Module) -> list[Router]:
 def update_biases(routers: list[Router], total=lambda load: load) -> None:
     """After an optimizer step: each router's bias from its step's load, every router's load passed (as
     one tensor) through `total`, which sums it over the ranks that split the batch
-    (tessel.parallel.expert.balance.global_bias_update); one process: as it is. A router that saw no
+    (tessel.parallel.expert.balance.BiasUpdate); one process: as it is. A router that saw no
     training forward (a pipeline stage's unused chunk) counts zero load."""
     if not routers:
         return
