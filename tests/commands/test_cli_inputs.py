@@ -166,6 +166,12 @@ BAD = [
     (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_top_k=5"], "model.moe_top_k"),
     (["train", "{tmp}/tiny.toml", "--set", "model.n_experts=4", "--set", "model.moe_route_groups=3"],
      "model.moe_route_groups"),
+    # fp8 (issue 33), overlapped tp and the plots switch: a wrong value, and what is not built
+    (["train", "{tmp}/tiny.toml", "--set", 'train.fp8_recipe="blockwise"'], "train.fp8_recipe"),
+    (["train", "{tmp}/tiny.toml", "--set", 'train.precision="fp8"', "--set", "parallel.tp=4", "--set",
+      "parallel.dp=1", "--set", 'parallel.tp_mode="2d"'], "train.precision"),
+    (["train", "{tmp}/tiny.toml", "--set", "parallel.tp_overlap=true"], "parallel.tp_overlap"),
+    (["train", "{tmp}/tiny.toml", "--set", 'logging.plots="some"'], "logging.plots"),
     (["train", "{tmp}/tiny.toml", "--set", "train.global_batch=1000000000"], "memory"),
     # train: folders
     (["train", "{tmp}/tiny.toml", "--set", 'logging.out_dir="{tmp}/a_file"'], "logging.out_dir"),
